@@ -1,0 +1,24 @@
+"""Errors a user can cause. Each message says what was wrong and what is allowed."""
+
+
+class MtplxError(Exception):
+    """Base class for user-facing errors (bad input, bad files, unsupported models)."""
+
+
+class InvalidParameter(MtplxError, ValueError):
+    """A request or call parameter is out of range.
+
+    ``param`` names the parameter so servers can report it in the OpenAI error shape.
+    """
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class ModelLoadError(MtplxError):
+    """A model path, file or checkpoint could not be loaded."""
+
+
+class UnsupportedModel(ModelLoadError):
+    """The checkpoint's architecture is not one mtplx can run."""
