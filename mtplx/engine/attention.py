@@ -1,0 +1,70 @@
+"""Paged attention: one interface, a pure-PyTorch reference path.
+
+Every forward (prefill, AR decode, MTP draft, verify) describes its queries with an
+``AttentionMetadata``: static-shaped tensors on the device, so a step never needs the host.
+A CUDA kernel can replace ``paged_attention`` behind the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the queries of one forward sit in the paged cache.
+
+    positions:    [rows, q] long, each query token's index in its sequence (also its RoPE position).
+    slot_mapping: [rows, q] long, flat cache slot each new key/value is written to
+                  (padding tokens point at the cache's scratch slot).
+    block_tables: [rows, blocks] long, the blocks each row reads, in order (padding: scratch block).
+    key_start:    first sequence index a query may attend to (1 for MTP head layers, whose
+                  slot 0 holds no entry; 0 for the trunk).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    key_start: int = 0
+
+    def for_head(self) -> "AttentionMetadata":
+        return AttentionMetadata(self.positions, self.slot_mapping, self.block_tables, key_start=1)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the pool.
+
+    k_pool, v_pool: [blocks, block_size, kv_heads, head_dim]; k, v: [rows, q, kv_heads, head_dim].
+    """
+    kv_heads, head_dim = k_pool.shape[-2:]
+    slots = slot_mapping.reshape(-1)
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.reshape(-1, kv_heads, head_dim))
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(-1, kv_heads, head_dim))
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of new queries over everything cached for their row (reference path).
+
+    q: [rows, q_len, heads, head_dim]; pools: [blocks, block_size, kv_heads, head_dim].
+    A query at sequence index p attends keys at indices key_start..p. Returns [rows, q_len, heads, head_dim].
+    """
+    rows, q_len, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_pool.shape
+    keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
+    values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
+    key_idx = torch.arange(keys.shape[1], device=q.device)
+    allowed = (key_idx.view(1, 1, -1) <= meta.positions.unsqueeze(-1)) & (key_idx >= meta.key_start)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=allowed.unsqueeze(1),
+        scale=scale,
+        enable_gqa=kv_heads != heads,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,191 @@
+"""The decode step every scheduler mode calls: prefill, AR step, MTP cycle.
+
+MTP cycle, per row (REFERENCE.md section 3):
+  1. draft: the head catches up on committed tokens (its first output is draft 1), then
+     drafts recursively from its own hidden state and its own drafted token;
+  2. verify: [primary] + drafts in ONE trunk forward;
+  3. accept: greedy argmax match, or exact rejection sampling (speculative.py);
+  4. commit: append accepted drafts + the correction/bonus token; the KV length is simply the
+     number of tokens whose KV is valid, so a partial acceptance costs no copy.
+Functions take lists of sequences (rows) so batching modes reuse them unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mtplx.engine.runner import ModelRunner
+from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
+from mtplx.engine.sequence import Sequence
+from mtplx.engine.speculative import verify_greedy, verify_sampled
+from mtplx.engine.stats import DecodeStats
+
+
+class Generator:
+    def __init__(self, runner: ModelRunner, eos_token_ids: set[int]):
+        self.runner = runner
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = runner.model.config.vocab_size
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        """Take blocks for the prompt, reusing cached prefix blocks."""
+        seq.stats = DecodeStats(depth=seq.depth, prompt_tokens=len(seq.prompt_ids))
+        seq.t_start = time.perf_counter()
+        cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        seq.trunk_len = seq.cached_prompt_tokens = seq.stats.cached_prompt_tokens = cached
+        seq.head_len = max(cached, 1)
+        if cached and self.runner.head is not None:
+            # the head's first pair needs the trunk hidden at the last cached position
+            table = self.runner.blocks.block_table(seq.seq_id)
+            seq.hidden_backlog = self.runner.cache.last_hidden[table[cached // self.runner.block_size - 1]][None]
+        if seq.params.presence_penalty or seq.params.frequency_penalty:
+            seq.counts = torch.zeros(self.vocab_size, dtype=torch.long, device=self.runner.device)
+
+    def release(self, seq: Sequence) -> None:
+        """Return the sequence's blocks (committed full blocks stay in the prefix cache)."""
+        self.runner.blocks.free(seq.seq_id)
+
+    def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
+        """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
+        Returns True when the prompt is done."""
+        prompt = seq.prompt_ids
+        end = len(prompt) if chunk is None else min(len(prompt), seq.trunk_len + chunk)
+        hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
+        seq.trunk_len = end
+        if self.runner.head is not None and seq.mode == "mtp":
+            seq.hidden_backlog = _cat(seq.hidden_backlog, hidden)
+        if end < len(prompt):
+            return False
+        logits = self.runner.logits(hidden[-1:])
+        token = self._sample_one(seq, logits)
+        seq.stats.ttft_s = time.perf_counter() - seq.t_start
+        seq.t_first = time.perf_counter()
+        self._commit(seq, [token])
+        return True
+
+    # -- AR ----------------------------------------------------------------------------
+    def ar_step(self, seqs: list[Sequence]) -> None:
+        """One autoregressive token for each row."""
+        hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
+        logits = self.runner.logits(hidden[:, 0])
+        for r, seq in enumerate(seqs):
+            seq.trunk_len += 1
+            self._commit(seq, [self._sample_one(seq, logits[r:r + 1])])
+
+    # -- MTP ---------------------------------------------------------------------------
+    def mtp_cycle(self, seqs: list[Sequence]) -> None:
+        """Draft, verify, accept and commit one cycle for each row."""
+        t0 = time.perf_counter()
+        drafts, draft_probs = self._draft(seqs)
+        t1 = time.perf_counter()
+        rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
+        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs])
+        logits = self.runner.logits(hidden)
+        t2 = time.perf_counter()
+        outcomes = [self._accept(s, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r])
+                    for r, s in enumerate(seqs)]
+        t3 = time.perf_counter()
+        for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
+            seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
+            seq.hidden_backlog = hidden[r, : accepted + 1]
+            seq.trunk_len += accepted + 1
+            self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
+            self._commit(seq, drafts[r][:accepted] + [token])
+        t4 = time.perf_counter()
+        for seq in seqs:
+            st = seq.stats
+            st.draft_s += t1 - t0
+            st.verify_s += t2 - t1
+            st.accept_s += t3 - t2
+            st.commit_s += t4 - t3
+
+    def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+        """Catch the head up on committed tokens, then draft ``depth`` tokens per row."""
+        catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
+        width = max(len(t) for t in catch_up)
+        hidden = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
+        out = self.runner.head_forward(seqs, hidden, catch_up, [s.head_len for s in seqs])
+        h = out[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in catch_up])]
+        for s in seqs:
+            s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        depth = max(s.depth for s in seqs)
+        for j in range(depth):
+            logits = self.runner.logits(h)
+            for r, seq in enumerate(seqs):
+                token, q = self._draft_token(seq, logits[r:r + 1], drafts[r])
+                drafts[r].append(token)
+                probs[r].append(q)
+            if j + 1 < depth:
+                out = self.runner.head_forward(seqs, h[:, None], [[d[-1]] for d in drafts],
+                                               [s.trunk_len + 1 + j for s in seqs])
+                h = out[:, 0]
+        return [d[: s.depth] for d, s in zip(drafts, seqs)], [p[: s.depth] for p, s in zip(probs, seqs)]
+
+    def _draft_token(self, seq: Sequence, logits: torch.Tensor, previous: list[int]):
+        """A draft from head logits [1, V]: argmax (one-hot q) or a sample from the head's
+        distribution under the request's sampler (mirror)."""
+        logits = self._penalised(seq, logits, previous)
+        if seq.params.greedy or seq.draft_policy == "greedy":
+            return int(logits.argmax(-1)), None  # host sync: the draft token feeds the next step
+        q = logits_to_probs(logits, seq.params)
+        return int(sample(q, seq.generator)), q[0]
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], q: list):
+        """logits: [k+1, V] target logits at the draft positions and the bonus position."""
+        draft_t = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if seq.params.greedy:
+            if seq.counts is not None:
+                logits = torch.cat([self._penalised(seq, logits[i:i + 1], drafts[:i]) for i in range(len(drafts) + 1)])
+            return verify_greedy(logits, draft_t)
+        p = torch.cat([logits_to_probs(self._penalised(seq, logits[i:i + 1], drafts[:i]), seq.params)
+                       for i in range(len(drafts) + 1)])
+        draft_q = None if q[0] is None else torch.stack(q)
+        return verify_sampled(p, draft_q, draft_t, seq.generator)
+
+    # -- sampling helpers ----------------------------------------------------------------
+    def _penalised(self, seq: Sequence, logits: torch.Tensor, previous: list[int]) -> torch.Tensor:
+        """Apply presence/frequency penalties counting generated tokens plus ``previous`` drafts."""
+        if seq.counts is None:
+            return logits
+        counts = seq.counts.clone()
+        if previous:
+            counts.index_add_(0, torch.tensor(previous, device=counts.device), torch.ones(len(previous), dtype=counts.dtype, device=counts.device))
+        return apply_penalties(logits, counts[None], seq.params.presence_penalty, seq.params.frequency_penalty)
+
+    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        logits = self._penalised(seq, logits, [])
+        if seq.params.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(logits_to_probs(logits, seq.params), seq.generator))
+
+    # -- commit --------------------------------------------------------------------------
+    def _commit(self, seq: Sequence, new_tokens: list[int]) -> None:
+        """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
+        for token in new_tokens:
+            if token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                break
+            seq.tokens.append(token)
+            if seq.counts is not None:
+                seq.counts[token] += 1
+            if seq.num_generated >= seq.max_tokens:
+                seq.finish_reason = "length"
+                break
+        seq.stats.generated_tokens = seq.num_generated
+        seq.stats.decode_s = time.perf_counter() - seq.t_first
+        valid = min(seq.trunk_len, seq.head_len) if seq.mode == "mtp" else seq.trunk_len
+        self.runner.blocks.commit(seq.seq_id, seq.tokens[:valid])
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b])
+
+
+def _pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, H] -> [width, H], repeating the last row."""
+    return x if x.shape[0] == width else torch.cat([x, x[-1:].expand(width - x.shape[0], -1)])

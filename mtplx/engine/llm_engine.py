@@ -1,0 +1,209 @@
+"""The public engine: ``mtplx.load(...)`` returns an ``Engine`` with ``generate`` and ``stream``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from mtplx.engine.generator import Generator
+from mtplx.engine.runner import ModelRunner
+from mtplx.engine.sampling import SamplingParams, make_generator
+from mtplx.engine.sequence import Sequence
+from mtplx.errors import InvalidParameter, MtplxError
+from mtplx.loading.checkpoint import LoadedModel
+
+MAX_DEPTH = 8
+DEFAULT_DEPTH = 2
+DRAFT_POLICIES = ("greedy", "mirror")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """A validated generation request (what the scheduler modes queue and run)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    mode: str
+    depth: int
+    draft_policy: str
+    stop: tuple[str, ...] = ()
+
+
+class Engine:
+    """One model, one KV cache, one decode step. Not thread-safe: one owner thread drives it."""
+
+    def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
+                 block_size: int = 16):
+        self.loaded = loaded
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.model.lm_head.weight.device
+        self.dtype = loaded.model.lm_head.weight.dtype
+        num_blocks = max(2, -(-kv_cache_tokens // block_size))
+        self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set(self.config.eos_token_ids)
+        self.generator = Generator(self.runner, eos)
+        self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
+        self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.loaded.head is not None
+
+    # -- request building ------------------------------------------------------------------
+    def encode_prompt(self, prompt, *, chat: bool = False) -> list[int]:
+        """A string, a list of token ids, or (chat=True) a list of {"role", "content"} messages."""
+        if isinstance(prompt, (list, tuple)) and (not prompt or all(isinstance(t, int) for t in prompt)) and not chat:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidParameter("prompt", f"token id {bad[0]} outside [0, {self.config.vocab_size})")
+        else:
+            if self.tokenizer is None:
+                raise InvalidParameter(
+                    "prompt", "this model has no tokenizer files, so only token-id prompts (a list of ints) work")
+            if chat:
+                if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
+                    raise InvalidParameter("prompt", "with chat=True the prompt is a list of {'role', 'content'} messages")
+                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            elif isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                raise InvalidParameter("prompt", "expected a string, a list of token ids, or chat messages with chat=True")
+        if not ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise InvalidParameter(
+                "prompt", f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
+        return ids
+
+    def make_request(self, prompt, *, mode: str | None = None, depth: int | None = None, max_tokens: int = 256,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
+                     stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy") -> Request:
+        """Validate every parameter and tokenise the prompt (errors name the parameter)."""
+        mode = mode or ("mtp" if self.has_mtp else "ar")
+        if mode not in ("ar", "mtp"):
+            raise InvalidParameter("mode", f"{mode!r} is not one of 'ar', 'mtp'")
+        if mode == "mtp" and not self.has_mtp:
+            raise InvalidParameter(
+                "mode", "this model has no MTP head, so only mode='ar' works (forge one with `mtplx forge build`)")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidParameter("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+        if draft_policy not in DRAFT_POLICIES:
+            raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
+        depth = self._check_depth(depth) if depth is not None else self.default_depth
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+        params.validate(self.config.vocab_size)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
+        return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
+                       depth if mode == "mtp" else 0, draft_policy, stops)
+
+    def _check_depth(self, depth) -> int:
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
+            raise InvalidParameter("depth", f"must be an integer from 1 to {MAX_DEPTH}, got {depth!r}")
+        return depth
+
+    def new_sequence(self, req: Request) -> Sequence:
+        return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
+                        generator=make_generator(req.params.seed, self.device), mode=req.mode,
+                        depth=req.depth, draft_policy=req.draft_policy)
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:
+        """Decode one request alone (serial path); yields (sequence, new text) after each step.
+        The final text honours stop strings; blocks are returned when the generator closes."""
+        seq = self.new_sequence(req)
+        text = TextTracker(self.tokenizer, req.stop, len(req.prompt_ids))
+        with torch.inference_mode():
+            self.generator.admit(seq)
+            try:
+                self.generator.prefill(seq)
+                yield seq, text.update(seq)
+                while not seq.finished:
+                    self.step([seq])
+                    yield seq, text.update(seq)
+                yield seq, text.flush(seq)
+            finally:
+                self.generator.release(seq)
+
+    def step(self, seqs: list[Sequence]) -> None:
+        """One decode step for rows of the same mode; ends rows that hit the context limit."""
+        for seq in seqs:
+            if len(seq.tokens) + seq.depth + 1 > self.max_context:
+                seq.finish_reason = "length"
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return
+        if live[0].mode == "mtp":
+            self.generator.mtp_cycle(live)
+        else:
+            self.generator.ar_step(live)
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        """Generate a completion. See ``make_request`` for the parameters."""
+        req = self.make_request(prompt, **kwargs)
+        pieces = []
+        for seq, piece in self.run(req):
+            pieces.append(piece)
+        return self.result(seq, "".join(pieces))
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Yield text pieces as tokens commit (several tokens per piece under MTP)."""
+        req = self.make_request(prompt, **kwargs)
+        for _, piece in self.run(req):
+            if piece:
+                yield piece
+
+    def result(self, seq: Sequence, text: str) -> GenerationResult:
+        stats = seq.stats.as_dict()
+        stats["mode"] = seq.mode
+        return GenerationResult(seq.generated, text, seq.finish_reason or "length", stats, len(seq.prompt_ids))
+
+
+class TextTracker:
+    """Turns a sequence's generated ids into new text pieces, honouring stop strings: text
+    that might be the start of a stop string is held back until it is decided."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
+        self.emitted = 0  # characters already yielded
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def update(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.generated)
+        if self.stop:
+            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.finish_reason = "stop"
+                return self._emit(text[:cut], final=True)
+        return self._emit(text, final=seq.finished)
+
+    def flush(self, seq: Sequence) -> str:
+        return ""
+
+    def _emit(self, text: str, final: bool) -> str:
+        end = len(text) if final else max(self.emitted, len(text) - self.hold)
+        if not final:
+            while end > self.emitted and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character
+                end -= 1
+        piece, self.emitted = text[self.emitted:end], max(self.emitted, end)
+        return piece

@@ -1,0 +1,197 @@
+"""Sampling parameters, logits processing and seeded sampling.
+
+Processing order (``apply_penalties`` first, done by the caller with the row's token counts,
+then ``logits_to_probs``):
+
+1. presence / frequency penalties (OpenAI convention) on raw logits;
+2. temperature scaling (temperature 0 means greedy: a one-hot of the argmax, nothing else);
+3. top-k: keep tokens whose logit is >= the k-th largest (ties at the k-th value are kept);
+4. top-p: keep the smallest high-probability set whose mass reaches top_p (computed on the
+   top-k renormalised distribution; ties at the boundary are kept; the top token always is);
+5. min-p: drop tokens whose probability is below min_p * the highest probability;
+6. renormalise.
+
+Every step keeps the most probable token, so no filter can leave a row empty. Everything is
+vectorised over rows and stays on the tensors' device: no host syncs.
+
+Speculative decoding is exact only if the target and the draft distributions go through the
+same processing, so the engine calls ``logits_to_probs`` with the same params for both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mtplx.errors import InvalidParameter
+
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's allowed range for presence/frequency penalties
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampler settings. ``temperature == 0`` means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise ``InvalidParameter`` naming the first bad field; return self when all are fine."""
+        _check_number("temperature", self.temperature)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidParameter("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not (0 < self.top_p <= 1):
+            raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_top_k(self.top_k, vocab_size)
+        _check_number("min_p", self.min_p)
+        if not (0 <= self.min_p <= 1):
+            raise InvalidParameter("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not (PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]):
+                raise InvalidParameter(name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidParameter("seed", f"must be an integer or null, got {self.seed!r}")
+        return self
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameter(name, f"must be a number, got {value!r}")
+
+
+def _check_top_k(top_k: object, vocab_size: int | None) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise InvalidParameter("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
+    if vocab_size is not None and top_k > vocab_size:
+        raise InvalidParameter("top_k", f"must be at most the vocabulary size {vocab_size}, got {top_k}")
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    presence_penalty: float | torch.Tensor = 0.0,
+    frequency_penalty: float | torch.Tensor = 0.0,
+) -> torch.Tensor:
+    """Presence and frequency penalties, OpenAI convention.
+
+    logits: [rows, V] float; counts: [rows, V] int, how often each token occurred in the row's
+    context (prompt and output so far, as the caller defines it). Penalties are floats or
+    per-row tensors [rows]. Returns ``logits - presence * (counts > 0) - frequency * counts``.
+
+    With both penalties the float 0 the input tensor itself is returned (no arithmetic). Rows
+    whose tensor penalties are 0 come out bit-identical too, since x - 0 == x exactly.
+    """
+    out = logits
+    if _maybe_nonzero(presence_penalty):
+        out = out - _per_row(presence_penalty, out) * (counts > 0).to(out.dtype)
+    if _maybe_nonzero(frequency_penalty):
+        out = out - _per_row(frequency_penalty, out) * counts.to(out.dtype)
+    return out
+
+
+def _maybe_nonzero(penalty: float | torch.Tensor) -> bool:
+    # A tensor's values would need a host sync to inspect, so tensors always take the arithmetic path.
+    return isinstance(penalty, torch.Tensor) or penalty != 0
+
+
+def _per_row(penalty: float | torch.Tensor, logits: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(penalty, torch.Tensor):
+        return penalty.to(device=logits.device, dtype=logits.dtype).unsqueeze(-1)
+    return penalty
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed next-token distribution: logits [rows, V] -> probs [rows, V] float32.
+
+    Applies temperature, top-k, top-p, min-p in that order and renormalises (see the module
+    docstring). Greedy params give a one-hot of the argmax, ties toward the lowest index.
+    Penalties are not applied here: call ``apply_penalties`` on the logits first.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return one_hot_argmax(logits)
+    # Subtracting the row max first keeps tiny temperatures from overflowing to inf.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        scaled = _keep_top_k(scaled, params.top_k)
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1:
+        probs = _keep_top_p(probs, params.top_p)
+    if params.min_p > 0:
+        probs = _keep_min_p(probs, params.min_p)
+    return probs
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, V] -> float32 one-hot [rows, V] of the argmax (first maximum, as torch.argmax)."""
+    winners = logits.argmax(dim=-1, keepdim=True)
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, winners, 1.0)
+
+
+def _keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most probable tokens whose mass is >= top_p, then renormalise."""
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumulative sum
+    # A token is needed while the mass strictly before it is still short of top_p; the first
+    # token has 0 before it, so at least one is always kept.
+    n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    threshold = sorted_probs.gather(-1, n_keep - 1)
+    return _renormalise(probs.masked_fill(probs < threshold, 0.0))
+
+
+def _keep_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    # min_p <= 1 keeps the most probable token.
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return _renormalise(probs.masked_fill(probs < threshold, 0.0))
+
+
+def _renormalise(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device``: seeded with ``seed`` when given, else from a fresh OS seed."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()  # non-deterministic: runs without a seed differ
+    else:
+        generator.manual_seed(seed % 2**64)  # any Python int maps into torch's seed range
+    return generator
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row: probs [rows, V] (non-negative, need not sum to 1) -> [rows] long.
+
+    Exponential race: with E_v ~ Exp(1) i.i.d., argmax_v p_v / E_v is v with probability
+    p_v / sum(p) exactly (E_v / p_v ~ Exp(p_v), and the smallest of independent exponentials
+    is the one with rate p_v with probability proportional to p_v). Tokens with p_v = 0 never
+    win. It needs no host sync, unlike a CPU-side draw. E is drawn with ``generator`` on the
+    probs' device. E = 0 would hand the win to any token with p_v > 0; torch's exponential_
+    excludes 0 on CUDA and derives it from a finer-than-float32 uniform on CPU (1e8 draws gave
+    no zero and values below 2**-24), so that event is negligible.
+    """
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.argmax(probs / race, dim=-1)

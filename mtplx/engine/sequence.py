@@ -1,0 +1,60 @@
+"""One request's decoding state."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from mtplx.engine.sampling import SamplingParams
+from mtplx.engine.stats import DecodeStats
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """Committed tokens and how far the trunk and the MTP head have cached them.
+
+    tokens[:trunk_len] have trunk KV; tokens[trunk_len] (the last committed token, the
+    "primary") is fed at the next forward. head_len: head entries are valid for slots
+    < head_len. hidden_backlog: [n, H] trunk hidden states at positions head_len-1 ..
+    trunk_len-1, not yet consumed by the head.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator
+    mode: str = "ar"  # "ar" or "mtp"
+    depth: int = 0
+    draft_policy: str = "greedy"
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(default_factory=list)
+    trunk_len: int = 0
+    head_len: int = 0
+    cached_prompt_tokens: int = 0
+    hidden_backlog: torch.Tensor | None = None
+    counts: torch.Tensor | None = None  # [V] int, generated-token counts (penalties only)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

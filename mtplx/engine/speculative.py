@@ -1,0 +1,144 @@
+"""Exact acceptance of drafted tokens: the one rejection sampler every scheduler mode calls.
+
+One verify step checks k drafted tokens against the target model and emits
+``accepted`` drafts plus one more token (a correction on the first miss, or the bonus token
+when all k are accepted), so 1..k+1 tokens per step.
+
+Inputs, for one sequence:
+- ``target_probs`` / ``target_logits``: [k+1, V]. Row i is the target's next-token
+  distribution at the position of draft i, i.e. conditioned on prefix + drafts[:i]; row k is
+  the bonus position, conditioned on prefix + all k drafts. Target and draft distributions
+  must come out of the same processing (``sampling.logits_to_probs`` with the same params);
+  with presence/frequency penalties the caller computes each row's penalties from token counts
+  that include the drafts before it.
+- ``draft_probs``: [k, V], row i the draft distribution q_i the draft token i was drawn from;
+  ``None`` when drafts were chosen deterministically (greedy drafts: q_i is one-hot).
+- ``draft_tokens``: [k] long.
+
+Sampled targets (Leviathan et al. 2023, Chen et al. 2023): accept draft x_i with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from the residual
+max(0, p_i - q_i) renormalised; if all k are accepted sample the bonus token from p_k. Every
+emitted token is then distributed exactly as the target would have sampled it one at a time.
+Greedy targets use ``verify_greedy``: accept while draft == argmax, the correction is the argmax.
+
+Both functions keep the work on the device and sync with the host once, at the end, to hand
+the engine two integers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mtplx.engine.sampling import sample
+
+
+class VerifyOutcome(NamedTuple):
+    """How many drafts were accepted (0..k) and the token emitted after them."""
+
+    accepted: int
+    next_token: int
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyOutcome:
+    """Greedy verification. target_logits: [k+1, V] (logits or probs); draft_tokens: [k] long.
+
+    Accepts drafts left to right while each equals the target's argmax (ties toward the lowest
+    index, as torch.argmax); the next token is the argmax at the first miss, or at row k (the
+    bonus) when all k match. The emitted tokens equal greedy autoregressive decoding's.
+    """
+    _check_shapes(target_logits, None, draft_tokens)
+    k = draft_tokens.shape[0]
+    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    accepted = _count_leading_true(target_tokens[:k] == draft_tokens)
+    next_token = target_tokens.gather(0, accepted.view(1))  # gather, not [], to avoid a sync
+    return _to_host(accepted, next_token)
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator,
+) -> VerifyOutcome:
+    """Exact rejection sampling of k drafts; see the module docstring for the shapes.
+
+    Draws k uniforms and one exponential race over V with ``generator`` (on the probs' device),
+    always the same amount, so a seeded run is reproducible.
+    """
+    _check_shapes(target_probs, draft_probs, draft_tokens)
+    k = draft_tokens.shape[0]
+    accept_probs = acceptance_probs(target_probs, draft_probs, draft_tokens)  # [k]
+    uniforms = torch.rand(k, generator=generator, device=accept_probs.device, dtype=accept_probs.dtype)
+    accepted = _count_leading_true(uniforms < accept_probs)  # u < a happens with probability a
+    next_probs = next_token_distribution(target_probs, draft_probs, draft_tokens, accepted)
+    next_token = sample(next_probs, generator)
+    return _to_host(accepted, next_token)
+
+
+def acceptance_probs(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor
+) -> torch.Tensor:
+    """min(1, p_i(x_i) / q_i(x_i)) for each draft i -> [k]; q_i(x_i) = 1 for one-hot drafts.
+
+    target_probs: [k+1, V] (only the first k rows are read). A draft with q_i(x_i) = 0 cannot
+    have been drawn from q_i; should one arrive anyway it is accepted iff p_i(x_i) > 0, which
+    keeps the ratio finite instead of dividing by zero.
+    """
+    k = draft_tokens.shape[0]
+    index = draft_tokens.long().view(k, 1)
+    p_x = target_probs[:k].gather(1, index).squeeze(1)
+    if draft_probs is None:
+        return p_x.clamp(max=1.0)
+    q_x = draft_probs.gather(1, index).squeeze(1)
+    tiny = torch.finfo(q_x.dtype).tiny
+    return (p_x / q_x.clamp(min=tiny)).clamp(max=1.0)
+
+
+def next_token_distribution(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    accepted: int | torch.Tensor,
+) -> torch.Tensor:
+    """The distribution the emitted token is drawn from after ``accepted`` drafts -> [V].
+
+    accepted == k: the bonus distribution p_k. accepted = i < k (draft i rejected): the
+    residual max(0, p_i - q_i) renormalised, which for a one-hot draft is p_i with x_i removed.
+    A rejection implies positive residual mass in exact arithmetic; if rounding leaves none,
+    p_i itself is returned rather than an empty distribution.
+    """
+    k = draft_tokens.shape[0]
+    row = torch.as_tensor(accepted, device=target_probs.device).long().view(1)
+    p = target_probs.index_select(0, row).squeeze(0)
+    if k == 0:
+        return p
+    draft_row = row.clamp(max=k - 1)  # row k has no draft; its residual is computed, then discarded
+    if draft_probs is None:
+        residual = p.scatter(0, draft_tokens.long().index_select(0, draft_row), 0.0)
+    else:
+        residual = (p - draft_probs.index_select(0, draft_row).squeeze(0)).clamp(min=0.0)
+    mass = residual.sum()
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
+    return torch.where(row == k, p, residual)
+
+
+def _count_leading_true(matches: torch.Tensor) -> torch.Tensor:
+    """[k] bool -> 0-dim long: the length of the all-True prefix (first rejection index)."""
+    return matches.long().cumprod(dim=0).sum()
+
+
+def _to_host(accepted: torch.Tensor, next_token: torch.Tensor) -> VerifyOutcome:
+    # The step's one deliberate host sync: the engine needs both as integers to commit tokens.
+    accepted_host, token_host = torch.stack([accepted.view(()), next_token.view(())]).tolist()
+    return VerifyOutcome(accepted_host, token_host)
+
+
+def _check_shapes(target: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor) -> None:
+    k = draft_tokens.shape[0]
+    if draft_tokens.dim() != 1 or target.dim() != 2 or target.shape[0] != k + 1:
+        raise ValueError(f"expected draft_tokens [k] and target [k+1, V], got {tuple(draft_tokens.shape)} "
+                         f"and {tuple(target.shape)}")
+    if draft_probs is not None and draft_probs.shape != (k, target.shape[1]):
+        raise ValueError(f"expected draft_probs [k, V] = [{k}, {target.shape[1]}], got {tuple(draft_probs.shape)}")

@@ -1,0 +1,78 @@
+"""Turn a path (Hugging Face directory or GGUF file) into a ready model, head and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from mtplx.errors import ModelLoadError
+from mtplx.loading import hf_dir
+from mtplx.loading.mtp_weights import extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
+from mtplx.loading.tokenizer import Tokenizer
+from mtplx.models.base import CausalLM
+from mtplx.models.config import ModelConfig
+from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
+from mtplx.models.mtp import MTPHead
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    head: MTPHead | None
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    source: Path
+    generation_defaults: dict = field(default_factory=dict)
+    head_info: dict = field(default_factory=dict)  # layout, verified, source, provenance
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
+                    head_dir: str | Path | None = None, allow_unverified_head: bool = False) -> LoadedModel:
+    """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
+
+    A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist (give a Hugging Face directory or a .gguf file)")
+    if path.is_file() and path.suffix == ".gguf":
+        from mtplx.loading.gguf_file import load_gguf
+
+        cfg_dict, state, _ = load_gguf(path, dtype=dtype)
+        config = ModelConfig.from_hf(cfg_dict)
+        tokenizer = Tokenizer.from_gguf(path)
+        gen_defaults = {}
+    elif path.is_dir():
+        cfg_dict = hf_dir.read_hf_config(path)
+        config = ModelConfig.from_hf(cfg_dict)
+        state = hf_dir.load_safetensors_state_dict(path, dtype=dtype)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        gen_defaults = hf_dir.read_generation_config(path)
+    else:
+        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    if tokenizer is not None:
+        tokenizer.add_eos_ids(set(config.eos_token_ids) | set(_as_list(gen_defaults.get("eos_token_id"))))
+
+    native = extract_native_head(state, config)
+    trunk_state = {k: v for k, v in state.items() if not is_head_key(k, config)}
+    model = materialize(build_model_on_meta(config), trunk_state, device, dtype, tied=config.tie_word_embeddings)
+
+    head_weights = native
+    sidecar_dir = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
+    if native is None and (sidecar_dir / SIDECAR_WEIGHTS).is_file():
+        head_weights = load_sidecar(sidecar_dir, config, hf_dir.sha256_of_weights(path),
+                                    allow_unverified=allow_unverified_head)
+    elif head_dir and native is None:
+        raise ModelLoadError(f"no {SIDECAR_WEIGHTS} in {sidecar_dir}")
+    head, head_info = None, {}
+    if head_weights is not None:
+        head = attach_head(model, head_weights, device, dtype)
+        head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
+                     "source": head_weights.source, "provenance": head_weights.provenance}
+    return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,50 @@
+"""Build modules from checkpoint tensors, checking every name and shape."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtplx.errors import ModelLoadError
+from mtplx.loading.mtp_weights import HeadWeights
+from mtplx.models.base import CausalLM
+from mtplx.models.config import ModelConfig
+from mtplx.models.layers import rope_inv_freq
+from mtplx.models.mtp import MTPHead
+from mtplx.models.registry import build_model
+
+
+def build_model_on_meta(config: ModelConfig) -> CausalLM:
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def attach_head(model: CausalLM, weights: HeadWeights, device, dtype) -> MTPHead:
+    with torch.device("meta"):
+        head = MTPHead(model, weights.mtp)
+    return materialize(head, weights.state_dict, device, dtype, tied=False, what="MTP head")
+
+
+def materialize(module: nn.Module, state: dict[str, torch.Tensor], device, dtype, *, tied: bool,
+                what: str = "model") -> nn.Module:
+    """Move a meta-device module onto ``device`` with the checkpoint's tensors, checking every
+    name and shape. Extra checkpoint tensors are ignored; missing or misshapen ones are errors."""
+    module = module.to_empty(device=device).to(dtype)
+    expected = module.state_dict()
+    for name, target in expected.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        tensor = state.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{what} checkpoint is missing tensor {name!r} (expected shape {tuple(target.shape)})")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"{what} tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+    if isinstance(module, CausalLM):
+        if tied:
+            module.lm_head.weight = module.model.embed_tokens.weight
+        module.rotary.inv_freq = rope_inv_freq(module.config).to(device)
+    module.requires_grad_(False)  # inference weights; forge re-enables the head's
+    return module.eval()

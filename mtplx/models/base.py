@@ -1,0 +1,55 @@
+"""The decoder-only causal LM every family file builds on: embed -> layers -> norm -> lm_head.
+
+Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), so a
+checkpoint's state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtplx.engine.attention import AttentionMetadata
+from mtplx.engine.kv_cache import PagedKVCache
+from mtplx.models.config import ModelConfig
+from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: ModelConfig, make_attention):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, make_attention(config)) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Base class; a family subclass only says how to build its attention."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, self.make_attention)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_attention(config: ModelConfig) -> Attention:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+        """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, self.rotary, meta, cache.k[i], cache.v[i])
+        hidden = self.model.norm(x)
+        cache.store_block_ends(hidden, meta.slot_mapping)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., hidden] -> logits [..., vocab] float32."""
+        return self.lm_head(hidden).float()

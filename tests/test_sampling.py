@@ -1,0 +1,204 @@
+"""Specification of mtplx.engine.sampling: parameter validation, logits processing, sampling."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from mtplx.engine.sampling import (
+    SamplingParams,
+    apply_penalties,
+    logits_to_probs,
+    make_generator,
+    sample,
+)
+from mtplx.errors import InvalidParameter
+
+
+def kept(probs: torch.Tensor) -> list[list[int]]:
+    """Indices with non-zero probability, per row."""
+    return [torch.nonzero(row).flatten().tolist() for row in probs]
+
+
+# --- validation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", math.inf),
+        ("temperature", math.nan),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", math.nan),
+        ("seed", 1.5),
+        ("seed", "42"),
+        ("seed", True),
+    ],
+)
+def test_validate_rejects_out_of_range_values_naming_the_parameter(field, value):
+    with pytest.raises(InvalidParameter) as error:
+        SamplingParams(**{field: value}).validate()
+    assert error.value.param == field
+    assert field in str(error.value)
+
+
+def test_validate_rejects_top_k_above_the_vocabulary():
+    SamplingParams(top_k=10).validate(vocab_size=10)
+    with pytest.raises(InvalidParameter) as error:
+        SamplingParams(top_k=11).validate(vocab_size=10)
+    assert error.value.param == "top_k" and "10" in str(error.value)
+
+
+def test_validate_accepts_boundary_values_and_returns_the_params():
+    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0,
+                            presence_penalty=-2.0, frequency_penalty=2.0, seed=-7)
+    assert params.validate(vocab_size=5) is params
+    assert params.greedy and not SamplingParams(temperature=0.7).greedy
+
+
+# --- penalties ------------------------------------------------------------------------------
+
+def test_zero_penalties_return_the_input_unchanged():
+    logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    counts = torch.randint(0, 4, (3, 7), generator=torch.Generator().manual_seed(1))
+    assert apply_penalties(logits, counts, 0.0, 0.0) is logits
+    zero_rows = torch.zeros(3)
+    assert torch.equal(apply_penalties(logits, counts, zero_rows, zero_rows), logits)
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    counts = torch.tensor([[0, 1, 3, 0]])
+    out = apply_penalties(logits, counts, presence_penalty=0.5, frequency_penalty=0.25)
+    # logit - presence * (count > 0) - frequency * count
+    assert torch.allclose(out, torch.tensor([[1.0, 2.0 - 0.5 - 0.25, 3.0 - 0.5 - 0.75, 4.0]]))
+
+
+def test_penalties_can_differ_per_row_and_zero_rows_stay_bit_identical():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.1, 0.2, 0.3]])
+    counts = torch.tensor([[2, 0, 1], [2, 0, 1]])
+    out = apply_penalties(logits, counts, torch.tensor([1.0, 0.0]), torch.tensor([-0.5, 0.0]))
+    assert torch.allclose(out[0], torch.tensor([1.0 - 1.0 + 1.0, 2.0, 3.0 - 1.0 + 0.5]))
+    assert torch.equal(out[1], logits[1])
+
+
+# --- processing -----------------------------------------------------------------------------
+
+def test_greedy_params_give_a_one_hot_of_the_first_argmax():
+    logits = torch.tensor([[0.1, 3.0, 3.0, -1.0], [5.0, 1.0, 2.0, 5.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_scales_logits_before_softmax():
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(probs, torch.softmax(logits / 0.5, dim=-1))
+
+
+def test_tiny_temperature_concentrates_on_the_argmax_without_nans():
+    probs = logits_to_probs(torch.tensor([[40.0, 39.0, -1e4]]), SamplingParams(temperature=1e-30))
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0]]))
+
+
+def test_top_k_keeps_the_k_largest_logits():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, 2.0], [3.0, 2.0, 1.0, 0.0, -1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert kept(probs) == [[1, 3], [0, 1]]
+    expected = torch.softmax(torch.tensor([5.0, 4.0]), dim=-1)
+    assert torch.allclose(probs[0, [1, 3]], expected)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs_in = torch.tensor([[0.05, 0.5, 0.25, 0.15, 0.05]])
+    logits = probs_in.log()
+    # sorted: 0.5, 0.25, 0.15, 0.05, 0.05 -> cumulative 0.5, 0.75, 0.9, ...
+    assert kept(logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.4))) == [[1]]
+    assert kept(logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.6))) == [[1, 2]]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert kept(probs) == [[1, 2, 3]]
+    assert torch.allclose(probs[0, [1, 2, 3]], torch.tensor([0.5, 0.25, 0.15]) / 0.9)
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # top_k=2 leaves 4/7, 3/7; top_p=0.5 then needs only the first.
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+    assert kept(probs) == [[0]]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))  # threshold 0.15
+    assert kept(probs) == [[0, 1, 2]]
+    assert torch.allclose(probs.sum(), torch.tensor(1.0))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31),
+    temperature=st.floats(0.01, 5.0),
+    top_k=st.integers(0, 8),
+    top_p=st.floats(1e-6, 1.0),
+    min_p=st.floats(0.0, 1.0),
+)
+def test_filters_never_remove_every_token_and_always_keep_the_argmax(seed, temperature, top_k, top_p, min_p):
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)) * 4
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).validate(8)
+    probs = logits_to_probs(logits, params)
+    assert torch.all(probs >= 0)
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(4))
+    top = probs.gather(-1, logits.argmax(dim=-1, keepdim=True))
+    assert torch.all(top > 0)
+
+
+# --- generators and sampling ----------------------------------------------------------------
+
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0])
+
+
+def test_same_seed_gives_same_samples_and_different_seeds_differ():
+    probs = PROBS.expand(200, -1)
+    first = sample(probs, make_generator(123, "cpu"))
+    again = sample(probs, make_generator(123, "cpu"))
+    other = sample(probs, make_generator(124, "cpu"))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_unseeded_generators_differ():
+    probs = PROBS.expand(200, -1)
+    assert not torch.equal(sample(probs, make_generator(None)), sample(probs, make_generator(None)))
+
+
+def test_sample_frequencies_match_probs_chi_square():
+    n = 50_000
+    tokens = sample(PROBS.expand(n, -1), make_generator(7, "cpu"))
+    assert tokens.dtype == torch.long and tokens.shape == (n,)
+    counts = torch.bincount(tokens, minlength=len(PROBS)).numpy()
+    assert counts[-1] == 0  # a zero-probability token is never drawn
+    expected = PROBS[:-1].double().numpy() * n
+    assert chisquare(counts[:-1], expected).pvalue > 0.001
+
+
+def test_sample_accepts_unnormalised_weights():
+    weights = torch.tensor([3.0, 1.0, 0.0]).expand(40_000, -1)
+    counts = torch.bincount(sample(weights, make_generator(3)), minlength=3).numpy()
+    assert counts[2] == 0
+    assert chisquare(counts[:2], np.array([0.75, 0.25]) * 40_000).pvalue > 0.001

@@ -1,0 +1,60 @@
+"""Tiny random models for tests: a Hugging Face reference and ours with the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
+from mtplx.loading.mtp_weights import HeadWeights
+from mtplx.models.config import MTPConfig, ModelConfig
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def hf_reference(model_type: str, seed: int = 0, **overrides):
+    """A random transformers model (float32, eval) and its config dict."""
+    import transformers
+
+    cfg_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
+    cfg = cfg_cls(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # make norms non-trivial so a wrong norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    d = cfg.to_dict()
+    d["model_type"] = model_type
+    return model, d
+
+
+def ours_from_hf(hf_model, cfg_dict, dtype=torch.float32):
+    config = ModelConfig.from_hf(cfg_dict)
+    state = dict(hf_model.state_dict())
+    return materialize(build_model_on_meta(config), state, "cpu", dtype, tied=config.tie_word_embeddings)
+
+
+def random_head(model, seed: int = 1, scale: float = 0.05) -> "torch.nn.Module":
+    """A random MTP head for ``model`` (Qwen3.5 layout names)."""
+    from mtplx.models.mtp import MTPHead
+
+    with torch.device("meta"):
+        shape_src = MTPHead(model, MTPConfig(layout="sidecar"))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in shape_src.state_dict().items():
+        if "norm" in name:
+            state[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+        else:
+            state[name] = scale * torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5) / scale
+    return attach_head(model, HeadWeights(state, MTPConfig(layout="sidecar")), "cpu", model.lm_head.weight.dtype)
