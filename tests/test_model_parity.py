@@ -10,7 +10,7 @@ from tests.tiny_models import hf_reference, ours_from_hf
 
 ARCHS = [
     ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "attention_bias": True}),
+    ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),

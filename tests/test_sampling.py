@@ -202,3 +202,35 @@ def test_sample_accepts_unnormalised_weights():
     counts = torch.bincount(sample(weights, make_generator(3)), minlength=3).numpy()
     assert counts[2] == 0
     assert chisquare(counts[:2], np.array([0.75, 0.25]) * 40_000).pvalue > 0.001
+
+
+# --- on the GPU -----------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_processing_and_sampling_never_sync_with_the_host_on_cuda():
+    generator = make_generator(0, "cuda")
+    logits = torch.randn(4, 1000, device="cuda")
+    counts = torch.randint(0, 3, (4, 1000), device="cuda")
+    per_row = torch.tensor([0.0, 0.5, 1.0, -1.0], device="cuda")
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        penalised = apply_penalties(apply_penalties(logits, counts, 0.5, 0.25), counts, per_row, per_row)
+        tokens = sample(logits_to_probs(penalised, params), generator)
+        greedy = logits_to_probs(penalised, SamplingParams())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (4,) and torch.equal(greedy.argmax(-1), penalised.argmax(-1))
+
+
+@needs_cuda
+def test_sample_frequencies_match_probs_on_cuda():
+    n = 50_000
+    tokens = sample(PROBS.cuda().expand(n, -1), make_generator(7, "cuda"))
+    counts = torch.bincount(tokens, minlength=len(PROBS)).cpu().numpy()
+    assert counts[-1] == 0
+    assert chisquare(counts[:-1], PROBS[:-1].double().numpy() * n).pvalue > 0.001

@@ -6,6 +6,7 @@ draft q here are "chains": each prefix has its own distribution (a seeded random
 sampler that read the wrong row, or the wrong residual, would be caught beyond the first token.
 """
 
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -376,3 +377,27 @@ def test_greedy_verify_breaks_ties_toward_the_lowest_index():
     logits = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]])
     assert verify_greedy(logits, torch.tensor([2])) == (0, 1)
     assert verify_greedy(logits, torch.tensor([1])) == (1, 0)
+
+
+# --- on the GPU -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_syncs_with_the_host_exactly_once_on_cuda():
+    generator = make_generator(0, "cuda")
+    target = torch.softmax(torch.randn(4, 1000, device="cuda"), dim=-1)
+    draft = torch.softmax(torch.randn(3, 1000, device="cuda"), dim=-1)
+    tokens = torch.multinomial(draft, 1, generator=generator).squeeze(1)
+    calls = [lambda: verify_sampled(target, draft, tokens, generator),
+             lambda: verify_sampled(target, None, tokens, generator),
+             lambda: verify_greedy(target, tokens)]
+    for call in calls:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]

@@ -58,3 +58,33 @@ def random_head(model, seed: int = 1, scale: float = 0.05) -> "torch.nn.Module":
         else:
             state[name] = scale * torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5) / scale
     return attach_head(model, HeadWeights(state, MTPConfig(layout="sidecar")), "cpu", model.lm_head.weight.dtype)
+
+
+def tiny_engine(arch: str = "llama", *, head: bool = True, seed: int = 0, head_seed: int = 1,
+                kv_cache_tokens: int = 4096, block_size: int = 4, **overrides):
+    """An Engine over a tiny random model (no tokenizer: token-id prompts) and its HF twin."""
+    from mtplx.engine.llm_engine import Engine
+    from mtplx.loading.checkpoint import LoadedModel
+
+    hf, cfg = hf_reference(arch, seed=seed, **overrides)
+    model = ours_from_hf(hf, cfg)
+    mtp = random_head(model, seed=head_seed) if head else None
+    loaded = LoadedModel(model, mtp, None, model.config, source=None)
+    return Engine(loaded, kv_cache_tokens=kv_cache_tokens, block_size=block_size), hf
+
+
+def repeat_head(model) -> "torch.nn.Module":
+    """A head that drafts the token the trunk just predicted (identity layer, fc passes the
+    hidden state through). Tiny random models fall into loops, so its drafts are often right:
+    it exercises partial and full acceptance, which a random head rarely reaches."""
+    head = random_head(model)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, h:] = torch.eye(h)
+        for p in (head.pre_fc_norm_hidden.weight, head.norm.weight):
+            p.copy_(model.model.norm.weight)
+        layer = head.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return head

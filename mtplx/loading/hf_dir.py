@@ -51,7 +51,9 @@ def load_safetensors_state_dict(
     for file, keys in plan.items():
         for key, tensor in _read_file(file, keys, keep):
             if key in state_dict:
-                raise ModelLoadError(f"tensor {key!r} appears in more than one safetensors file of {path} (again in {file.name})")
+                raise ModelLoadError(
+                    f"tensor {key!r} appears in more than one safetensors file of {path} (again in {file.name})"
+                )
             state_dict[key] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     return state_dict
 
@@ -67,7 +69,9 @@ def sha256_of_weights(path_or_file: Path | str) -> str:
         return sha256_file(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
-        raise ModelLoadError(f"cannot hash weights of {path}: expected a GGUF file or a directory with *.safetensors files")
+        raise ModelLoadError(
+            f"cannot hash weights of {path}: expected a GGUF file or a directory with *.safetensors files"
+        )
     digest = hashlib.sha256()
     for file in files:
         digest.update(f"{file.name}\0{sha256_file(file)}\n".encode())
@@ -110,7 +114,9 @@ def _plan_reads(path: Path) -> dict[Path, list[str] | None]:
         return {path / _SINGLE_NAME: None}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path} has no safetensors weights (looked for {_INDEX_NAME}, {_SINGLE_NAME}, *.safetensors)")
+        raise ModelLoadError(
+            f"{path} has no safetensors weights (looked for {_INDEX_NAME}, {_SINGLE_NAME}, *.safetensors)"
+        )
     return {file: None for file in files}
 
 
@@ -124,7 +130,9 @@ def _plan_from_index(path: Path) -> dict[Path, list[str]]:
         plan.setdefault(path / shard, []).append(key)
     missing = sorted(file.name for file in plan if not file.is_file())
     if missing:
-        raise ModelLoadError(f"{path / _INDEX_NAME} names shard file(s) that do not exist in {path}: {', '.join(missing)}")
+        raise ModelLoadError(
+            f"{path / _INDEX_NAME} names shard file(s) that do not exist in {path}: {', '.join(missing)}"
+        )
     return plan
 
 

@@ -50,7 +50,7 @@ class Tokenizer:
         self.name = name
         own_eos = hf_tokenizer.eos_token_id
         self._eos_token_ids = {own_eos} if own_eos is not None else set()
-        self.add_eos_token_ids(eos_token_ids)
+        self.add_eos_ids(eos_token_ids)
 
     # --- construction ---
 
@@ -87,14 +87,19 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """Ids that end generation: the eos token plus any added with ``add_eos_token_ids``."""
+        """Ids that end generation: the eos token plus any added with ``add_eos_ids``."""
         return set(self._eos_token_ids)
 
-    def add_eos_token_ids(self, ids: Iterable[int] | int | None) -> None:
+    def add_eos_ids(self, ids: Iterable[int] | int | None) -> None:
         """Also stop on ``ids`` (an int, a list of ints, or None as in generation_config.json)."""
         if ids is None:
             return
         self._eos_token_ids.update([ids] if isinstance(ids, int) else ids)
+
+    @property
+    def hf(self):
+        """The wrapped transformers tokenizer (e.g. for ``save_pretrained``)."""
+        return self._hf
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +131,9 @@ class Tokenizer:
             chat_template=self._require_chat_template(), **template_kwargs,
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (no extra BOS added)."""
         text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
         return self._hf.encode(text, add_special_tokens=False)
@@ -191,16 +198,15 @@ def _hf_from_gguf_bpe(metadata: dict):
     pre = metadata.get("tokenizer.ggml.pre", "default")
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     # Llama 3 style vocabularies take a whole-word token even when no merge path reaches it.
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre in _SPLITS and _SPLITS[pre] is _LLAMA3_SPLIT)
+    ignore_merges = _SPLITS.get(pre) is _LLAMA3_SPLIT
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=ignore_merges)
     rust = RustTokenizer(bpe)
     rust.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     rust.decoder = decoders.ByteLevel()
     _add_gguf_added_tokens(rust, tokens, metadata.get("tokenizer.ggml.token_type", []))
     rust.post_processor = _bos_eos_processor(metadata, tokens)
-    specials = {
-        name: _token(metadata, tokens, key)
-        for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))
-    }
+    roles = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    specials = {name: _token(metadata, tokens, role) for name, role in roles.items()}
     return PreTrainedTokenizerFast(
         tokenizer_object=rust,
         chat_template=metadata.get("tokenizer.chat_template"),

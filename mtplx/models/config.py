@@ -53,6 +53,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -101,6 +102,7 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=_attention_bias(cfg, model_type),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=model_type == "qwen3",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,

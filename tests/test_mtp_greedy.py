@@ -1,0 +1,51 @@
+"""MTP greedy decoding is token-identical to AR greedy decoding."""
+
+import pytest
+import torch
+
+from tests.tiny_models import repeat_head, tiny_engine
+
+PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 8, 9, 10, 11, 40], list(range(20, 39))]
+
+
+@pytest.mark.parametrize("head", ["random", "repeat"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_mtp_greedy_equals_ar_greedy(arch, head):
+    engine, hf = tiny_engine(arch)
+    if head == "repeat":  # a head whose drafts are often accepted: partial and full acceptance
+        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, mode="ar", max_tokens=40)
+        with torch.no_grad():  # AR itself equals transformers' greedy decoding
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ar.token_ids == ref
+        for depth in (1, 2, 3):
+            mtp = engine.generate(prompt, mode="mtp", depth=depth, max_tokens=40)
+            assert mtp.token_ids == ar.token_ids, (prompt, depth)
+            assert mtp.stats["verify_calls"] > 0
+            assert len(mtp.stats["drafted_by_depth"]) == depth
+
+
+def test_mtp_greedy_equals_ar_after_prefix_cache_hit():
+    engine, _ = tiny_engine("qwen3")
+    prompt = list(range(3, 30))
+    first = engine.generate(prompt, mode="mtp", depth=2, max_tokens=24)
+    again = engine.generate(prompt, mode="mtp", depth=2, max_tokens=24)
+    assert again.stats["cached_prompt_tokens"] == 24
+    ar = engine.generate(prompt + [1], mode="ar", max_tokens=10)
+    extended = engine.generate(prompt + [1], mode="mtp", depth=3, max_tokens=10)
+    assert first.token_ids == again.token_ids
+    assert extended.token_ids == ar.token_ids
+
+
+def test_stats_have_the_documented_fields():
+    engine, _ = tiny_engine("llama")
+    stats = engine.generate([1, 2, 3], mode="mtp", depth=2, max_tokens=20).stats
+    for key in ("drafted_tokens", "accepted_tokens", "verify_calls", "drafted_by_depth", "accepted_by_depth",
+                "correction_tokens", "bonus_tokens", "mean_acceptance_length", "acceptance_rate_by_position",
+                "ttft_s", "decode_tok_s", "draft_s", "verify_s", "accept_s", "commit_s"):
+        assert key in stats
+    assert stats["mean_acceptance_length"] == 1 + stats["accepted_tokens"] / stats["verify_calls"]
+    assert stats["correction_tokens"] + stats["bonus_tokens"] == stats["verify_calls"]
+    assert engine.runner.blocks.num_used_blocks == 0

@@ -1,0 +1,132 @@
+"""Sampled MTP decoding has exactly the AR distribution.
+
+On a tiny-vocabulary model the exact distribution of 3-token continuations is enumerated from
+the reference model's own probabilities; thousands of MTP samples must fit it (chi-square)."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mtplx.engine.sampling import SamplingParams, logits_to_probs
+from tests.tiny_models import repeat_head, tiny_engine
+
+V = 8
+PROMPT = [1, 2, 3]
+N = 1500
+TINY_VOCAB = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def exact_distribution(hf, params: SamplingParams, length: int = 3) -> dict[tuple, float]:
+    """P(x1..xL | prompt) enumerated from transformers' logits, processed by the sampler."""
+    dist = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(dist)
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1].float()
+        probs = logits_to_probs(logits, params)
+        dist = {p + (t,): dist[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(V)}
+    return dist
+
+
+def sample_mtp(engine, n: int, depth: int, policy: str, **sampler) -> list[tuple]:
+    """n independent 3-token MTP continuations, decoded as rows of one batch."""
+    gen = engine.generator
+    seqs = []
+    for i in range(n):
+        req = engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=3, seed=10_000 + i,
+                                  draft_policy=policy, **sampler)
+        seq = engine.new_sequence(req)
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    live = [s for s in seqs if not s.finished]
+    with torch.inference_mode():
+        while live:
+            gen.mtp_cycle(live)
+            live = [s for s in live if not s.finished]
+    for s in seqs:
+        gen.release(s)
+    assert engine.runner.blocks.num_used_blocks == 0
+    return [tuple(s.generated) for s in seqs]
+
+
+def assert_fits(samples: list[tuple], dist: dict[tuple, float]):
+    counts = {k: 0 for k in dist}
+    for s in samples:
+        counts[s] += 1
+    # merge rare outcomes so every expected count is >= 5
+    keys = sorted(dist, key=dist.get, reverse=True)
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for k in keys:
+        e = dist[k] * len(samples)
+        if e >= 5:
+            obs.append(counts[k]); exp.append(e)
+        else:
+            rest_o += counts[k]; rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o); exp.append(rest_e)
+    if len(obs) == 1:  # a deterministic distribution: every sample is the one outcome
+        assert obs[0] == len(samples)
+        return
+    scale = sum(obs) / sum(exp)
+    p = chisquare(obs, [e * scale for e in exp]).pvalue
+    assert p > 1e-3, f"chi-square p={p:.2e} over {len(obs)} bins"
+
+
+def _engine(head_sharpness: float = 1.0, head: str = "random"):
+    engine, hf = tiny_engine("llama", seed=3, head_seed=4, block_size=4, kv_cache_tokens=N * 12, **TINY_VOCAB)
+    with torch.no_grad():  # peaked, varied next-token distributions (random init is near uniform)
+        hf.lm_head.weight.mul_(25.0)
+        engine.loaded.model.lm_head.weight.mul_(25.0)
+    if head == "repeat":  # drafts often accepted: exercises partial and full acceptance
+        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    if head_sharpness != 1.0:  # an over-confident head: near one-hot drafts
+        with torch.no_grad():
+            engine.runner.head.norm.weight.mul_(head_sharpness)
+    return engine, hf
+
+
+CASES = [
+    ("greedy", 1, dict(temperature=1.0)),
+    ("mirror", 1, dict(temperature=1.0)),
+    ("greedy", 3, dict(temperature=1.0)),
+    ("mirror", 3, dict(temperature=1.0)),
+    ("mirror", 2, dict(temperature=1.0, top_k=3)),
+    ("greedy", 2, dict(temperature=1.5, top_p=0.9)),
+    ("mirror", 2, dict(temperature=1.5, top_p=0.9, min_p=0.05)),
+]
+
+
+@pytest.mark.parametrize("policy,depth,sampler", CASES, ids=lambda x: str(x))
+def test_mtp_samples_match_exact_ar_distribution(policy, depth, sampler):
+    engine, hf = _engine()
+    dist = exact_distribution(hf, SamplingParams(**sampler))
+    assert_fits(sample_mtp(engine, N, depth, policy, **sampler), dist)
+
+
+@pytest.mark.parametrize("policy", ["greedy", "mirror"])
+def test_adversarial_overconfident_head_with_disjoint_top_k(policy):
+    """A near one-hot head under top_k=2: its support is often disjoint from the target's."""
+    engine, hf = _engine(head_sharpness=40.0)
+    sampler = dict(temperature=1.5, top_k=2)
+    dist = exact_distribution(hf, SamplingParams(**sampler))
+    assert_fits(sample_mtp(engine, N, 3, policy, **sampler), dist)
+
+
+@pytest.mark.parametrize("policy", ["greedy", "mirror"])
+def test_often_accepted_head_keeps_the_distribution(policy):
+    engine, hf = _engine(head="repeat")
+    sampler = dict(temperature=0.7)
+    samples = sample_mtp(engine, N, 3, policy, **sampler)
+    assert_fits(samples, exact_distribution(hf, SamplingParams(**sampler)))
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The test has power: AR samples at temperature 1 do not fit the temperature-0.5 distribution."""
+    engine, hf = _engine()
+    samples = sample_mtp(engine, N, 2, "mirror", temperature=1.0)
+    with pytest.raises(AssertionError):
+        assert_fits(samples, exact_distribution(hf, SamplingParams(temperature=0.5)))
