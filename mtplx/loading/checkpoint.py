@@ -38,9 +38,9 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     if path.is_file() and path.suffix == ".gguf":
         from mtplx.loading.gguf_file import load_gguf
 
-        cfg_dict, state, _ = load_gguf(path, dtype=dtype)
+        cfg_dict, state, metadata = load_gguf(path, dtype=dtype)
         config = ModelConfig.from_hf(cfg_dict)
-        tokenizer = Tokenizer.from_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path, metadata)
         gen_defaults = {}
     elif path.is_dir():
         cfg_dict = hf_dir.read_hf_config(path)
