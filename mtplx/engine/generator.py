@@ -167,7 +167,7 @@ class Generator:
     def _commit(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
         for token in new_tokens:
-            if token in self.eos_token_ids:
+            if token in self.eos_token_ids and not seq.ignore_eos:
                 seq.finish_reason = "stop"
                 break
             seq.tokens.append(token)

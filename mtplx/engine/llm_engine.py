@@ -40,6 +40,7 @@ class Request:
     depth: int
     draft_policy: str
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 class Engine:
@@ -93,7 +94,8 @@ class Engine:
     def make_request(self, prompt, *, mode: str | None = None, depth: int | None = None, max_tokens: int = 256,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-                     stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy") -> Request:
+                     stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy",
+                     ignore_eos: bool = False) -> Request:
         """Validate every parameter and tokenise the prompt (errors name the parameter)."""
         mode = mode or ("mtp" if self.has_mtp else "ar")
         if mode not in ("ar", "mtp"):
@@ -113,7 +115,7 @@ class Engine:
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
-                       depth if mode == "mtp" else 0, draft_policy, stops)
+                       depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos))
 
     def _check_depth(self, depth) -> int:
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
@@ -123,7 +125,7 @@ class Engine:
     def new_sequence(self, req: Request) -> Sequence:
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
-                        depth=req.depth, draft_policy=req.draft_policy)
+                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos)
 
     # -- running ------------------------------------------------------------------------------
     def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:

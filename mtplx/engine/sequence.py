@@ -30,6 +30,7 @@ class Sequence:
     mode: str = "ar"  # "ar" or "mtp"
     depth: int = 0
     draft_policy: str = "greedy"
+    ignore_eos: bool = False
     seq_id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(default_factory=list)
     trunk_len: int = 0

@@ -1,0 +1,114 @@
+"""Side-by-side decode measurements: AR and MTP at each depth on the same prompts, interleaved
+so machine noise hits every configuration alike. Used by ``mtplx bench``, ``tune`` and ``forge verify``."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Realistic chat prompts (random tokens would depress MTP acceptance).
+BENCH_PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List five tips for staying productive when working from home.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give me a short recipe for pancakes.",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str  # "ar" or "mtp"
+    depth: int = 0
+
+    @property
+    def label(self) -> str:
+        return "ar" if self.mode == "ar" else f"mtp_d{self.depth}"
+
+
+def configs_for(engine, depths) -> list[Config]:
+    out = [Config("ar")]
+    if engine.has_mtp:
+        out += [Config("mtp", d) for d in depths]
+    return out
+
+
+def run_once(engine, prompt, config: Config, max_tokens: int, **sampling) -> dict:
+    """One generation; decode time excludes the prompt's prefill (first token)."""
+    t0 = time.perf_counter()
+    result = engine.generate(prompt, chat=isinstance(prompt, list), mode=config.mode,
+                             depth=config.depth or None, max_tokens=max_tokens, **sampling)
+    elapsed = time.perf_counter() - t0
+    s = result.stats
+    return {"tokens": s["generated_tokens"], "decode_s": s["decode_s"], "ttft_s": s["ttft_s"], "e2e_s": elapsed,
+            "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"], "verify_calls": s["verify_calls"],
+            "drafted_by_depth": s["drafted_by_depth"], "accepted_by_depth": s["accepted_by_depth"],
+            "token_ids": result.token_ids}
+
+
+def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int = 128, repeats: int = 1,
+            progress=None, **sampling) -> dict:
+    """AR and MTP at each depth on every prompt, interleaved. Returns a JSON-able report."""
+    configs = configs_for(engine, depths)
+    messages = [[{"role": "user", "content": p}] for p in prompts] if engine.tokenizer else list(prompts)
+    run_once(engine, messages[0], configs[-1], 8, **sampling)  # warm-up
+    runs = {c.label: [] for c in configs}
+    for _ in range(repeats):
+        for prompt in messages:
+            for config in configs:
+                runs[config.label].append(run_once(engine, prompt, config, max_tokens, **sampling))
+                if progress:
+                    progress(config.label)
+    report = {"machine": machine_info(engine), "max_tokens": max_tokens, "prompts": len(messages),
+              "repeats": repeats, "sampling": sampling, "configs": {}}
+    for config in configs:
+        report["configs"][config.label] = summarize(runs[config.label], config)
+    ar = report["configs"]["ar"]["tok_s"]
+    for label, entry in report["configs"].items():
+        entry["speedup_vs_ar"] = entry["tok_s"] / ar if ar else None
+    if sampling.get("temperature", 0.0) == 0.0 and engine.has_mtp:
+        report["greedy_identical_to_ar"] = all(
+            all(r["token_ids"] == a["token_ids"] for r, a in zip(runs[c.label], runs["ar"])) for c in configs)
+    return report
+
+
+def summarize(runs: list[dict], config: Config) -> dict:
+    tokens = sum(r["tokens"] - 1 for r in runs)  # tokens after the first one
+    decode_s = sum(r["decode_s"] for r in runs)
+    out = {"mode": config.mode, "depth": config.depth, "tok_s": tokens / decode_s if decode_s else 0.0,
+           "generated_tokens": sum(r["tokens"] for r in runs),
+           "median_ttft_s": statistics.median(r["ttft_s"] for r in runs)}
+    if config.mode == "mtp":
+        calls = sum(r["verify_calls"] for r in runs)
+        accepted = sum(r["accepted"] for r in runs)
+        drafted_by = [sum(r["drafted_by_depth"][i] for r in runs if len(r["drafted_by_depth"]) > i)
+                      for i in range(config.depth)]
+        accepted_by = [sum(r["accepted_by_depth"][i] for r in runs if len(r["accepted_by_depth"]) > i)
+                       for i in range(config.depth)]
+        out.update(mean_acceptance_length=1 + accepted / calls if calls else None,
+                   acceptance_rate=accepted / max(1, sum(r["drafted"] for r in runs)),
+                   acceptance_by_depth=[a / d if d else 0.0 for a, d in zip(accepted_by, drafted_by)])
+    return out
+
+
+def machine_info(engine) -> dict:
+    info = {"date": time.strftime("%Y-%m-%d"), "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
+            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads()}
+    if engine.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(engine.device)
+    return info
+
+
+def render_table(report: dict) -> str:
+    rows = [f"{'config':<8} {'tok/s':>8} {'x AR':>6} {'accept len':>10}  acceptance by depth"]
+    for label, e in report["configs"].items():
+        mal = f"{e['mean_acceptance_length']:.2f}" if e.get("mean_acceptance_length") else "-"
+        by = "/".join(f"{a:.2f}" for a in e.get("acceptance_by_depth", [])) or "-"
+        rows.append(f"{label:<8} {e['tok_s']:>8.1f} {e['speedup_vs_ar']:>6.2f} {mal:>10}  {by}")
+    return "\n".join(rows)

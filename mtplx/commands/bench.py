@@ -1,0 +1,43 @@
+"""``mtplx bench``: AR and MTP at each depth, side by side in one run; prints a table, writes JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mtplx.commands.common import add_model_options, load_engine
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure AR vs MTP decode speed and acceptance on this machine")
+    add_model_options(p)
+    p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths (default 1,2,3)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt suite")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", dest="json_out", default=None, help="write the report to this file")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mtplx.benchmarking import measure, render_table
+    from mtplx.errors import InvalidParameter
+
+    try:
+        depths = tuple(int(d) for d in args.depths.split(",") if d)
+    except ValueError:
+        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    engine = load_engine(args)
+    sampling = {"temperature": args.temperature}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
+                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **sampling)
+    report["model"] = str(engine.loaded.source)
+    print(render_table(report))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,50 @@
+"""``mtplx inspect MODEL``: architecture, size, MTP layout and support tier.
+
+Exit codes: 0 verified (MTP head present and matched to this trunk), 3 unverified head,
+4 AR-only (no head), 5 unsupported architecture, 2 unreadable path or file."""
+
+from __future__ import annotations
+
+import json
+
+from mtplx.loading.describe import TIERS, describe
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a model: architecture, MTP head, support tier")
+    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: the default model)")
+    p.add_argument("--head", default=None, help="directory with a forged mtp.safetensors")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    model, head = args.model, args.head
+    if model is None:
+        from mtplx.loading.default_model import default_head_dir, default_model_path
+
+        model, head = default_model_path(), head or default_head_dir()
+    info = describe(model, head)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print(_render(info))
+    return TIERS[info["tier"]]
+
+
+def _render(info: dict) -> str:
+    lines = [f"model:        {info['path']} ({info['format']})",
+             f"architecture: {info['model_type']}"]
+    if "parameters" in info:
+        lines += [f"parameters:   {info['parameters'] / 1e6:.1f}M (trunk)",
+                  f"shape:        {info['layers']} layers, hidden {info['hidden_size']}, "
+                  f"{info['attention_heads']} heads / {info['kv_heads']} kv heads, vocab {info['vocab_size']}, "
+                  f"context {info['context']}"]
+    mtp = info.get("mtp")
+    if mtp:
+        lines.append(f"mtp head:     {mtp['layout']} ({mtp['source']}), {mtp['layers']} layer(s), "
+                     f"{mtp['parameters'] / 1e6:.1f}M parameters; deeper drafts reuse it recursively")
+    lines.append(f"tier:         {info['tier']}")
+    if info.get("reason"):
+        lines.append(f"note:         {info['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""What a checkpoint is, read from its metadata alone (no weights are loaded)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from safetensors import safe_open
+
+from mtplx.errors import ModelLoadError, UnsupportedModel
+from mtplx.loading import hf_dir
+from mtplx.loading.mtp_weights import SIDECAR_PROVENANCE, SIDECAR_WEIGHTS, detect_layout, is_head_key
+from mtplx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+
+# support tiers and the exit codes `mtplx inspect` returns for them
+TIERS = {"verified": 0, "unverified": 3, "ar_only": 4, "unsupported": 5}
+
+
+def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
+    """Architecture, parameter counts, MTP layout and support tier of a model path."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    cfg, shapes = _gguf_meta(path) if path.is_file() else _dir_meta(path)
+    info = {"path": str(path), "format": "gguf" if path.is_file() else "hf", "model_type": cfg.get("model_type")}
+    try:
+        config = ModelConfig.from_hf(cfg)
+    except UnsupportedModel as exc:
+        return {**info, "tier": "unsupported", "reason": str(exc),
+                "supported_architectures": sorted(SUPPORTED_MODEL_TYPES)}
+    trunk = {k: s for k, s in shapes.items() if not is_head_key(k, config)}
+    info.update(
+        layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+        attention_heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+        context=config.max_position_embeddings, parameters=sum(math.prod(s) for s in trunk.values()),
+    )
+    layout = detect_layout(shapes.keys(), config)
+    if layout is not None:
+        head = {k: s for k, s in shapes.items() if is_head_key(k, config)}
+        return {**info, "tier": "verified", "mtp": {"layout": layout, "source": "native",
+                "layers": config.mtp.num_layers if config.mtp else 1,
+                "parameters": sum(math.prod(s) for s in head.values())}}
+    sidecar = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
+    if (sidecar / SIDECAR_WEIGHTS).is_file():
+        return {**info, **_sidecar_tier(path, sidecar)}
+    return {**info, "tier": "ar_only", "mtp": None,
+            "reason": "no MTP head: forge one with `mtplx forge build`"}
+
+
+def _sidecar_tier(trunk: Path, sidecar: Path) -> dict:
+    import json
+
+    prov_file = sidecar / SIDECAR_PROVENANCE
+    recorded = json.loads(prov_file.read_text()).get("trunk_sha256") if prov_file.is_file() else None
+    actual = hf_dir.sha256_of_weights(trunk)
+    with safe_open(sidecar / SIDECAR_WEIGHTS, framework="pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    mtp = {"layout": "sidecar", "source": str(sidecar), "layers": 1, "parameters": params,
+           "trunk_sha256": actual, "recorded_trunk_sha256": recorded}
+    if recorded == actual:
+        return {"tier": "verified", "mtp": mtp}
+    return {"tier": "unverified", "mtp": mtp,
+            "reason": f"head was trained against trunk sha256 {recorded or '(none recorded)'}, this trunk is {actual}"}
+
+
+def _gguf_meta(path: Path) -> tuple[dict, dict]:
+    from mtplx.loading.gguf_file import gguf_config, read_gguf_header
+
+    header = read_gguf_header(path)
+    shapes = {t.name: t.shape for t in header.tensors}
+    try:
+        cfg = gguf_config(header.metadata, shapes)
+    except UnsupportedModel:
+        return {"model_type": header.metadata.get("general.architecture")}, {}
+    return cfg, shapes
+
+
+def _dir_meta(path: Path) -> tuple[dict, dict]:
+    cfg = hf_dir.read_hf_config(path)
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        if file.name == SIDECAR_WEIGHTS:
+            continue
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        except Exception as exc:  # safetensors raises several types for corrupt headers
+            raise ModelLoadError(f"safetensors file {file} is truncated or corrupt: {exc}") from exc
+    return cfg, shapes

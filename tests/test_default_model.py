@@ -1,0 +1,53 @@
+"""The real default model (SmolLM2-135M-Instruct GGUF) decodes exactly like transformers."""
+
+import pytest
+import torch
+
+import mtplx
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of Python.",
+]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf):
+    return mtplx.load(default_gguf, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_model_and_tokenizer(default_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(default_gguf.parent), default_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.mark.slow
+def test_greedy_chat_continuations_match_transformers(engine, hf_model_and_tokenizer):
+    hf, hf_tok = hf_model_and_tokenizer
+    for question in CHATS:
+        messages = [{"role": "user", "content": question}]
+        ids = engine.encode_prompt(messages, chat=True)
+        assert ids == hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        ours = engine.generate(messages, chat=True, mode="ar", max_tokens=NEW_TOKENS, ignore_eos=True)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert len(ours.token_ids) == NEW_TOKENS
+        assert ours.token_ids == out, question
+
+
+@pytest.mark.slow
+def test_default_model_streams_text_and_reports_stats(engine):
+    pieces = list(engine.stream("The three primary colors are", max_tokens=20))
+    full = engine.generate("The three primary colors are", max_tokens=20)
+    assert "".join(pieces) == full.text
+    assert len(pieces) > 3
+    assert full.stats["generated_tokens"] == len(full.token_ids)
