@@ -13,8 +13,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise InvalidParameter("device", f"{device!r}: only 'cpu' and 'cuda' are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameter("device", "'cuda' was asked for but PyTorch sees no CUDA device here")

@@ -1,0 +1,131 @@
+"""Every mistake a user can make gets a clear error naming what was wrong and what is allowed;
+the CLI prints it on one line and exits non-zero, without a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import save_file
+
+import mtplx
+from mtplx.errors import InvalidParameter, ModelLoadError, UnsupportedModel
+from tests.tiny_models import hf_reference, tiny_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama")[0]
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=10_000), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(presence_penalty=5.0), "presence_penalty"),
+    (dict(mode="mtp", depth=0), "depth"),
+    (dict(mode="mtp", depth=99), "depth"),
+    (dict(mode="fast"), "mode"),
+    (dict(draft_policy="typical"), "draft_policy"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_generation_parameters_name_the_parameter(engine, kwargs, param):
+    with pytest.raises(InvalidParameter) as err:
+        engine.generate([1, 2, 3], **kwargs)
+    assert err.value.param == param
+    assert param in str(err.value)
+
+
+def test_prompt_longer_than_the_context_is_refused(engine):
+    with pytest.raises(InvalidParameter, match="context is 256 tokens"):
+        engine.generate(list(range(2, 90)) * 3)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(engine):
+    with pytest.raises(InvalidParameter, match="outside"):
+        engine.generate([1, 2, 500])
+
+
+def test_mtp_on_a_model_without_a_head_says_why():
+    engine, _ = tiny_engine("llama", head=False)
+    with pytest.raises(InvalidParameter, match="no MTP head"):
+        engine.generate([1, 2], mode="mtp")
+    assert engine.generate([1, 2], max_tokens=2).stats["mode"] == "ar"  # the default runs AR
+
+
+def test_unknown_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        mtplx.load("/no/such/model", device="cpu")
+
+
+def _write(tmp_path, cfg, state):
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+
+
+def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    hf, cfg = hf_reference("llama")
+    _write(tmp_path, {**cfg, "model_type": "gpt2"}, hf.state_dict())
+    with pytest.raises(UnsupportedModel) as err:
+        mtplx.load(tmp_path, device="cpu")
+    assert "'gpt2'" in str(err.value) and "llama" in str(err.value) and "qwen3" in str(err.value)
+
+
+def test_tensor_shape_mismatch_names_tensor_and_shapes(tmp_path):
+    hf, cfg = hf_reference("llama")
+    state = dict(hf.state_dict())
+    state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"][:100]
+    _write(tmp_path, cfg, state)
+    with pytest.raises(ModelLoadError) as err:
+        mtplx.load(tmp_path, device="cpu")
+    msg = str(err.value)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and "(100, 64)" in msg and "(128, 64)" in msg
+
+
+def test_missing_tensor_is_named(tmp_path):
+    hf, cfg = hf_reference("llama")
+    state = dict(hf.state_dict())
+    del state["model.norm.weight"]
+    _write(tmp_path, cfg, state)
+    with pytest.raises(ModelLoadError, match="model.norm.weight"):
+        mtplx.load(tmp_path, device="cpu")
+
+
+def test_bad_device_and_dtype():
+    with pytest.raises(InvalidParameter, match="dtype"):
+        mtplx.load("/tmp", device="cpu", dtype="int8")
+    with pytest.raises(InvalidParameter, match="device"):
+        mtplx.load("/tmp", device="tpu")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_one_line_errors_without_traceback(tmp_path):
+    hf, cfg = hf_reference("llama")
+    _write(tmp_path, cfg, hf.state_dict())
+    for args, needle in [
+        (["generate", "hi", "--model", "/no/such/dir"], "does not exist"),
+        (["generate", "hi", "--model", str(tmp_path)], "token-id prompts"),
+        (["generate", "hi", "--model", str(tmp_path), "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--model", str(tmp_path), "--mode", "mtp"], "no MTP head"),
+    ]:
+        proc = _cli(*args)
+        assert proc.returncode != 0
+        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cli_inspect_exit_codes_differ_per_tier(tmp_path):
+    hf, cfg = hf_reference("llama")
+    _write(tmp_path, cfg, hf.state_dict())
+    assert _cli("inspect", str(tmp_path)).returncode == 4  # AR-only
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}, default=str))
+    unsupported = _cli("inspect", str(tmp_path), "--json")
+    assert unsupported.returncode == 5 and json.loads(unsupported.stdout)["tier"] == "unsupported"
+    assert _cli("inspect", "/no/such/path").returncode == 2
