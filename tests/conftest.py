@@ -11,3 +11,11 @@ def default_gguf() -> Path:
     from mtplx.loading.default_model import default_model_path
 
     return default_model_path(progress=False)
+
+
+def pytest_configure(config):
+    """One intra-op thread: the tests' models are tiny, and on a shared 2-core machine a
+    second thread makes small operations many times slower, not faster."""
+    import torch
+
+    torch.set_num_threads(1)

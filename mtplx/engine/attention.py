@@ -7,10 +7,14 @@ A CUDA kernel can replace ``paged_attention`` behind the same signature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from mtplx.kernels import paged_attention as triton_kernel
+
+MAX_KERNEL_QUERY = 8
 
 
 @dataclass
@@ -23,15 +27,31 @@ class AttentionMetadata:
     block_tables: [rows, blocks] long, the blocks each row reads, in order (padding: scratch block).
     key_start:    first sequence index a query may attend to (1 for MTP head layers, whose
                   slot 0 holds no entry; 0 for the trunk).
+
+    Hybrid models (linear-attention layers with a recurrent state, engine/state_cache.py) also use:
+    state_slots:  [rows] long, each row's slot in the recurrent state cache.
+    query_lens:   [rows] long, each row's real (unpadded) number of new tokens.
+    capture:      keep what rebuilds the recurrent state after any prefix of the new tokens
+                  (verify forwards), so ``RecurrentStateCache.commit_captured`` can keep an
+                  accepted prefix without a second forward.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     key_start: int = 0
+    state_slots: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
+    capture: bool = False
 
     def for_head(self) -> "AttentionMetadata":
-        return AttentionMetadata(self.positions, self.slot_mapping, self.block_tables, key_start=1)
+        return replace(self, key_start=1, capture=False)
+
+    def valid_tokens(self, rows: int, q_len: int) -> torch.Tensor:
+        """[rows, q_len] bool: True for real tokens, False for the padding after a row's last one."""
+        if self.query_lens is None:
+            return torch.ones(rows, q_len, dtype=torch.bool, device=self.positions.device)
+        return torch.arange(q_len, device=self.positions.device)[None, :] < self.query_lens[:, None]
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,7 +68,19 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of new queries over everything cached for their row (reference path).
+    """Causal attention of new queries over everything cached for their row.
+
+    On CUDA, short query chunks (decode, draft, verify) take the Triton kernel, which reads only
+    each row's own keys; everything else takes the reference path below."""
+    if q.is_cuda and q.shape[1] <= MAX_KERNEL_QUERY and triton_kernel.available():
+        return triton_kernel.paged_attention_triton(q, k_pool, v_pool, meta.positions, meta.block_tables,
+                                                    meta.key_start, scale)
+    return paged_attention_reference(q, k_pool, v_pool, meta, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of new queries over everything cached for their row (pure PyTorch).
 
     q: [rows, q_len, heads, head_dim]; pools: [blocks, block_size, kv_heads, head_dim].
     A query at sequence index p attends keys at indices key_start..p. Returns [rows, q_len, heads, head_dim].

@@ -6,7 +6,8 @@ MTP cycle, per row (REFERENCE.md section 3):
   2. verify: [primary] + drafts in ONE trunk forward;
   3. accept: greedy argmax match, or exact rejection sampling (speculative.py);
   4. commit: append accepted drafts + the correction/bonus token; the KV length is simply the
-     number of tokens whose KV is valid, so a partial acceptance costs no copy.
+     number of tokens whose KV is valid, so a partial acceptance costs no copy (hybrid models'
+     recurrent state is kept at the accepted position by ``runner.commit_state``).
 Functions take lists of sequences (rows) so batching modes reuse them unchanged.
 """
 
@@ -35,6 +36,7 @@ class Generator:
         seq.stats = DecodeStats(depth=seq.depth, prompt_tokens=len(seq.prompt_ids))
         seq.t_start = time.perf_counter()
         cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        self.runner.allocate_state(seq)
         seq.trunk_len = seq.cached_prompt_tokens = seq.stats.cached_prompt_tokens = cached
         seq.head_len = max(cached, 1)
         if cached and self.runner.head is not None:
@@ -47,6 +49,7 @@ class Generator:
     def release(self, seq: Sequence) -> None:
         """Return the sequence's blocks (committed full blocks stay in the prefix cache)."""
         self.runner.blocks.free(seq.seq_id)
+        self.runner.free_state(seq)
 
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
@@ -82,12 +85,13 @@ class Generator:
         drafts, draft_probs = self._draft(seqs)
         t1 = time.perf_counter()
         rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
-        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs])
+        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True)
         logits = self.runner.logits(hidden)
         t2 = time.perf_counter()
         outcomes = [self._accept(s, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r])
                     for r, s in enumerate(seqs)]
         t3 = time.perf_counter()
+        self.runner.commit_state(seqs, [accepted + 1 for accepted, _ in outcomes])
         for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
             seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
             seq.hidden_backlog = hidden[r, : accepted + 1]

@@ -24,6 +24,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
+        # recurrent state of linear-attention layers (hybrid models; set by the runner), else None
+        self.states = None
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

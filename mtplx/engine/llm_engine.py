@@ -47,14 +47,20 @@ class Engine:
     """One model, one KV cache, one decode step. Not thread-safe: one owner thread drives it."""
 
     def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
-                 block_size: int = 16):
+                 block_size: int = 16, cuda_graphs: bool = True):
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         num_blocks = max(2, -(-kv_cache_tokens // block_size))
-        self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
+        if self.device.type == "cuda" and cuda_graphs:
+            from mtplx.engine.cuda_graphs import CudaGraphRunner
+
+            self.runner = CudaGraphRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size,
+                                          max_context=min(self.config.max_position_embeddings, num_blocks * block_size))
+        else:
+            self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set(self.config.eos_token_ids)
         self.generator = Generator(self.runner, eos)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH

@@ -1,7 +1,10 @@
 """Tensors in, hidden states out: builds attention metadata for rows of sequences and runs
-the trunk or the MTP head over them. Owns the KV tensors and the block accounting."""
+the trunk or the MTP head over them. Owns the KV tensors and the block accounting, and, for
+hybrid models, the recurrent state of their linear-attention layers (state_cache.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,23 +12,111 @@ from mtplx.engine.attention import AttentionMetadata
 from mtplx.engine.block_manager import BlockManager
 from mtplx.engine.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
+from mtplx.engine.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
+from mtplx.models.config import ModelConfig
 from mtplx.models.mtp import MTPHead
+
+# How a verify forward's recurrent state is cut back to the accepted prefix (hybrid models):
+# "capture" keeps each verified token's state update and rebuilds the state after the accepted
+# prefix (one small matmul per layer); "reforward" snapshots the state before the verify,
+# restores it and feeds the accepted tokens again. benchmarks/hybrid_cpu.py measures both:
+# capture is the faster (no second forward on a partial acceptance).
+STATE_COMMIT_MODES = ("capture", "reforward")
+DEFAULT_STATE_COMMIT = "capture"
+HYBRID_PREFIX_CACHE_REASON = (
+    "hybrid linear-attention model: a cached KV prefix cannot restore the recurrent state at its end")
+
+
+class NoPrefixCacheBlockManager(BlockManager):
+    """Block accounting that never registers blocks in the prefix cache, so no lookup hits.
+
+    For hybrid models: a hit would reuse the prefix's KV blocks, but the linear-attention
+    layers' recurrent state at the end of that prefix is not stored anywhere."""
+
+    def __init__(self, num_blocks: int, block_size: int, reason: str):
+        super().__init__(num_blocks, block_size)
+        self.prefix_cache_disabled_reason = reason
+
+    def _register(self, seq, token_ids) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {**super().stats(), "prefix_cache_disabled_reason": self.prefix_cache_disabled_reason}
+
+
+@dataclass
+class _PendingVerify:
+    """A verify forward whose recurrent state waits for ``commit_state``."""
+
+    seq_ids: list
+    seqs: list[Sequence]
+    token_rows: list[list[int]]
+    starts: list[int]
+    slots: torch.Tensor
+    snapshot: list | None = None  # "reforward" only: per layer (conv, ssm) from before the verify
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, head: MTPHead | None, *, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: CausalLM, head: MTPHead | None, *, num_blocks: int, block_size: int = 16,
+                 state_commit: str = DEFAULT_STATE_COMMIT):
         cfg = model.config
         param = model.lm_head.weight
         self.model, self.head = model, head
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.prefix_cache_disabled_reason = HYBRID_PREFIX_CACHE_REASON if cfg.is_hybrid else None
+        if self.prefix_cache_disabled_reason:
+            self.blocks = NoPrefixCacheBlockManager(num_blocks, block_size, self.prefix_cache_disabled_reason)
+        else:
+            self.blocks = BlockManager(num_blocks, block_size)
         self.cache = PagedKVCache(
-            num_layers=cfg.num_hidden_layers + (1 if head is not None else 0),
+            num_layers=cfg.num_kv_layers + (1 if head is not None else 0),
             num_blocks=num_blocks, block_size=block_size, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device,
         )
+        self.states = make_state_cache(cfg, self.dtype, self.device) if cfg.is_hybrid else None
+        self.cache.states = self.states
+        if state_commit not in STATE_COMMIT_MODES:
+            raise ValueError(f"state_commit must be one of {', '.join(STATE_COMMIT_MODES)}, got {state_commit!r}")
+        self.state_commit = state_commit
+        self._pending: _PendingVerify | None = None
+
+    # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
+    def allocate_state(self, seq: Sequence) -> None:
+        """Give an admitted sequence a zeroed recurrent-state slot."""
+        if self.states is not None and seq.state_slot is None:
+            seq.state_slot = self.states.allocate()
+
+    def free_state(self, seq: Sequence) -> None:
+        """Return the sequence's slot (release or cancel); safe to call twice."""
+        if self.states is not None and seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
+
+    @torch.inference_mode()
+    def commit_state(self, seqs: list[Sequence], kept: list[int]) -> None:
+        """After a ``trunk(..., keep_states=True)`` verify over the same rows: keep each row's
+        recurrent state after its first kept[r] fed tokens (accepted drafts + 1)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if [s.seq_id for s in seqs] != pending.seq_ids:
+            raise ValueError("commit_state rows differ from the verify forward's rows")
+        # rows that kept every fed token already hold the right state (the forward wrote it)
+        redo = [r for r, (row, k) in enumerate(zip(pending.token_rows, kept)) if k < len(row)]
+        if not redo:
+            self.states.discard_captured()
+            return
+        index = torch.tensor(redo, dtype=torch.long, device=self.device)
+        slots = pending.slots.index_select(0, index)
+        if self.state_commit == "capture":
+            kept_rows = torch.tensor([kept[r] for r in redo], dtype=torch.long, device=self.device)
+            self.states.commit_captured(slots, kept_rows, index)
+        else:
+            self.states.restore(slots, pending.snapshot, index)
+            self.trunk([pending.seqs[r] for r in redo], [pending.token_rows[r][:kept[r]] for r in redo],
+                       [pending.starts[r] for r in redo])
 
     # -- metadata -----------------------------------------------------------------------
     def metadata(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> AttentionMetadata:
@@ -44,17 +135,34 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         tables = [t + [self.cache.scratch_block] * (width - len(t)) for t in tables]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return AttentionMetadata(as_tensor(positions), as_tensor(slots), as_tensor(tables))
+        meta = AttentionMetadata(as_tensor(positions), as_tensor(slots), as_tensor(tables))
+        if self.states is not None:
+            if any(s.state_slot is None for s in seqs):
+                raise ValueError("a sequence has no recurrent-state slot: admit it first (runner.allocate_state)")
+            meta.state_slots = as_tensor([s.state_slot for s in seqs])
+            meta.query_lens = as_tensor(lens)
+        return meta
 
     def _pad(self, rows: list[list[int]], q: int) -> torch.Tensor:
         return torch.tensor([r + [r[-1]] * (q - len(r)) for r in rows], dtype=torch.long, device=self.device)
 
     # -- forwards -----------------------------------------------------------------------
     @torch.inference_mode()
-    def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Feed token_rows[r] at sequence indices starts[r]... Returns hidden [rows, q, H]."""
+    def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
+              keep_states: bool = False) -> torch.Tensor:
+        """Feed token_rows[r] at sequence indices starts[r]... Returns hidden [rows, q, H].
+
+        keep_states: a verify forward; the recurrent state (hybrid models) is then cut back to
+        the accepted tokens by ``commit_state``."""
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
+        if keep_states and self.states is not None:
+            self._pending = _PendingVerify([s.seq_id for s in seqs], list(seqs), token_rows, starts,
+                                           meta.state_slots)
+            if self.state_commit == "capture":
+                meta.capture = True
+            else:
+                self._pending.snapshot = self.states.snapshot(meta.state_slots)
         return self.model(self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()
@@ -69,3 +177,22 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+
+def make_state_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> RecurrentStateCache:
+    """The recurrent state pool for a hybrid model's linear-attention layers."""
+    lin = config.linear
+    return RecurrentStateCache(num_layers=config.num_linear_layers, conv_dim=lin.conv_dim,
+                               conv_width=lin.conv_kernel - 1, v_heads=lin.num_value_heads,
+                               k_dim=lin.key_head_dim, v_dim=lin.value_head_dim, dtype=dtype, device=device)
+
+
+def recurrent_state_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of recurrent state one sequence holds (conv in ``dtype``, SSM in float32); 0 for
+    models without linear attention."""
+    if not config.is_hybrid:
+        return 0
+    lin = config.linear
+    conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
+    ssm = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4
+    return config.num_linear_layers * (conv + ssm)

@@ -37,6 +37,7 @@ class Sequence:
     head_len: int = 0
     cached_prompt_tokens: int = 0
     hidden_backlog: torch.Tensor | None = None
+    state_slot: int | None = None  # recurrent state cache slot (hybrid models), from admit to release
     counts: torch.Tensor | None = None  # [V] int, generated-token counts (penalties only)
     finish_reason: str | None = None
     cancelled: bool = False

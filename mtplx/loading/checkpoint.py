@@ -9,6 +9,7 @@ import torch
 from mtplx.errors import ModelLoadError
 from mtplx.loading import hf_dir
 from mtplx.loading.mtp_weights import extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
+from mtplx.loading.text_weights import text_model_state
 from mtplx.loading.tokenizer import Tokenizer
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
@@ -50,6 +51,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
         gen_defaults = hf_dir.read_generation_config(path)
     else:
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    if config.is_hybrid:
+        state = text_model_state(state)
     if tokenizer is not None:
         tokenizer.add_eos_ids(set(config.eos_token_ids) | set(_as_list(gen_defaults.get("eos_token_id"))))
 

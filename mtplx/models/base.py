@@ -31,7 +31,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, self.make_attention)
+        self.model = self.make_stack(config)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -40,6 +40,14 @@ class CausalLM(nn.Module):
     @staticmethod
     def make_attention(config: ModelConfig) -> Attention:
         raise NotImplementedError
+
+    def make_stack(self, config: ModelConfig) -> nn.Module:
+        """embed_tokens, layers, norm (hybrid families build their own layer mix)."""
+        return DecoderStack(config, self.make_attention)
+
+    def make_head_layer(self, config: ModelConfig, zero_centered_norms: bool) -> nn.Module:
+        """The MTP head's decoder layer: the family's full-attention block."""
+        return DecoderLayer(config, self.make_attention(config), zero_centered_norms)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""

@@ -19,7 +19,7 @@ from mtplx.engine.attention import AttentionMetadata
 from mtplx.engine.kv_cache import PagedKVCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig
-from mtplx.models.layers import DecoderLayer, RMSNorm
+from mtplx.models.layers import RMSNorm
 
 
 class MTPHead(nn.Module):
@@ -31,9 +31,9 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
-        self.layers = nn.ModuleList([DecoderLayer(config, trunk.make_attention(config), zc)])
+        self.layers = nn.ModuleList([trunk.make_head_layer(config, zc)])
         self.norm = RMSNorm(h, eps, zc)
-        self.cache_layer = config.num_hidden_layers  # KV layer index in the shared cache
+        self.cache_layer = config.num_kv_layers  # KV layer index in the shared cache (after the trunk's)
 
     def forward(self, trunk: CausalLM, hidden: torch.Tensor, next_tokens: torch.Tensor,
                 meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:

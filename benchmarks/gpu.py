@@ -1,0 +1,246 @@
+"""GPU benchmark (issue 7): one device call builds its models, checks them against the
+reference path, times them, prints a table and writes JSON.
+
+    PYTHONPATH=. python benchmarks/gpu.py --out results.json [--shapes smollm2,qwen3-1.7b,qwen3-8b]
+        [--default-gguf PATH] [--hf-baseline eager,compile]
+
+Random-weight models with real shapes, each with a random MTP head:
+- AR tok/s at batch 1 and its share of the roofline (bytes read per token over the
+  device-to-device copy bandwidth measured in the same run);
+- verify-step time for 1 + D tokens over the AR-step time (D = 1, 2, 3); draft-step time over AR;
+- AR aggregate tok/s at 1/2/4/8 concurrent streams;
+- transformers' generate on the same shapes (eager, and static cache + torch.compile) as baseline.
+The real default model (with its forged head, if present): AR and MTP tok/s per depth and
+acceptance by depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from mtplx.engine.llm_engine import Engine
+from mtplx.engine.sampling import SamplingParams
+from mtplx.engine.sequence import Sequence
+from mtplx.loading.checkpoint import LoadedModel
+from mtplx.loading.weights import attach_head, build_model_on_meta
+from mtplx.loading.mtp_weights import HeadWeights
+from mtplx.models.config import MTPConfig, ModelConfig
+from mtplx.models.mtp import MTPHead
+
+SHAPES = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960),
+}
+PROMPT_LEN, NEW_TOKENS = 16, 256
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    n = 1 << 30  # 1 GiB of bf16 elements = 2 GiB
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n * 2 / sorted(times[3:])[len(times[3:]) // 2]
+
+
+def random_engine(shape: dict, device, dtype=torch.bfloat16) -> Engine:
+    config = ModelConfig.from_hf(shape)
+    model = build_model_on_meta(config).to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    from mtplx.models.layers import rope_inv_freq
+    model.rotary.inv_freq = rope_inv_freq(config).to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False).eval()
+    with torch.device("meta"):
+        shapes = MTPHead(model, MTPConfig(layout="sidecar")).state_dict()
+    state = {k: (torch.ones(v.shape) if "norm" in k else torch.randn(v.shape) * 0.02) for k, v in shapes.items()}
+    head = attach_head(model, HeadWeights(state, MTPConfig(layout="sidecar")), device, dtype)
+    return Engine(LoadedModel(model, head, None, config, source=None), kv_cache_tokens=16384)
+
+
+def weight_bytes(engine: Engine) -> int:
+    model = engine.loaded.model
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name == "model.embed_tokens.weight" and not model.config.tie_word_embeddings:
+            continue  # an untied embedding is read one row per token
+        total += p.numel() * p.element_size()
+    return total
+
+
+def timed(fn, repeats=20, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def step_costs(engine: Engine, context: int = 128) -> dict:
+    """Median time of one trunk forward of q tokens (q = 1 AR, 1+D verify) and of one head step."""
+    runner = engine.runner
+    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
+                   generator=torch.Generator(device=engine.device))
+    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    with torch.inference_mode():
+        runner.trunk([seq], [seq.prompt_ids], [0])
+        out = {}
+        ar = timed(lambda: runner.logits(runner.trunk([seq], [[5]], [context])[:, -1]))
+        out["ar_step_s"] = ar
+        for d in (1, 2, 3):
+            t = timed(lambda: runner.logits(runner.trunk([seq], [[5] * (d + 1)], [context])))
+            out[f"verify_1+{d}_over_ar"] = t / ar
+        hidden = torch.zeros(1, 1, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+        draft = timed(lambda: runner.logits(runner.head_forward([seq], hidden, [[5]], [context])[:, -1]).argmax(-1))
+        out["draft_step_over_ar"] = draft / ar
+    runner.blocks.free(seq.seq_id)
+    return out
+
+
+def ar_tok_s(engine: Engine, streams: int) -> float:
+    """Aggregate AR decode tok/s with ``streams`` concurrent greedy rows (after prefill)."""
+    gen = engine.generator
+    seqs = []
+    for i in range(streams):
+        req = engine.make_request(list(range(3 + i, 3 + i + PROMPT_LEN)), mode="ar", max_tokens=NEW_TOKENS,
+                                  ignore_eos=True)
+        seq = engine.new_sequence(req)
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while not all(s.finished for s in seqs):
+            engine.step([s for s in seqs if not s.finished])
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    tokens = sum(s.num_generated - 1 for s in seqs)
+    for s in seqs:
+        gen.release(s)
+    return tokens / elapsed
+
+
+def check_against_reference(engine: Engine) -> dict:
+    """Fail loudly unless the graph + Triton path computes what the eager reference path does:
+    logits of prefill, AR, verify and draft forwards on fresh random tokens (bf16 tolerance)."""
+    eager = Engine(engine.loaded, kv_cache_tokens=4096, cuda_graphs=False)
+    g = torch.Generator().manual_seed(int(time.time()))
+    vocab = engine.config.vocab_size
+    prompt = torch.randint(0, vocab, (40,), generator=g).tolist()
+    worst = {}
+    with torch.inference_mode():
+        for name, eng in (("graph", engine), ("eager", eager)):
+            seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1,
+                           generator=torch.Generator(device=eng.device))
+            eng.runner.blocks.allocate(seq.seq_id, prompt)
+            eng.runner.trunk([seq], [prompt], [0])
+            rows = [[prompt[-1]], prompt[-4:], prompt[-2:]]
+            outs = [eng.runner.logits(eng.runner.trunk([seq], [r], [40])).float() for r in rows]
+            h = torch.randn(1, 1, engine.config.hidden_size, generator=g).to(eng.device, eng.dtype)
+            outs.append(eng.runner.logits(eng.runner.head_forward([seq], h, [[prompt[3]]], [41])).float())
+            eng.runner.blocks.free(seq.seq_id)
+            worst[name] = outs
+    errs = [float((a - b).norm() / b.norm()) for a, b in zip(worst["graph"], worst["eager"])]
+    if max(errs) > 2e-2 or any(torch.isnan(a).any() for a in worst["graph"]):
+        raise SystemExit(f"FAIL: graph/Triton path differs from the eager reference: rel errors {errs}")
+    del eager
+    torch.cuda.empty_cache()
+    return {"graph_vs_eager_rel_err": max(errs)}
+
+
+def hf_baseline(shape: dict, device, modes) -> dict:
+    import transformers
+
+    cfg_cls = transformers.Qwen3Config if shape["model_type"] == "qwen3" else transformers.LlamaConfig
+    cls = transformers.Qwen3ForCausalLM if shape["model_type"] == "qwen3" else transformers.LlamaForCausalLM
+    cfg = cfg_cls(**{k: v for k, v in shape.items() if k != "model_type"})
+    with torch.device(device):
+        model = cls(cfg).to(torch.bfloat16).eval()
+    ids = torch.arange(3, 3 + PROMPT_LEN, device=device)[None]
+    out = {}
+    for mode in modes:
+        kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        if mode == "compile":
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        t_first = time.perf_counter()
+        model.generate(ids, **kwargs)  # warm-up (compiles)
+        warm = time.perf_counter() - t_first
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        out[f"hf_{mode}_tok_s"] = NEW_TOKENS / (time.perf_counter() - t0)
+        out[f"hf_{mode}_warmup_s"] = warm
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--hf-baseline", default="eager")
+    ap.add_argument("--default-gguf", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "copy_bandwidth_GBs": copy_bandwidth(device) / 1e9, "models": {}}
+    bw = report["copy_bandwidth_GBs"] * 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    for name in args.shapes.split(","):
+        engine = random_engine(SHAPES[name], device)
+        entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine)}
+        entry.update(step_costs(engine))
+        for streams in (1, 2, 4, 8):
+            entry[f"ar_tok_s_x{streams}"] = ar_tok_s(engine, streams)
+        entry["roofline_tok_s"] = bw / weight_bytes(engine)
+        entry["ar_share_of_roofline"] = entry["ar_tok_s_x1"] / entry["roofline_tok_s"]
+        del engine
+        torch.cuda.empty_cache()
+        modes = [m for m in args.hf_baseline.split(",") if m]
+        entry.update(hf_baseline(SHAPES[name], device, modes))
+        report["models"][name] = entry
+        print(name, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
+    if args.default_gguf:
+        import mtplx
+        from mtplx.benchmarking import measure, render_table
+
+        engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16")
+        report["default_model"] = measure(engine, max_tokens=128)
+        print(render_table(report["default_model"]))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""CUDA graphs for the short forwards of decoding: AR steps, MTP drafts and verifies.
+
+A decode step of a small model is a few hundred kernel launches; replaying a captured graph
+turns them into one. Each (kind, rows bucket, query length) gets its own graph over static
+input buffers; a step copies its metadata into those buffers (pinned host memory, async) and
+replays. Attention reads the row's real length from the positions buffer on the device (the
+Triton kernel's dynamic bound), so one graph serves every context length. Long forwards
+(prefill) and hybrid models run eagerly through ``ModelRunner``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtplx.engine.attention import AttentionMetadata
+from mtplx.engine.runner import ModelRunner
+from mtplx.engine.sequence import Sequence
+
+ROW_BUCKETS = (1, 2, 4, 8)
+MAX_GRAPH_QUERY = 8
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor        # [R, q] long
+    positions: torch.Tensor  # [R, q] long
+    slots: torch.Tensor      # [R, q] long
+    tables: torch.Tensor     # [R, W] long
+    hidden_in: torch.Tensor | None  # [R, q, H] (head graphs)
+    out: torch.Tensor        # [R, q, H]
+
+
+class CudaGraphRunner(ModelRunner):
+    """A ModelRunner that replays CUDA graphs for forwards of <= 8 query tokens over <= 8 rows."""
+
+    def __init__(self, *args, max_context: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.table_width = -(-max_context // self.block_size)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.enabled = self.states is None  # hybrid models keep the eager path
+
+    # -- public forwards (same contract as ModelRunner) -----------------------------------------
+    @torch.inference_mode()
+    def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
+              keep_states: bool = False) -> torch.Tensor:
+        q = max(len(r) for r in token_rows)
+        if not self._eligible(len(seqs), q):
+            return super().trunk(seqs, token_rows, starts, keep_states)
+        g = self._graph("trunk", len(seqs), q)
+        self._load(g, seqs, token_rows, starts)
+        g.graph.replay()
+        return g.out[: len(seqs)]
+
+    @torch.inference_mode()
+    def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
+                     starts: list[int]) -> torch.Tensor:
+        q = max(len(r) for r in token_rows)
+        if not self._eligible(len(seqs), q):
+            return super().head_forward(seqs, hidden, token_rows, starts)
+        g = self._graph("head", len(seqs), q)
+        self._load(g, seqs, token_rows, starts)
+        g.hidden_in[: len(seqs), : hidden.shape[1]].copy_(hidden)
+        g.graph.replay()
+        return g.out[: len(seqs)]
+
+    def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
+        """Capture the graphs a server will need up front (start-up, not first request)."""
+        for r in rows:
+            self._graph("trunk", r, 1)
+            for d in depths:
+                self._graph("trunk", r, d + 1)
+                if self.head is not None:
+                    self._graph("head", r, d + 1)
+            if self.head is not None:
+                self._graph("head", r, 1)
+        return len(self.graphs)
+
+    # -- internals -------------------------------------------------------------------------
+    def _eligible(self, rows: int, q: int) -> bool:
+        return self.enabled and rows <= ROW_BUCKETS[-1] and q <= MAX_GRAPH_QUERY
+
+    def _load(self, g: _Graph, seqs, token_rows, starts) -> None:
+        """Fill the graph's static inputs for these rows; unused rows and columns stay padding."""
+        R, q = g.ids.shape
+        bs = self.block_size
+        ids = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
+        pos = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
+        slots = torch.full((R, q), self.cache.scratch_slot, dtype=torch.long, pin_memory=True)
+        tables = torch.full((R, self.table_width), self.cache.scratch_block, dtype=torch.long, pin_memory=True)
+        for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
+            n = len(row)
+            self.blocks.ensure_capacity(seq.seq_id, start + n)
+            table = self.blocks.block_table(seq.seq_id)
+            tables[r, : len(table)] = torch.tensor(table)
+            p = torch.arange(start, start + n)
+            ids[r, :n] = torch.tensor(row)
+            ids[r, n:] = row[-1]
+            pos[r, :n] = p
+            pos[r, n:] = start + n - 1
+            slots[r, :n] = tables[r, p // bs] * bs + p % bs
+        for dst, src in ((g.ids, ids), (g.positions, pos), (g.slots, slots), (g.tables, tables)):
+            dst.copy_(src, non_blocking=True)
+        if g.hidden_in is not None:
+            g.hidden_in.zero_()
+
+    def _graph(self, kind: str, rows: int, q: int) -> _Graph:
+        R = next(b for b in ROW_BUCKETS if b >= rows)
+        key = (kind, R, q)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(kind, R, q)
+        return self.graphs[key]
+
+    def _capture(self, kind: str, R: int, q: int) -> _Graph:
+        dev, H = self.device, self.model.config.hidden_size
+        long = dict(dtype=torch.long, device=dev)
+        ids = torch.zeros(R, q, **long)
+        positions = torch.zeros(R, q, **long)
+        slots = torch.full((R, q), self.cache.scratch_slot, **long)
+        tables = torch.full((R, self.table_width), self.cache.scratch_block, **long)
+        hidden_in = torch.zeros(R, q, H, dtype=self.dtype, device=dev) if kind == "head" else None
+        meta = AttentionMetadata(positions, slots, tables)
+
+        def forward():
+            if kind == "head":
+                return self.head(self.model, hidden_in, ids, meta, self.cache)
+            return self.model(ids, meta, self.cache)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles here)
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        return _Graph(graph, ids, positions, slots, tables, hidden_in, out)
