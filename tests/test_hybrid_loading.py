@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import mtplx
+from mtplx.loading.describe import describe
 from mtplx.models.config import ModelConfig
 from tests.hybrid_models import hf_hybrid, hybrid_head, one_thread
 from tests.tiny_models import ours_from_hf
@@ -92,6 +93,12 @@ def test_qwen3_5_checkpoint_layout_loads(tmp_path, caplog, arch):
     assert "vision" in caplog.text
     assert engine.config.model_type == arch and engine.config.mtp.num_layers == 1
     _check_engine(engine, hf, head)
+
+    info = describe(tmp_path)  # what `mtplx inspect` reports, from metadata alone
+    assert info["tier"] == "verified" and info["mtp"]["layout"] == "qwen3_next"
+    assert info["mtp"]["zero_centered_norms"] is True
+    assert info["layer_mix"]["linear_attention"] > 0 and info["layer_mix"]["full_attention"] > 0
+    assert info["prefix_cache"]["enabled"] is False and "recurrent state" in info["prefix_cache"]["reason"]
 
 
 def test_qwen3_next_checkpoint_with_per_expert_tensors_loads(tmp_path):

@@ -40,6 +40,14 @@ def _render(info: dict) -> str:
                   f"shape:        {info['layers']} layers, hidden {info['hidden_size']}, "
                   f"{info['attention_heads']} heads / {info['kv_heads']} kv heads, vocab {info['vocab_size']}, "
                   f"context {info['context']}"]
+    mix = info.get("layer_mix")
+    if mix and mix.get("linear_attention"):
+        line = f"layer mix:    {mix['linear_attention']} linear-attention + {mix['full_attention']} full-attention ({mix['pattern']})"
+        if mix.get("experts"):
+            line += f"; MoE {mix['experts']} in {mix['moe_layers']} layers"
+        lines.append(line)
+    if info.get("prefix_cache", {}).get("enabled") is False:
+        lines.append(f"prefix cache: off ({info['prefix_cache']['reason']})")
     mtp = info.get("mtp")
     if mtp:
         lines.append(f"mtp head:     {mtp['layout']} ({mtp['source']}), {mtp['layers']} layer(s), "

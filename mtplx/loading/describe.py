@@ -11,6 +11,7 @@ from mtplx.errors import ModelLoadError, UnsupportedModel
 from mtplx.loading import hf_dir
 from mtplx.loading.mtp_weights import SIDECAR_PROVENANCE, SIDECAR_WEIGHTS, detect_layout, is_head_key
 from mtplx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from mtplx.engine.runner import HYBRID_PREFIX_CACHE_REASON
 
 # support tiers and the exit codes `mtplx inspect` returns for them
 TIERS = {"verified": 0, "unverified": 3, "ar_only": 4, "unsupported": 5}
@@ -29,6 +30,9 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
         return {**info, "tier": "unsupported", "reason": str(exc),
                 "supported_architectures": sorted(SUPPORTED_MODEL_TYPES)}
     trunk = {k: s for k, s in shapes.items() if not is_head_key(k, config)}
+    info["layer_mix"] = config.layer_mix()
+    info["prefix_cache"] = ({"enabled": False, "reason": HYBRID_PREFIX_CACHE_REASON} if config.is_hybrid
+                            else {"enabled": True})
     info.update(
         layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
         attention_heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
@@ -39,6 +43,7 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
         head = {k: s for k, s in shapes.items() if is_head_key(k, config)}
         return {**info, "tier": "verified", "mtp": {"layout": layout, "source": "native",
                 "layers": config.mtp.num_layers if config.mtp else 1,
+                "zero_centered_norms": bool(config.mtp and config.mtp.zero_centered_norms),
                 "parameters": sum(math.prod(s) for s in head.values())}}
     sidecar = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
     if (sidecar / SIDECAR_WEIGHTS).is_file():
