@@ -23,7 +23,9 @@ import time
 
 import torch
 
+from mtplx.engine import attention
 from mtplx.engine.llm_engine import Engine
+from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.loading.checkpoint import LoadedModel
@@ -114,6 +116,9 @@ def step_costs(engine: Engine, context: int = 128) -> dict:
         out = {}
         ar = timed(lambda: runner.logits(runner.trunk([seq], [[5]], [context])[:, -1]))
         out["ar_step_s"] = ar
+        out["trunk_forward_only_s"] = timed(lambda: runner.trunk([seq], [[5]], [context]))
+        out["trunk_forward_eager_s"] = timed(lambda: ModelRunner.trunk(runner, [seq], [[5]], [context]))
+        out["runner"] = type(runner).__name__
         for d in (1, 2, 3):
             t = timed(lambda: runner.logits(runner.trunk([seq], [[5] * (d + 1)], [context])))
             out[f"verify_1+{d}_over_ar"] = t / ar
@@ -149,12 +154,14 @@ def ar_tok_s(engine: Engine, streams: int) -> float:
 
 
 def check_against_reference(engine: Engine) -> dict:
-    """Fail loudly unless the graph + Triton path computes what the eager reference path does:
-    logits of prefill, AR, verify and draft forwards on fresh random tokens (bf16 tolerance)."""
+    """Fail loudly unless the CUDA-graph path computes what the eager path does: logits of AR,
+    verify and draft forwards on fresh random tokens. (The Triton kernel itself is checked
+    against the pure-PyTorch reference by benchmarks/check_kernels.py, run first.)"""
     eager = Engine(engine.loaded, kv_cache_tokens=4096, cuda_graphs=False)
     g = torch.Generator().manual_seed(int(time.time()))
     vocab = engine.config.vocab_size
     prompt = torch.randint(0, vocab, (40,), generator=g).tolist()
+    h_in = torch.randn(1, 1, engine.config.hidden_size, generator=g)
     worst = {}
     with torch.inference_mode():
         for name, eng in (("graph", engine), ("eager", eager)):
@@ -164,12 +171,12 @@ def check_against_reference(engine: Engine) -> dict:
             eng.runner.trunk([seq], [prompt], [0])
             rows = [[prompt[-1]], prompt[-4:], prompt[-2:]]
             outs = [eng.runner.logits(eng.runner.trunk([seq], [r], [40])).float() for r in rows]
-            h = torch.randn(1, 1, engine.config.hidden_size, generator=g).to(eng.device, eng.dtype)
+            h = h_in.to(eng.device, eng.dtype)
             outs.append(eng.runner.logits(eng.runner.head_forward([seq], h, [[prompt[3]]], [41])).float())
             eng.runner.blocks.free(seq.seq_id)
             worst[name] = outs
     errs = [float((a - b).norm() / b.norm()) for a, b in zip(worst["graph"], worst["eager"])]
-    if max(errs) > 2e-2 or any(torch.isnan(a).any() for a in worst["graph"]):
+    if max(errs) > 1e-2 or any(torch.isnan(a).any() for a in worst["graph"]):
         raise SystemExit(f"FAIL: graph/Triton path differs from the eager reference: rel errors {errs}")
     del eager
     torch.cuda.empty_cache()
@@ -221,6 +228,7 @@ def main() -> None:
         engine = random_engine(SHAPES[name], device)
         entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine)}
         entry.update(step_costs(engine))
+        entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
         for streams in (1, 2, 4, 8):
             entry[f"ar_tok_s_x{streams}"] = ar_tok_s(engine, streams)
         entry["roofline_tok_s"] = bw / weight_bytes(engine)

@@ -86,3 +86,22 @@ def test_batched_rows_of_different_lengths_match_single_rows():
     for r, p in enumerate(prompts):
         ref = _hf_logits(hf, p)
         assert (logits[r, : len(p)] - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_give_the_same_logits(arch):
+    """The GPU path fuses q/k/v and gate/up matmuls; the model must compute the same function."""
+    from mtplx.models.layers import fuse_projections
+
+    hf, cfg = hf_reference(arch, attention_bias=True) if arch == "llama" else hf_reference(arch)
+    ours = ours_from_hf(hf, cfg)
+    ids = list(range(5, 30))
+    runner = ModelRunner(ours, None, num_blocks=32, block_size=4)
+    seq = _seq(ids)
+    runner.blocks.allocate(seq.seq_id, ids)
+    before = runner.logits(runner.trunk([seq], [ids], [0]))
+    params = sum(p.numel() for p in ours.parameters())
+    assert fuse_projections(ours) == 2 * cfg["num_hidden_layers"]
+    after = runner.logits(runner.trunk([seq], [ids], [0]))
+    assert (before - after).abs().max() <= 1e-5
+    assert sum(p.numel() for p in ours.parameters()) == params  # views, no second copy

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mtplx.kernels import paged_attention as triton_kernel
 
 MAX_KERNEL_QUERY = 8
+KERNELS_ENABLED = True  # benchmarks switch it off to check the kernel against the reference
 
 
 @dataclass
@@ -72,7 +73,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     On CUDA, short query chunks (decode, draft, verify) take the Triton kernel, which reads only
     each row's own keys; everything else takes the reference path below."""
-    if q.is_cuda and q.shape[1] <= MAX_KERNEL_QUERY and triton_kernel.available():
+    if KERNELS_ENABLED and q.is_cuda and q.shape[1] <= MAX_KERNEL_QUERY and triton_kernel.available():
         return triton_kernel.paged_attention_triton(q, k_pool, v_pool, meta.positions, meta.block_tables,
                                                     meta.key_start, scale)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale)

@@ -14,6 +14,7 @@ from mtplx.engine.sampling import SamplingParams, make_generator
 from mtplx.engine.sequence import Sequence
 from mtplx.errors import InvalidParameter, MtplxError
 from mtplx.loading.checkpoint import LoadedModel
+from mtplx.models.layers import fuse_projections
 
 MAX_DEPTH = 8
 DEFAULT_DEPTH = 2
@@ -54,6 +55,10 @@ class Engine:
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         num_blocks = max(2, -(-kv_cache_tokens // block_size))
+        if self.device.type == "cuda":  # fewer, larger matmuls per step
+            fuse_projections(loaded.model)
+            if loaded.head is not None:
+                fuse_projections(loaded.head)
         if self.device.type == "cuda" and cuda_graphs:
             from mtplx.engine.cuda_graphs import CudaGraphRunner
 

@@ -52,8 +52,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rotary = self.rotary.bind(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, self.rotary, meta, cache.k[i], cache.v[i])
+            x = layer(x, rotary, meta, cache.k[i], cache.v[i])
         hidden = self.model.norm(x)
         cache.store_block_ends(hidden, meta.slot_mapping)
         return hidden

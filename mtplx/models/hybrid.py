@@ -127,11 +127,12 @@ class HybridCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rotary = self.rotary.bind(meta.positions, x.dtype)
         for layer in self.model.layers:
             if layer.linear_attn is not None:
-                x = layer(x, self.rotary, meta, states=cache.states)
+                x = layer(x, rotary, meta, states=cache.states)
             else:
-                x = layer(x, self.rotary, meta, cache.k[layer.cache_index], cache.v[layer.cache_index])
+                x = layer(x, rotary, meta, cache.k[layer.cache_index], cache.v[layer.cache_index])
         hidden = self.model.norm(x)
         cache.store_block_ends(hidden, meta.slot_mapping)
         return hidden

@@ -23,8 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op where the backend has it
         weight = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
         if self.zero_centered:
             return (x * weight).to(dtype)
@@ -60,16 +59,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rotary_dim = self.inv_freq.shape[0] * 2
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [rows, q, heads, head_dim]; positions: [rows, q] long."""
+    def bind(self, positions: torch.Tensor, dtype: torch.dtype) -> "BoundRotary":
+        """cos/sin for these positions, computed once per forward and shared by every layer."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().unsqueeze(2).to(x.dtype)
-        sin = emb.sin().unsqueeze(2).to(x.dtype)
+        return BoundRotary(emb.cos().unsqueeze(2).to(dtype), emb.sin().unsqueeze(2).to(dtype), self.rotary_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [rows, q, heads, head_dim]; positions: [rows, q] long."""
+        return self.bind(positions, x.dtype)(x, positions)
+
+
+class BoundRotary:
+    """RoPE with precomputed cos/sin [rows, q, 1, rotary_dim]; called like RotaryEmbedding."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
+        self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
+        out = rot * self.cos + rotated * self.sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
@@ -83,7 +94,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_weight"):
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> None:
+        """One matmul for gate and up (fewer launches per step); the originals become views."""
+        self.gate_up_weight, self.gate_up_bias = _fuse_linears(self.gate_proj, self.up_proj)
 
 
 class Attention(nn.Module):
@@ -106,15 +124,51 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
-        q = self.q_proj(x).view(rows, q_len, self.heads, self.head_dim)
-        k = self.k_proj(x).view(rows, q_len, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, q_len, self.kv_heads, self.head_dim)
+        if hasattr(self, "qkv_weight"):
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(rows, q_len, self.heads, self.head_dim)
+        k = k.reshape(rows, q_len, self.kv_heads, self.head_dim)
+        v = v.reshape(rows, q_len, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, meta.positions), rotary(k, meta.positions)
         write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, meta, self.scale)
         return self.o_proj(out.reshape(rows, q_len, -1))
+
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (fewer launches per step); the originals become views."""
+        self.qkv_weight, self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate Linear weights (and biases) along the output dimension and re-point each
+    Linear at its slice, so the fused copy costs no extra memory."""
+    weight = torch.cat([l.weight.detach() for l in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([l.bias.detach() for l in linears]) if has_bias else None
+    start = 0
+    for l in linears:
+        n = l.weight.shape[0]
+        l.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if has_bias:
+            l.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+def fuse_projections(module: nn.Module) -> int:
+    """Fuse q/k/v and gate/up matmuls in every Attention and MLP below ``module`` (inference)."""
+    fused = 0
+    for sub in module.modules():
+        if isinstance(sub, (Attention, MLP)) and not sub.training:
+            sub.fuse()
+            fused += 1
+    return fused
 
 
 class DecoderLayer(nn.Module):
