@@ -1,0 +1,144 @@
+"""``mtplx forge build`` trains an MTP head for a trunk; ``mtplx forge verify`` checks that a head
+decodes exactly and measures whether it is faster than AR on this machine."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from mtplx.commands.common import add_model_options, load_engine
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("forge", help="train an MTP head for a model (build) or check one (verify)")
+    actions = p.add_subparsers(dest="forge_action", required=True, metavar="ACTION")
+    _add_build(actions)
+    _add_verify(actions)
+
+
+def _add_build(actions) -> None:
+    p = actions.add_parser("build", help="train an MTP head by self-distillation against the frozen trunk")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="folder for mtp.safetensors and mtplx_forge.json")
+    p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: OUT/forge-work)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted build from its work folder")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", help="trunk dtype for data and targets (default float32)")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data")
+    g.add_argument("--tokens", type=int, default=1_000_000, help="generated tokens to aim for (default 1M)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="longest completion per prompt")
+    g.add_argument("--temperatures", default="0,0.7", help="sampling temperatures, mixed over prompts")
+    g.add_argument("--rounds", type=int, default=3, help="passes over the prompt set, at most")
+    g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
+    g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
+    g.add_argument("--text", action="append", default=[], help="plain-text file to add (repeatable)")
+    g = p.add_argument_group("training")
+    g.add_argument("--depth", type=int, default=3, help="draft depths trained (default 3)")
+    g.add_argument("--epochs", type=float, default=3.0)
+    g.add_argument("--batch-tokens", type=int, default=8192, help="tokens per training batch")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine decay)")
+    g.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget: generation stops at 45%% of it, training at 90%%")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--measure-depth", type=int, default=3)
+    g.add_argument("--measure-max-tokens", type=int, default=128)
+    p.set_defaults(func=run_build)
+
+
+def _add_verify(actions) -> None:
+    p = actions.add_parser("verify", help="exactness checks and the speed verdict of a head on this machine")
+    add_model_options(p)
+    p.add_argument("--depths", default="1,2,3", help="MTP depths to time against AR")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--samples", type=int, default=300, help="MTP generations in the sampled-distribution test")
+    p.add_argument("--no-write", action="store_true", help="do not record the verdict in mtplx_forge.json")
+    p.set_defaults(func=run_verify)
+
+
+def run_build(args) -> int:
+    from mtplx.errors import InvalidParameter
+    from mtplx.forge import prompts
+    from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.train import TrainSettings
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    except ValueError:
+        raise InvalidParameter("temperatures", f"{args.temperatures!r} is not a comma-separated list") from None
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise InvalidParameter("temperatures", "give one or more temperatures >= 0")
+    for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
+        if getattr(args, name) < 1:
+            raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
+    train_prompts = load_prompts_file(Path(args.prompts)) if args.prompts else prompts.training_prompts(args.seed)
+    settings = BuildSettings(
+        tokens=args.tokens, max_new_tokens=args.max_new_tokens, temperatures=temperatures, rounds=args.rounds,
+        gen_rows=args.gen_rows, seed=args.seed, max_seconds=args.max_seconds, measure_depth=args.measure_depth,
+        measure_max_tokens=args.measure_max_tokens,
+        train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
+                            seed=args.seed))
+    trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
+    held_out = list(prompts.HELD_OUT_PROMPTS)
+    if trunk.loaded.tokenizer is None and args.prompts:  # token-id prompts: hold out the last few
+        cut = max(1, len(train_prompts) // 10)
+        train_prompts, held_out = train_prompts[:-cut], train_prompts[-cut:]
+    command = "mtplx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["forge"] else ""
+    provenance = build(trunk, Path(args.out), train_prompts=train_prompts, held_out_prompts=held_out,
+                       settings=settings, work_dir=Path(args.work) if args.work else None, resume=args.resume,
+                       text_files=[Path(t) for t in args.text],
+                       prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command)
+    m = provenance["measured"]["held_out"]
+    print(f"forged {args.out}: held-out acceptance by depth "
+          + "/".join(f"{a:.2f}" for a in m["acceptance_by_depth"])
+          + f", mean acceptance length {m['mean_acceptance_length']:.2f} at depth {m['depth']}")
+    return 0
+
+
+def run_verify(args) -> int:
+    from mtplx.benchmarking import measure, render_table
+    from mtplx.errors import InvalidParameter
+    from mtplx.forge.artifact import read_provenance, write_provenance
+    from mtplx.forge.measure import sampled_exactness
+    from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
+    from mtplx.commands.tune import TOKEN_ID_SUITE
+    from mtplx.tuning import pick_depth
+
+    try:
+        depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
+    except ValueError:
+        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    engine = load_engine(args)
+    if not engine.has_mtp:
+        raise InvalidParameter("head", "this model has no MTP head to verify (pass --head DIR)")
+    suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
+    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
+                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite)
+    greedy_ok = bool(report.get("greedy_identical_to_ar"))
+    print(f"greedy identity with AR: {'pass' if greedy_ok else 'FAIL'}")
+    prompt = (engine.tokenizer.apply_chat_template(as_chat(HELD_OUT_PROMPTS[0])) if engine.tokenizer
+              else list(TOKEN_ID_SUITE[0]))
+    sampled = sampled_exactness(engine, prompt, samples=args.samples)
+    sampled_ok = sampled["p_value"] >= 1e-3
+    print(f"sampled distribution (chi-square, {sampled['samples']} MTP samples vs the enumerated AR "
+          f"distribution): p = {sampled['p_value']:.3g}, {'pass' if sampled_ok else 'FAIL'}")
+    print(render_table(report))
+    choice = pick_depth(report)
+    print(choice["message"])
+    head_dir = Path(args.head) if args.head else Path(engine.loaded.head_info.get("source", ""))
+    if not args.no_write and (head_dir / "mtplx_forge.json").is_file():
+        verdict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report["machine"],
+                   "greedy_identical_to_ar": greedy_ok, "sampled_exactness": sampled,
+                   "speed": {k: {"tok_s": round(v["tok_s"], 2), "acceptance_by_depth": v.get("acceptance_by_depth"),
+                                 "mean_acceptance_length": v.get("mean_acceptance_length")}
+                             for k, v in report["configs"].items()},
+                   "verdict": choice["message"], "fastest_depth": choice["depth"]}
+        try:
+            write_provenance(head_dir, {**read_provenance(head_dir), "verify": verdict})
+            print(f"recorded the verdict in {head_dir / 'mtplx_forge.json'}")
+        except OSError as exc:
+            print(f"could not record the verdict in {head_dir}: {exc}", file=sys.stderr)
+    return 0 if greedy_ok and sampled_ok else 1

@@ -1,0 +1,49 @@
+"""``mtplx tune``: measure AR and MTP depths 1..3 on this machine; save the winner if it beats AR."""
+
+from __future__ import annotations
+
+import sys
+
+from mtplx.commands.common import add_model_options, load_engine
+
+# For models without a tokenizer: token-id prompts (tuples, so they are not taken for chat messages).
+TOKEN_ID_SUITE = ((1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="find the fastest MTP depth on this machine (saved to ~/.mtplx/tuning.json)")
+    add_model_options(p)
+    p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths to try (default 1,2,3)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt suite")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mtplx.benchmarking import measure, render_table
+    from mtplx.errors import InvalidParameter
+    from mtplx.tuning import pick_depth, save_choice
+
+    try:
+        depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
+    except ValueError:
+        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    engine = load_engine(args)
+    if not engine.has_mtp:
+        print("this model has no MTP head: it runs AR only, nothing to tune "
+              "(forge one with `mtplx forge build`)", file=sys.stderr)
+        return 0
+    suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
+    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
+                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite)
+    print(render_table(report))
+    choice = pick_depth(report)
+    print(choice["message"])
+    path = save_choice(engine.loaded, engine.device, engine.dtype, choice, report)
+    if choice["depth"] is not None:
+        print(f"saved depth {choice['depth']} to {path}")
+    elif path is not None:
+        print(f"removed the earlier tuned depth for this model from {path}")
+    else:
+        print("nothing saved (generate and serve keep their default depth)")
+    return 0

@@ -1,0 +1,298 @@
+"""``mtplx forge build``: trunk -> corpus of its own generations -> trained head -> measured artifact.
+
+Phases (each resumable from ``work_dir``):
+  1. corpus: the trunk's own completions of the prompt set (AR, mixed temperatures), batched
+     through the engine; saved every few hundred sequences (``corpus.pt``);
+  2. training: self-distillation against the frozen trunk (train.py), checkpointed (``train.pt``);
+  3. measurement: the head, rounded to the shipped dtype and loaded the way ``mtplx.load`` loads
+     it, decodes the held-out prompts greedily at the measured depth; acceptance per depth is
+     recorded in the provenance beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from mtplx import __version__
+from mtplx.engine.llm_engine import Engine
+from mtplx.errors import MtplxError, UnsupportedModel
+from mtplx.forge import prompts as prompt_set
+from mtplx.forge.artifact import head_state, write_head
+from mtplx.forge.data import Corpus, Sample, generate_corpus, make_jobs
+from mtplx.forge.measure import acceptance
+from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch, split_samples
+from mtplx.loading.checkpoint import LoadedModel
+from mtplx.loading.mtp_weights import ZERO_CENTERED_FAMILIES, HeadWeights
+from mtplx.loading.weights import attach_head
+from mtplx.models.config import MTPConfig
+
+# Trunks whose every layer is full attention over the paged KV cache (the training forward's shape).
+FORGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+GEN_PHASE, TRAIN_PHASE = 0.45, 0.90  # shares of --max-seconds by which generation / training stop
+_BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 15.0  # seconds; a log file gets a line now and then
+
+
+class ForgeError(MtplxError):
+    """A trunk or an option that forge cannot work with."""
+
+
+@dataclass
+class BuildSettings:
+    tokens: int = 1_000_000  # generated tokens to aim for
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    rounds: int = 3  # passes over the prompt set, at most
+    gen_rows: int = 128  # sequences decoded together
+    seed: int = 0
+    max_seconds: float | None = None  # wall-clock budget for the whole build
+    measure_depth: int = 3
+    measure_max_tokens: int = 128
+    measure_rows: int = 32
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+
+@dataclass
+class TrunkInfo:
+    loaded: LoadedModel
+    sha256: str
+    name: str
+
+
+def load_trunk(model: str | Path | None, device=None, dtype=None) -> TrunkInfo:
+    """The trunk alone (any head beside it is ignored), with the sha256 a sidecar records.
+    model None: the default model."""
+    from mtplx.loading.checkpoint import load_checkpoint
+    from mtplx.loading.hf_dir import sha256_of_weights
+    from mtplx.runtime import resolve_device, resolve_dtype
+
+    if model is None:
+        from mtplx.loading.default_model import default_model_path
+
+        model = default_model_path()
+    path = Path(model).expanduser()
+    dev = resolve_device(device)
+    loaded = load_checkpoint(path, device=dev, dtype=resolve_dtype(dtype, dev), allow_unverified_head=True)
+    loaded = LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source)
+    return TrunkInfo(loaded, sha256_of_weights(path), path.name)
+
+
+def check_trunk(loaded: LoadedModel, needs_tokenizer: bool) -> None:
+    """Fail before any work when forge cannot train a head for this trunk."""
+    model_type = loaded.config.model_type
+    if model_type not in FORGE_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"forge cannot train a head for a {model_type!r} trunk; supported: {', '.join(FORGE_MODEL_TYPES)}")
+    if needs_tokenizer and loaded.tokenizer is None:
+        raise ForgeError(
+            f"{loaded.source} has no tokenizer, so forge cannot turn its text prompts into tokens; "
+            "give a model with tokenizer files, or a --prompts file of token-id lists")
+    if needs_tokenizer and not loaded.tokenizer.has_chat_template:
+        raise ForgeError(f"{loaded.source} has no chat template; forge's prompt set is chat turns")
+
+
+def encode_prompts(loaded: LoadedModel, prompts: list) -> list[list[int]]:
+    """Chat-template text prompts; token-id lists pass through (checked against the vocabulary)."""
+    out = []
+    vocab = loaded.config.vocab_size
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(loaded.tokenizer.apply_chat_template(prompt_set.as_chat(p)))
+        elif isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and 0 <= t < vocab for t in p):
+            out.append(list(p))
+        else:
+            raise ForgeError(f"a prompt must be a string or a non-empty list of token ids below {vocab}, got {p!r:.80}")
+    return out
+
+
+def text_samples(loaded: LoadedModel, files: list[Path], max_len: int) -> list[Sample]:
+    """Plain text that exists offline, cut into training sequences (the loss still targets the
+    trunk's own distribution at every position, so it stays self-distillation)."""
+    samples = []
+    for f in files:
+        ids = loaded.tokenizer.encode(Path(f).read_text(encoding="utf-8"))
+        for i in range(0, len(ids) - 1, max_len):
+            chunk = ids[i:i + max_len]
+            if len(chunk) >= 8:
+                samples.append(Sample(chunk, 1, f"text:{Path(f).name}:{i}"))
+    return samples
+
+
+# -- phases ----------------------------------------------------------------------------------------
+
+def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: BuildSettings, work_dir: Path,
+                 resume: bool, extra: list[Sample], deadline: float | None, log: Callable[[str], None]) -> Corpus:
+    path = work_dir / "corpus.pt"
+    corpus = Corpus.load(path) if resume and path.is_file() else Corpus(samples=list(extra))
+    if corpus.complete:
+        log(f"corpus: resumed, complete ({len(corpus.samples)} sequences, {corpus.generated_tokens} tokens)")
+        return corpus
+    longest = max(len(p) for p in prompt_ids) + settings.max_new_tokens + 16
+    engine = Engine(LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source),
+                    kv_cache_tokens=settings.gen_rows * longest + 4096, block_size=16)
+    jobs = make_jobs(prompt_ids, settings.temperatures, settings.rounds, settings.seed)
+    bar = tqdm(total=settings.tokens, initial=min(settings.tokens, corpus.generated_tokens), unit="tok",
+               desc="forge: generating", file=sys.stderr, mininterval=_BAR_INTERVAL)
+
+    def progress(c: Corpus) -> None:
+        bar.update(max(0, min(settings.tokens, c.generated_tokens) - bar.n))
+        bar.set_postfix(seqs=len(c.samples))
+
+    t0 = time.monotonic()
+    generate_corpus(engine, jobs, max_new_tokens=settings.max_new_tokens, rows=settings.gen_rows,
+                    target_tokens=settings.tokens, corpus=corpus, save=lambda c: c.save(path), deadline=deadline,
+                    progress=progress)
+    bar.close()
+    corpus.description.update(generation_seconds=round(corpus.description.get("generation_seconds", 0)
+                                                       + time.monotonic() - t0, 1))
+    corpus.save(path)
+    stopped = "" if corpus.complete else " (stopped by the time budget; --resume generates more)"
+    log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens{stopped}")
+    return corpus
+
+
+def train_head(loaded: LoadedModel, corpus: Corpus, settings: BuildSettings, work_dir: Path, resume: bool,
+               deadline: float | None, log: Callable[[str], None]) -> Trainer:
+    ts = settings.train
+    torch.manual_seed(ts.seed)
+    model = loaded.model
+    train_samples, val_samples = split_samples(corpus.samples)
+    t0 = time.monotonic()
+    train = [prepare_batch(b, model, ts.max_len) for b in make_batches(train_samples, ts.batch_tokens, ts.max_len)]
+    val = [prepare_batch(b, model, ts.max_len) for b in make_batches(val_samples, ts.batch_tokens, ts.max_len)]
+    if not train:
+        raise ForgeError("the corpus has no sequence with a completion token to train on")
+    log(f"training: {len(train)} batches, {len(val)} validation batches "
+        f"(trunk pass {time.monotonic() - t0:.1f}s)")
+    zc = loaded.config.model_type in ZERO_CENTERED_FAMILIES
+    head = init_head(model, model.lm_head.weight.device, zero_centered=zc)
+    trainer = Trainer(head, model, train, val, ts, checkpoint=work_dir / "train.pt")
+    if resume and trainer.resume():
+        log(f"training: resumed at step {trainer.state.step} of {trainer.state.total_steps}")
+    bar = tqdm(total=trainer.state.total_steps, initial=trainer.state.step, desc="forge: training",
+               file=sys.stderr, mininterval=_BAR_INTERVAL)
+    last = {"agree": "-"}
+
+    def on_step(loss: float, agreement: list[float] | None) -> None:
+        if agreement is not None:
+            last["agree"] = "/".join(f"{a:.2f}" for a in agreement)
+        bar.total = trainer.state.total_steps
+        bar.update(1)
+        bar.set_postfix(tok=f"{trainer.state.tokens_seen / 1e6:.2f}M", loss=f"{loss:.3f}", agree=last["agree"])
+
+    trainer.run(deadline=deadline, on_step=on_step)
+    bar.close()
+    return trainer
+
+
+def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], held_out: list[list[int]],
+                 settings: BuildSettings) -> dict:
+    """Acceptance of the head as it will ship: its saved tensors, attached the way load() does."""
+    zc = loaded.config.model_type in ZERO_CENTERED_FAMILIES
+    state = {k[len("mtp."):]: v for k, v in head_weights.items()}
+    device, dtype = loaded.model.lm_head.weight.device, loaded.model.lm_head.weight.dtype
+    head = attach_head(loaded.model, HeadWeights(state, MTPConfig(layout="sidecar", zero_centered_norms=zc)),
+                       device, dtype)
+    longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
+    engine = Engine(LoadedModel(loaded.model, head, loaded.tokenizer, loaded.config, loaded.source),
+                    kv_cache_tokens=settings.measure_rows * longest + 1024, block_size=16)
+    report = acceptance(engine, held_out, depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
+                        rows=settings.measure_rows)
+    report.update(device=str(device), dtype=str(dtype).replace("torch.", ""), max_tokens=settings.measure_max_tokens,
+                  greedy=True)
+    return report
+
+
+# -- the whole build -------------------------------------------------------------------------------
+
+def build(trunk: TrunkInfo, out_dir: Path, *, train_prompts: list, held_out_prompts: list,
+          settings: BuildSettings, work_dir: Path | None = None, resume: bool = False,
+          text_files: list[Path] = (), prompt_source: str = prompt_set.PROMPT_SET_VERSION, command: str = "",
+          log: Callable[[str], None] | None = None) -> dict:
+    """Forge a head for ``trunk`` into ``out_dir``; returns the provenance written beside it."""
+    log = log or (lambda line: print(f"forge: {line}", file=sys.stderr))
+    loaded = trunk.loaded
+    needs_tokenizer = any(isinstance(p, str) for p in list(train_prompts) + list(held_out_prompts)) or bool(text_files)
+    check_trunk(loaded, needs_tokenizer)
+    if not train_prompts or not held_out_prompts:
+        raise ForgeError("forge needs at least one training prompt and one held-out prompt")
+    work_dir = Path(work_dir or Path(out_dir) / "forge-work")
+    _prepare_work_dir(work_dir, resume)
+    start = time.monotonic()
+    deadline = (lambda share: start + share * settings.max_seconds) if settings.max_seconds else (lambda share: None)
+
+    train_ids = encode_prompts(loaded, train_prompts)
+    held_ids = encode_prompts(loaded, held_out_prompts)
+    extra = text_samples(loaded, text_files, settings.train.max_len) if text_files else []
+    corpus = build_corpus(loaded, train_ids, settings, work_dir, resume, extra, deadline(GEN_PHASE), log)
+    trainer = train_head(loaded, corpus, settings, work_dir, resume, deadline(TRAIN_PHASE), log)
+    weights = head_state(trainer.head, torch.bfloat16)
+    save_file(weights, str(work_dir / "trained_head.safetensors"))  # survives a failure in what follows
+    measured = measure_head(loaded, weights, held_ids, settings)
+    log("held-out acceptance by depth " + "/".join(f"{a:.3f}" for a in measured["acceptance_by_depth"])
+        + f", mean acceptance length {measured['mean_acceptance_length']:.2f} at depth {measured['depth']}")
+    provenance = _provenance(trunk, trainer, corpus, measured, settings, train_ids, text_files, prompt_source,
+                             command, time.monotonic() - start)
+    write_head(Path(out_dir), trainer.head, provenance, torch.bfloat16)
+    log(f"wrote {Path(out_dir) / 'mtp.safetensors'} and mtplx_forge.json")
+    return provenance
+
+
+def _prepare_work_dir(work_dir: Path, resume: bool) -> None:
+    leftovers = [p for p in (work_dir / "corpus.pt", work_dir / "train.pt") if p.is_file()]
+    if leftovers and not resume:
+        raise ForgeError(f"{work_dir} holds an earlier build ({', '.join(p.name for p in leftovers)}); "
+                         "pass --resume to continue it, or delete the folder to start over")
+    work_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _provenance(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
+                train_ids: list[list[int]], text_files, prompt_source: str, command: str, seconds: float) -> dict:
+    cfg = trunk.loaded.config
+    st = trainer.state
+    device = trunk.loaded.model.lm_head.weight.device
+    text_tokens = sum(len(s.tokens) for s in corpus.samples if s.key.startswith("text:"))
+    return {
+        "trunk_sha256": trunk.sha256,
+        "trunk": {"name": trunk.name, "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+                  "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+                  "num_key_value_heads": cfg.num_key_value_heads, "vocab_size": cfg.vocab_size},
+        "head": {"layout": "qwen3_5 (fc over [norm(embed(t+1)), norm(h_t)], one decoder layer, norm; "
+                           "embedding and lm_head shared with the trunk)",
+                 "num_layers": 1, "parameters": sum(p.numel() for p in trainer.head.parameters())},
+        "training": {**asdict(settings.train), "objective": "KL(trunk next-token distribution || head), "
+                                                            "completion tokens, depths weighted",
+                     "steps": st.step, "planned_steps": st.total_steps, "target_tokens_seen": st.tokens_seen,
+                     "seconds": round(st.seconds, 1), "device": str(device), "dtype_trunk": str(trunk.loaded.model.lm_head.weight.dtype).replace("torch.", ""),
+                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                     "validation_agreement_by_depth": st.history[-1]["agreement"] if st.history else None,
+                     "history": st.history[-20:]},
+        "data": {"prompt_set": prompt_source, "training_prompts": len(train_ids), "sequences": len(corpus.samples),
+                 "generated_tokens": corpus.generated_tokens, "temperatures": list(settings.temperatures),
+                 "max_new_tokens": settings.max_new_tokens, "rounds": settings.rounds,
+                 "generation_seconds": corpus.description.get("generation_seconds"),
+                 "text_files": [Path(f).name for f in text_files], "text_tokens": text_tokens},
+        "measured": {"held_out": measured},
+        "built": {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mtplx_version": __version__,
+                  "torch": torch.__version__, "command": command, "seconds": round(seconds, 1)},
+    }
+
+
+def load_prompts_file(path: Path) -> list:
+    """A JSON list of prompts (strings, or token-id lists for trunks without a tokenizer)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ForgeError(f"cannot read prompts file {path}: {exc}") from exc
+    if not isinstance(data, list) or not data:
+        raise ForgeError(f"{path} must hold a non-empty JSON list of prompts")
+    return data
+

@@ -1,0 +1,112 @@
+"""The tuned MTP depth per (model, head, device, dtype): ``~/.mtplx/tuning.json``.
+
+``mtplx tune`` measures AR and each depth side by side and saves a depth only when it beats AR
+(AR stays the baseline; a depth whose acceptance is below ``COLLAPSE`` counts as collapsed, never
+as a winner). ``generate`` and ``serve`` call ``tuned_depth`` when no depth is given.
+
+File layout: {"version": 1, "entries": {key: {"depth", "tok_s", "ar_tok_s", "speedup",
+"acceptance_by_depth", "measured_at", "machine"}}}; the key names the trunk (path and size),
+the head's source, the device type and the dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+COLLAPSE = 0.05  # acceptance below this is a collapsed head, not a speed-up candidate
+VERSION = 1
+
+
+def tuning_path() -> Path:
+    """``~/.mtplx/tuning.json``."""
+    return Path.home() / ".mtplx" / "tuning.json"
+
+
+def model_key(loaded, device, dtype) -> str:
+    """Identifies what a tuned depth was measured for. ``loaded``: a LoadedModel."""
+    source = Path(loaded.source).expanduser().resolve() if loaded.source else None
+    size = _size(source) if source else 0
+    head = (loaded.head_info or {}).get("source", "") if loaded.head is not None else ""
+    return f"{source}:{size}|head={head}|{getattr(device, 'type', device)}|{str(dtype).replace('torch.', '')}"
+
+
+def read_tuning(path: Path | None = None) -> dict:
+    """The whole file ({} entries when it is absent or unreadable: a bad file only loses tuning)."""
+    path = path or tuning_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"version": VERSION, "entries": {}}
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        return {"version": VERSION, "entries": {}}
+    return data
+
+
+def tuned_depth(loaded, device, dtype, path: Path | None = None) -> int | None:
+    """The saved depth for this model on this device and dtype, or None (use the default).
+
+    For an ``Engine``: ``tuned_depth(engine.loaded, engine.device, engine.dtype)``."""
+    if loaded.head is None:
+        return None
+    entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype))
+    depth = entry.get("depth") if isinstance(entry, dict) else None
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 8 else None
+
+
+def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
+    """The fastest MTP depth of a benchmarking.measure report, if it beats AR.
+
+    Returns {"depth": int or None, "ar_tok_s", "tok_s", "speedup", "collapsed": [depths], "message"}."""
+    configs = report["configs"]
+    ar = configs["ar"]["tok_s"]
+    candidates, collapsed = [], []
+    for entry in configs.values():
+        if entry["mode"] != "mtp":
+            continue
+        if (entry.get("acceptance_rate") or 0.0) < collapse:
+            collapsed.append(entry["depth"])
+        else:
+            candidates.append(entry)
+    best = max(candidates, key=lambda e: e["tok_s"], default=None)
+    note = f" (depth {', '.join(map(str, collapsed))} collapsed: acceptance < {collapse})" if collapsed else ""
+    if best is None or best["tok_s"] <= ar:
+        return {"depth": None, "ar_tok_s": ar, "tok_s": ar, "speedup": 1.0, "collapsed": collapsed,
+                "message": f"no MTP depth beat AR ({ar:.1f} tok/s){note}"}
+    speedup = best["tok_s"] / ar if ar else float("inf")
+    return {"depth": best["depth"], "ar_tok_s": ar, "tok_s": best["tok_s"], "speedup": speedup, "collapsed": collapsed,
+            "message": f"depth {best['depth']} is fastest: {ar:.1f} -> {best['tok_s']:.1f} tok/s, {speedup:.2f}x{note}"}
+
+
+def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None) -> Path | None:
+    """Record a winning depth; with no winner, drop any earlier entry for this key (it no longer
+    holds) and write nothing else. Returns the path written, or None."""
+    path = path or tuning_path()
+    data = read_tuning(path)
+    key = model_key(loaded, device, dtype)
+    if choice["depth"] is None:
+        if key not in data["entries"]:
+            return None
+        del data["entries"][key]
+    else:
+        by_depth = report["configs"].get(f"mtp_d{choice['depth']}", {})
+        data["entries"][key] = {"depth": choice["depth"], "tok_s": round(choice["tok_s"], 2),
+                                "ar_tok_s": round(choice["ar_tok_s"], 2), "speedup": round(choice["speedup"], 3),
+                                "acceptance_by_depth": by_depth.get("acceptance_by_depth"),
+                                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report.get("machine")}
+    data["version"] = VERSION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return 0

@@ -1,0 +1,244 @@
+"""Forge: the training forward is the engine's head, a tiny build trains, loads, stays exact and
+resumes; the sampled-exactness check works; the shipped default head belongs to the default trunk."""
+
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mtplx
+from mtplx.errors import ModelLoadError, UnsupportedModel
+from mtplx.forge import prompts
+from mtplx.forge.build import BuildSettings, ForgeError, build, check_trunk, load_trunk
+from mtplx.forge.data import Corpus, generate_corpus, make_jobs
+from mtplx.forge.dense import head_outputs, trunk_hidden
+from mtplx.forge.measure import chi_square, exact_distribution, sampled_exactness
+from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch
+from mtplx.engine.sampling import SamplingParams
+from tests.tiny_models import hf_reference, tiny_engine
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second thread only adds synchronisation (and spins when the machine is busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _token_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 10))] for _ in range(n)]
+
+
+def _save_trunk(folder: Path, seed: int) -> Path:
+    hf, _ = hf_reference("llama", seed=seed)
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory):
+    """A head forged for a tiny random trunk (no tokenizer: token-id prompts)."""
+    root = tmp_path_factory.mktemp("forge")
+    trunk_dir = _save_trunk(root / "trunk", seed=0)
+    settings = BuildSettings(tokens=600, max_new_tokens=20, gen_rows=16, rounds=1, measure_max_tokens=12,
+                             measure_rows=4, train=TrainSettings(epochs=50, batch_tokens=128, lr=3e-3,
+                                                                 eval_every=1000, checkpoint_every=1000))
+    provenance = build(load_trunk(trunk_dir, device="cpu"), root / "head", train_prompts=_token_prompts(32, 0),
+                       held_out_prompts=_token_prompts(3, 1), settings=settings, log=lambda line: None)
+    return SimpleNamespace(root=root, trunk=trunk_dir, head=root / "head", provenance=provenance)
+
+
+def test_training_forward_equals_the_engine_head_at_every_depth():
+    engine, _ = tiny_engine("qwen3")
+    model, head, runner = engine.loaded.model, engine.runner.head, engine.runner
+    ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(0))
+    hidden = trunk_hidden(model, ids)
+    outs = head_outputs(head, model, hidden, ids, depth=3)
+    seq = engine.new_sequence(engine.make_request(ids[0].tolist(), mode="mtp", depth=3))
+    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    assert torch.allclose(runner.trunk([seq], [ids[0].tolist()], [0]), hidden, atol=1e-5)
+    n = 9  # the engine's head after catching up on pairs (h[t], x[t+1]), t < n, at slots 1..n
+    out = runner.head_forward([seq], hidden[:, :n], [ids[0, 1:n + 1].tolist()], [1])
+    assert torch.allclose(out[0], outs[0][0, :n], atol=1e-5)
+    for d in (2, 3):  # then recursively on its own output and the next token, at slot n + d - 1
+        out = runner.head_forward([seq], out[:, -1:], [[int(ids[0, n + d - 1])]], [n + d - 1])
+        assert torch.allclose(out[0, 0], outs[d - 1][0, n - 1], atol=1e-5)
+    runner.blocks.free(seq.seq_id)
+
+
+def test_forged_head_loss_falls_and_provenance_is_complete(forged):
+    p = forged.provenance
+    history = p["training"]["history"]
+    assert history[-1]["loss"] < 0.8 * history[0]["loss"]
+    assert p["training"]["steps"] >= 200
+    assert p["trunk_sha256"] == mtplx.loading.hf_dir.sha256_of_weights(forged.trunk)
+    assert p["trunk"]["model_type"] == "llama" and p["data"]["generated_tokens"] >= 600
+    assert len(p["measured"]["held_out"]["acceptance_by_depth"]) == 3
+    on_disk = json.loads((forged.head / "mtplx_forge.json").read_text())
+    assert on_disk["trunk_sha256"] == p["trunk_sha256"] and on_disk["weights_dtype"] == "bfloat16"
+
+
+def test_forged_head_loads_and_mtp_greedy_equals_ar_greedy(forged):
+    engine = mtplx.load(str(forged.trunk), head=str(forged.head), device="cpu")
+    assert engine.has_mtp and engine.loaded.head_info["verified"]
+    for prompt in _token_prompts(3, 7):
+        ar = engine.generate(prompt, mode="ar", max_tokens=30).token_ids
+        for depth in (1, 2, 3):
+            assert engine.generate(prompt, mode="mtp", depth=depth, max_tokens=30).token_ids == ar
+
+
+def test_forged_head_is_refused_on_a_different_trunk(forged):
+    other = _save_trunk(forged.root / "other", seed=5)
+    with pytest.raises(ModelLoadError) as err:
+        mtplx.load(str(other), head=str(forged.head), device="cpu")
+    message = str(err.value)
+    assert forged.provenance["trunk_sha256"] in message
+    assert mtplx.loading.hf_dir.sha256_of_weights(other) in message
+
+
+def test_forge_build_and_verify_commands_run_end_to_end(forged, tmp_path):
+    from mtplx.cli import main
+
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(_token_prompts(12, 9)))
+    out = tmp_path / "head"
+    assert main(["forge", "build", "--model", str(forged.trunk), "--out", str(out), "--prompts", str(prompts_file),
+                 "--device", "cpu", "--tokens", "150", "--max-new-tokens", "10", "--gen-rows", "8", "--epochs", "2",
+                 "--batch-tokens", "128", "--measure-max-tokens", "8"]) == 0
+    assert (out / "mtp.safetensors").is_file()
+    assert main(["forge", "verify", "--model", str(forged.trunk), "--head", str(out), "--device", "cpu",
+                 "--depths", "1,2", "--max-tokens", "8", "--samples", "60"]) == 0
+    verdict = json.loads((out / "mtplx_forge.json").read_text())["verify"]
+    assert verdict["greedy_identical_to_ar"] and verdict["sampled_exactness"]["p_value"] >= 1e-3
+    assert verdict["verdict"].startswith(("depth", "no MTP depth beat AR"))
+
+
+def test_build_fails_before_training_without_a_tokenizer(forged, tmp_path):
+    trunk = load_trunk(forged.trunk, device="cpu")
+    with pytest.raises(ForgeError, match="no tokenizer"):
+        build(trunk, tmp_path / "head", train_prompts=["Hello"], held_out_prompts=["Hi"], settings=BuildSettings())
+    assert not (tmp_path / "head").exists()
+
+
+def test_build_refuses_an_unsupported_architecture():
+    loaded = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_next"), tokenizer=None, source="x")
+    with pytest.raises(UnsupportedModel, match="qwen3_next"):
+        check_trunk(loaded, needs_tokenizer=False)
+
+
+def test_build_refuses_to_overwrite_an_earlier_build_without_resume(forged):
+    trunk = load_trunk(forged.trunk, device="cpu")
+    with pytest.raises(ForgeError, match="--resume"):
+        build(trunk, forged.head, train_prompts=[[1, 2]], held_out_prompts=[[3, 4]], settings=BuildSettings())
+
+
+def test_interrupted_corpus_generation_resumes_where_it_stopped(tmp_path):
+    engine, _ = tiny_engine("llama", head=False)
+    jobs = make_jobs(_token_prompts(10, 3), (0.0, 0.8), rounds=1, seed=0)
+    run = dict(max_new_tokens=12, rows=4, target_tokens=10_000)
+    full = generate_corpus(engine, jobs, corpus=Corpus(), **run)
+    path = tmp_path / "corpus.pt"
+
+    def crash_after_six(corpus):
+        if len(corpus.samples) == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_corpus(engine, jobs, corpus=Corpus(), save=lambda c: c.save(path), save_every=4,
+                        progress=crash_after_six, **run)
+    partial = Corpus.load(path)
+    assert len(partial.samples) == 4 and not partial.complete
+    out_of_time = generate_corpus(engine, jobs, corpus=partial, deadline=time.monotonic() - 1, **run)
+    assert len(out_of_time.samples) == 4 and not out_of_time.complete  # a later resume carries on
+    resumed = generate_corpus(engine, jobs, corpus=partial, **run)
+    assert resumed.complete
+    assert sorted((s.key, tuple(s.tokens)) for s in resumed.samples) == \
+        sorted((s.key, tuple(s.tokens)) for s in full.samples)
+
+
+def test_interrupted_training_resumes_from_its_checkpoint_and_ends_the_same(tmp_path):
+    engine, _ = tiny_engine("llama", head=False)
+    model = engine.loaded.model
+    corpus = generate_corpus(engine, make_jobs(_token_prompts(12, 4), (0.8,), 1, 0), max_new_tokens=16, rows=6,
+                             target_tokens=10_000, corpus=Corpus())
+    batches = [prepare_batch(b, model, 64) for b in make_batches(corpus.samples, 128, 64)]
+    settings = TrainSettings(epochs=12 / len(batches), checkpoint_every=4, eval_every=100)
+
+    def trainer(checkpoint=None):
+        torch.manual_seed(0)
+        return Trainer(init_head(model, "cpu"), model, batches, batches[:1], settings, checkpoint)
+
+    whole = trainer()
+    whole.run()
+
+    def crash_at_step_six(loss, agreement):
+        if interrupted.state.step == 6:
+            raise KeyboardInterrupt
+
+    interrupted = trainer(tmp_path / "train.pt")
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run(on_step=crash_at_step_six)
+    resumed = trainer(tmp_path / "train.pt")
+    assert resumed.resume() and resumed.state.step == 4
+    resumed.run()
+    assert resumed.state.step == whole.state.step == 12
+    for a, b in zip(resumed.head.state_dict().values(), whole.head.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_sampled_exactness_check_accepts_mtp_and_rejects_a_wrong_distribution():
+    engine, _ = tiny_engine("llama")
+    report = sampled_exactness(engine, [3, 1, 4, 1, 5], samples=150, top_k=3, steps=2)
+    assert report["p_value"] > 1e-3, report
+    expected = exact_distribution(engine, [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, top_k=3), steps=2)
+    assert abs(sum(expected.values()) - 1.0) < 1e-5
+    # a sampler that always returns the likeliest outcome is caught
+    likeliest = max(expected, key=expected.get)
+    assert chi_square(Counter({likeliest: 150}), expected)["p_value"] < 1e-6
+
+
+def test_held_out_prompts_are_not_training_prompts():
+    training = set(prompts.training_prompts())
+    assert len(training) > 1000
+    assert not training & set(prompts.HELD_OUT_PROMPTS)
+
+
+# -- the shipped default head ----------------------------------------------------------------------
+
+HEAD_DIR = Path(mtplx.__file__).parent / "assets" / "heads" / "SmolLM2-135M-Instruct"
+
+
+def test_shipped_default_head_records_the_default_trunk():
+    from mtplx.loading.default_model import DEFAULT_GGUF_SHA256, default_head_dir
+    from safetensors import safe_open
+
+    assert default_head_dir().resolve() == HEAD_DIR.resolve()
+    provenance = json.loads((HEAD_DIR / "mtplx_forge.json").read_text())
+    assert provenance["trunk_sha256"] == DEFAULT_GGUF_SHA256
+    weights = HEAD_DIR / "mtp.safetensors"
+    assert weights.stat().st_size < 16 * 2**20
+    with safe_open(weights, framework="pt") as f:
+        assert all(k.startswith("mtp.") for k in f.keys())
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+@pytest.mark.slow
+def test_shipped_default_head_loads_on_the_default_trunk(default_gguf):
+    engine = mtplx.load(device="cpu")
+    assert engine.has_mtp and engine.loaded.head_info["verified"]
+    assert Path(engine.loaded.head_info["source"]).resolve() == HEAD_DIR.resolve()
+    prompt = [{"role": "user", "content": prompts.HELD_OUT_PROMPTS[0]}]
+    ar = engine.generate(prompt, chat=True, mode="ar", max_tokens=24)
+    mtp = engine.generate(prompt, chat=True, mode="mtp", depth=3, max_tokens=24)
+    assert mtp.token_ids == ar.token_ids
+    assert mtp.stats["acceptance_rate_by_position"][0] > 0.3
