@@ -41,7 +41,8 @@ def configs_for(engine, depths) -> list[Config]:
 def run_once(engine, prompt, config: Config, max_tokens: int, **sampling) -> dict:
     """One generation; decode time excludes the prompt's prefill (first token)."""
     t0 = time.perf_counter()
-    result = engine.generate(prompt, chat=isinstance(prompt, list), mode=config.mode,
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    result = engine.generate(prompt, chat=chat, mode=config.mode,
                              depth=config.depth or None, max_tokens=max_tokens, **sampling)
     elapsed = time.perf_counter() - t0
     s = result.stats

@@ -89,7 +89,8 @@ def script_drafts(engine, choose) -> None:
     """Replace the engine's draft choice by ``choose(generated + earlier drafts) -> token``
     (a one-hot draft). The head still runs, so its cache stays as in real decoding; the test
     controls which drafts are right, to exercise partial and full acceptance."""
-    engine.generator._draft_token = lambda seq, logits, previous: (int(choose(seq.generated + previous)), None)
+    engine.generator._draft_token = lambda seq, logits, previous: (
+        torch.tensor([int(choose(seq.generated + previous))], device=logits.device), None)
 
 
 def hybrid_engine(arch: str = "qwen3_5", *, head: bool = True, seed: int = 0,

@@ -73,10 +73,10 @@ class Generator:
     def ar_step(self, seqs: list[Sequence]) -> None:
         """One autoregressive token for each row."""
         hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
-        logits = self.runner.logits(hidden[:, 0])
-        for r, seq in enumerate(seqs):
+        tokens = self._sample_rows(seqs, self.runner.logits(hidden[:, 0]))
+        for seq, token in zip(seqs, tokens):
             seq.trunk_len += 1
-            self._commit(seq, [self._sample_one(seq, logits[r:r + 1])])
+            self._commit(seq, [token])
 
     # -- MTP ---------------------------------------------------------------------------
     def mtp_cycle(self, seqs: list[Sequence]) -> None:
@@ -120,10 +120,11 @@ class Generator:
         depth = max(s.depth for s in seqs)
         for j in range(depth):
             logits = self.runner.logits(h)
-            for r, seq in enumerate(seqs):
-                token, q = self._draft_token(seq, logits[r:r + 1], drafts[r])
+            picks = [self._draft_token(seq, logits[r:r + 1], drafts[r]) for r, seq in enumerate(seqs)]
+            # host sync, once per depth for all rows: the drafts feed the next head step
+            for r, token in enumerate(torch.cat([t for t, _ in picks]).tolist()):
                 drafts[r].append(token)
-                probs[r].append(q)
+                probs[r].append(picks[r][1])
             if j + 1 < depth:
                 out = self.runner.head_forward(seqs, h[:, None], [[d[-1]] for d in drafts],
                                                [s.trunk_len + 1 + j for s in seqs])
@@ -131,13 +132,13 @@ class Generator:
         return [d[: s.depth] for d, s in zip(drafts, seqs)], [p[: s.depth] for p, s in zip(probs, seqs)]
 
     def _draft_token(self, seq: Sequence, logits: torch.Tensor, previous: list[int]):
-        """A draft from head logits [1, V]: argmax (one-hot q) or a sample from the head's
-        distribution under the request's sampler (mirror)."""
+        """A draft from head logits [1, V] as a [1] device tensor: argmax (one-hot q) or a
+        sample from the head's distribution under the request's sampler (mirror)."""
         logits = self._penalised(seq, logits, previous)
         if seq.params.greedy or seq.draft_policy == "greedy":
-            return int(logits.argmax(-1)), None  # host sync: the draft token feeds the next step
+            return logits.argmax(-1), None
         q = logits_to_probs(logits, seq.params)
-        return int(sample(q, seq.generator)), q[0]
+        return sample(q, seq.generator), q[0]
 
     def _accept(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], q: list):
         """logits: [k+1, V] target logits at the draft positions and the bonus position."""
@@ -162,10 +163,23 @@ class Generator:
         return apply_penalties(logits, counts[None], seq.params.presence_penalty, seq.params.frequency_penalty)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        return self._sample_rows([seq], logits)[0]
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row from logits [rows, V], each with its own sampler and generator;
+        the host syncs once for all rows."""
+        tokens = logits.argmax(-1)  # plain greedy rows need nothing more
+        if not all(s.params.greedy and s.counts is None for s in seqs):
+            tokens = torch.cat([tokens[r:r + 1] if s.params.greedy and s.counts is None
+                                else self._sample_tensor(s, logits[r:r + 1]) for r, s in enumerate(seqs)])
+        return tokens.tolist()  # the step's one host sync
+
+    def _sample_tensor(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] -> [1] token on the device."""
         logits = self._penalised(seq, logits, [])
         if seq.params.greedy:
-            return int(logits.argmax(-1))
-        return int(sample(logits_to_probs(logits, seq.params), seq.generator))
+            return logits.argmax(-1)
+        return sample(logits_to_probs(logits, seq.params), seq.generator)
 
     # -- commit --------------------------------------------------------------------------
     def _commit(self, seq: Sequence, new_tokens: list[int]) -> None:
