@@ -218,13 +218,14 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--hf-baseline", default="eager")
     ap.add_argument("--default-gguf", default=None)
+    ap.add_argument("--head", default=None, help="MTP head directory for the default model")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "copy_bandwidth_GBs": copy_bandwidth(device) / 1e9, "models": {}}
     bw = report["copy_bandwidth_GBs"] * 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    for name in args.shapes.split(","):
+    for name in [n for n in args.shapes.split(",") if n]:
         engine = random_engine(SHAPES[name], device)
         entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine)}
         entry.update(step_costs(engine))
@@ -243,8 +244,8 @@ def main() -> None:
         import mtplx
         from mtplx.benchmarking import measure, render_table
 
-        engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16")
-        report["default_model"] = measure(engine, max_tokens=128)
+        engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16", head=args.head)
+        report["default_model"] = measure(engine, max_tokens=128, repeats=2)
         print(render_table(report["default_model"]))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -237,8 +237,12 @@ def test_shipped_default_head_loads_on_the_default_trunk(default_gguf):
     engine = mtplx.load(device="cpu")
     assert engine.has_mtp and engine.loaded.head_info["verified"]
     assert Path(engine.loaded.head_info["source"]).resolve() == HEAD_DIR.resolve()
-    prompt = [{"role": "user", "content": prompts.HELD_OUT_PROMPTS[0]}]
-    ar = engine.generate(prompt, chat=True, mode="ar", max_tokens=24)
-    mtp = engine.generate(prompt, chat=True, mode="mtp", depth=3, max_tokens=24)
-    assert mtp.token_ids == ar.token_ids
-    assert mtp.stats["acceptance_rate_by_position"][0] > 0.3
+    drafted = accepted = 0
+    for question in prompts.HELD_OUT_PROMPTS[:3]:  # a trained head, not a random one (~0.0)
+        prompt = [{"role": "user", "content": question}]
+        ar = engine.generate(prompt, chat=True, mode="ar", max_tokens=48)
+        mtp = engine.generate(prompt, chat=True, mode="mtp", depth=3, max_tokens=48)
+        assert mtp.token_ids == ar.token_ids
+        drafted += mtp.stats["drafted_by_depth"][0]
+        accepted += mtp.stats["accepted_by_depth"][0]
+    assert accepted / drafted > 0.3
