@@ -1,0 +1,139 @@
+"""Rows: jobs decoding side by side in the batching modes (mtp_batch, ar_batch).
+
+Each row owns its Sequence (KV length, sampler, RNG, stop and cancel state), so rows join and
+leave between engine steps. Admission reserves KV room for a row's whole run (prompt +
+max_tokens, capped by the context), so a running batch never runs out of blocks mid-step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplx.batching.job import Job
+from mtplx.batching.policy import Policy
+from mtplx.batching.queue import JobQueue
+from mtplx.batching.telemetry import Histogram
+from mtplx.engine.llm_engine import Engine, Request, TextTracker
+from mtplx.engine.sequence import Sequence
+
+
+@dataclass
+class Row:
+    job: Job
+    seq: Sequence
+    text: TextTracker
+    prefilled: bool = False
+
+    @classmethod
+    def open(cls, engine: Engine, job: Job) -> Row:
+        """Make the job's sequence and take its KV blocks (prefix-cache hits included).
+        Raises OutOfBlocks with nothing taken."""
+        req = job.request
+        seq = engine.new_sequence(req)
+        engine.generator.admit(seq)
+        return cls(job, seq, TextTracker(engine.tokenizer, req.stop, len(req.prompt_ids)))
+
+    def prefill(self, engine: Engine, chunk: int | None = None) -> bool:
+        """Feed the prompt (``chunk`` tokens at most); True once the first token is sampled."""
+        self.prefilled = engine.generator.prefill(self.seq, chunk)
+        if self.prefilled:
+            self.publish()
+        return self.prefilled
+
+    def publish(self) -> None:
+        self.job.publish(self.seq, self.text.update(self.seq))
+
+    @property
+    def done(self) -> bool:
+        return self.seq.finished or self.job.cancelled
+
+
+def blocks_needed(engine: Engine, request: Request) -> int:
+    """KV blocks one request can occupy: prompt + max_tokens + the draft slots, capped by
+    the context (Engine.step ends a row before it would pass max_context)."""
+    tokens = min(len(request.prompt_ids) + request.max_tokens + request.depth + 1, engine.max_context)
+    return -(-tokens // engine.runner.block_size)
+
+
+def kv_headroom(engine: Engine, rows: list[Row]) -> int:
+    """Free blocks (evictable cached ones included) not promised to the running rows."""
+    blocks = engine.runner.blocks
+    promised = sum(max(0, blocks_needed(engine, r.job.request) - len(blocks.block_table(r.seq.seq_id)))
+                   for r in rows)
+    return blocks.num_free_blocks - promised
+
+
+def take_jobs(queue: JobQueue, limit: int, engine: Engine, rows: list[Row]) -> list[Job]:
+    """Up to ``limit`` queued jobs, in FIFO order, whose whole runs fit in the KV cache beside
+    ``rows``; the first that does not fit goes back to the front of the queue. Never waits."""
+    taken: list[Job] = []
+    headroom = kv_headroom(engine, rows)
+    while len(taken) < limit and (job := queue.get_nowait()) is not None:
+        need = 0 if job.cancelled else blocks_needed(engine, job.request)
+        if need > headroom and (rows or taken):
+            queue.put_front(job)
+            break
+        headroom -= need
+        taken.append(job)
+    return taken
+
+
+class RowPolicy(Policy):
+    """What the batching modes share: rows join, step together and retire one by one."""
+
+    lane = "batch"
+
+    def __init__(self, engine: Engine, settings):
+        super().__init__(engine, settings)
+        self.rows: list[Row] = []
+        self.batch_histogram = Histogram()  # rows per engine step -> steps
+        self.rows_joined = self.rows_retired = 0
+
+    def join(self, job: Job) -> Row | None:
+        """Start ``job`` as a row (None if it was cancelled while queued or cannot start)."""
+        if not self.begin(job, self.lane):
+            return None
+        try:
+            row = Row.open(self.engine, job)
+        except Exception as exc:
+            self.fail(job, exc)
+            return None
+        self.rows.append(row)
+        self.rows_joined += 1
+        return row
+
+    def prefill(self, row: Row, chunk: int | None = None) -> None:
+        try:
+            row.prefill(self.engine, chunk)
+        except Exception as exc:
+            self.drop(row, exc)
+
+    def step(self, rows: list[Row]) -> None:
+        """One engine step for ``rows`` (all of one generation mode), then publish each row."""
+        try:
+            self.engine.step([r.seq for r in rows])
+        except Exception as exc:
+            for row in rows:
+                self.drop(row, exc)
+            return
+        self.batch_histogram.add(len(rows))
+        for row in rows:
+            row.publish()
+
+    def retire_done(self) -> None:
+        """Release and report every row that finished or whose client cancelled."""
+        for row in [r for r in self.rows if r.done]:
+            self.engine.generator.release(row.seq)
+            self.rows.remove(row)
+            self.rows_retired += 1
+            self.finish(row.job, row.seq)
+        self.publish_kv()
+
+    def drop(self, row: Row, error: BaseException) -> None:
+        self.engine.generator.release(row.seq)
+        self.rows.remove(row)
+        self.fail(row.job, error)
+
+    def row_telemetry(self) -> dict:
+        return {"batch_histogram": self.batch_histogram.as_dict(), "rows_active": len(self.rows),
+                "rows_joined": self.rows_joined, "rows_retired": self.rows_retired}

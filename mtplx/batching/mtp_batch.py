@@ -1,0 +1,74 @@
+"""``mtp_batch``: up to ``decode_batch_max`` MTP requests verified together.
+
+Every cycle is ONE ``Engine.step`` over all live rows: one batched draft pass and one target
+forward verifying every row's drafts. A cohort forms when a request arrives at an idle
+scheduler: the policy waits up to ``batch_wait_ms`` for the width to fill, then seals it.
+Later requests join at cycle boundaries while the width has room; a row that finishes or is
+cancelled leaves at the boundary without stalling the others. No padding rows are needed:
+the step takes exactly the live rows.
+
+Fork statistics count joins that forked their prompt's KV from the prefix cache (another
+row's blocks, shared by refcount, not copied).
+"""
+
+from __future__ import annotations
+
+from mtplx.batching.cohort import RowPolicy, take_jobs
+from mtplx.batching.queue import JobQueue
+from mtplx.batching.state import SchedulerMode
+from mtplx.engine.llm_engine import Request
+from mtplx.errors import InvalidParameter
+
+
+class MTPBatchPolicy(RowPolicy):
+    mode = SchedulerMode.MTP_BATCH
+    lane = "mtp_batch"
+
+    def __init__(self, engine, settings):
+        super().__init__(engine, settings)
+        self.cohorts_sealed = 0
+        self.joined_mid_cohort = 0
+        self.prefix_forks = 0
+        self.forked_prompt_tokens = 0
+
+    def check_request(self, request: Request) -> None:
+        if request.mode != "mtp":
+            raise InvalidParameter("generation_mode", "mtp_batch batches MTP requests only; "
+                                   "use --scheduler-mode ar_batch to batch AR requests")
+
+    def run(self, queue: JobQueue) -> None:
+        width = self.settings.decode_batch_max
+        while True:
+            mid_cohort = bool(self.rows)
+            if not mid_cohort:
+                if not queue.wait_for(1):
+                    return  # closed
+                queue.wait_for(width, self.settings.batch_wait_ms / 1000)  # the gather window
+                self.cohorts_sealed += 1
+            for job in take_jobs(queue, width - len(self.rows), self.engine, self.rows):
+                if self._join_and_prefill(job) and mid_cohort:
+                    self.joined_mid_cohort += 1
+            self.retire_done()
+            if self.rows:
+                self.step(list(self.rows))
+                self.retire_done()
+
+    def _join_and_prefill(self, job) -> bool:
+        row = self.join(job)
+        if row is None:
+            return False
+        if row.seq.cached_prompt_tokens:
+            self.prefix_forks += 1
+            self.forked_prompt_tokens += row.seq.cached_prompt_tokens
+        self.prefill(row)
+        return True
+
+    def mode_telemetry(self) -> dict:
+        return {
+            **self.row_telemetry(),
+            "fixed_width": self.settings.decode_batch_max,
+            "batch_wait_ms": self.settings.batch_wait_ms,
+            "cohorts_sealed": self.cohorts_sealed,
+            "rows_joined_mid_cohort": self.joined_mid_cohort,
+            "fork_stats": {"prefix_forks": self.prefix_forks, "forked_prompt_tokens": self.forked_prompt_tokens},
+        }

@@ -1,0 +1,104 @@
+"""The base every scheduler mode builds on: job bookkeeping around the engine step.
+
+A policy decides which jobs run in which engine step; it never decodes by itself. Its
+``run`` loop is the model-owner thread's whole life: take jobs from the queue, drive the
+engine, report through the job's events, and return when the queue closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from mtplx.batching.job import Job, JobResult
+from mtplx.batching.queue import JobQueue
+from mtplx.batching.state import SchedulerMode, SchedulerSettings
+from mtplx.batching.telemetry import JobCounters
+from mtplx.engine.llm_engine import Engine, Request
+from mtplx.engine.sequence import Sequence
+
+log = logging.getLogger("mtplx.scheduler")
+
+Listener = Callable[[Job, JobResult | None], None]
+
+
+class Policy:
+    """One scheduler mode over ``engine``. Subclasses implement ``run`` and ``mode_telemetry``."""
+
+    mode: SchedulerMode
+
+    def __init__(self, engine: Engine, settings: SchedulerSettings):
+        self.engine, self.settings = engine, settings
+        self.jobs = JobCounters()
+        self.listeners: list[Listener] = []
+        self.running: list[Job] = []  # jobs that hold KV blocks now
+        self.kv_stats: dict = engine.runner.blocks.stats()  # published for handlers after each cycle
+
+    # -- handler thread -------------------------------------------------------------------
+    def check_request(self, request: Request) -> None:
+        """Raise InvalidParameter if this mode cannot run ``request`` (a 400 for the client)."""
+
+    def on_accept(self, job: Job) -> None:
+        """Called under the queue lock when ``job`` enters the queue; must not block."""
+
+    # -- model-owner thread ---------------------------------------------------------------
+    def run(self, queue: JobQueue) -> None:
+        raise NotImplementedError
+
+    def mode_telemetry(self) -> dict:
+        """This mode's own block (``scheduler.<mode>``), beside the common job counters."""
+        return {}
+
+    def telemetry(self) -> dict:
+        return {"policy": self.settings.policy_label, "active": len(self.running), **self.jobs.as_dict(),
+                **self.mode_telemetry()}
+
+    @property
+    def active_lane(self) -> str:
+        """The lane running now ("idle" when nothing is)."""
+        running = self.running[:1]  # one atomic copy: the model thread may empty the list meanwhile
+        return running[0].lane if running else "idle"
+
+    def begin(self, job: Job, lane: str) -> bool:
+        """Start ``job`` on ``lane``; False (and nothing to run) if it was cancelled while queued."""
+        if job.cancelled:
+            self.jobs.count("abandoned_before_start")
+            self.abandon(job)
+            job.finish_unstarted()
+            return False
+        job.start(lane)
+        self.jobs.count("started")
+        self.jobs.queue_wait_s.add(job.t_started - job.t_enqueued)
+        self.running.append(job)
+        return True
+
+    def abandon(self, job: Job) -> None:
+        """Hook for a job dropped before it started (hyper releases its ticket)."""
+
+    def finish(self, job: Job, seq: Sequence) -> None:
+        """Report a job that ended normally or by cancel; its blocks must already be released."""
+        result = job.finish(seq)
+        self.jobs.count("cancelled" if result.finish_reason == "cancelled" else "completed")
+        self._ended(job, result)
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        log.exception("request %s failed", job.request_id, exc_info=error)
+        job.fail(error)
+        self.jobs.count("failed")
+        self._ended(job, None)
+
+    def publish_kv(self, *_: object) -> None:
+        """Refresh the KV block counts handlers read (a few ints; called once per cycle)."""
+        self.kv_stats = self.engine.runner.blocks.stats()
+
+    def _ended(self, job: Job, result: JobResult | None) -> None:
+        if job in self.running:
+            self.running.remove(job)
+        if job.t_started is not None:
+            self.jobs.run_s.add(job.t_finished - job.t_started)
+        self.publish_kv()
+        for listener in self.listeners:
+            try:
+                listener(job, result)
+            except Exception:  # telemetry must never take the model thread down
+                log.exception("scheduler listener failed")

@@ -1,0 +1,107 @@
+"""The model-owner thread: jobs come in through ``submit``, the mode's policy runs them.
+
+All model work happens on this one thread (``Engine`` is single-threaded); request handlers
+only submit jobs, read telemetry and receive events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from mtplx.batching.ar_batch import ARBatchPolicy
+from mtplx.batching.hyper import HyperPolicy
+from mtplx.batching.job import Job
+from mtplx.batching.mtp_batch import MTPBatchPolicy
+from mtplx.batching.policy import Listener, Policy
+from mtplx.batching.queue import JobQueue, SchedulerStopped
+from mtplx.batching.serial import SerialPolicy
+from mtplx.batching.solo_mtp import SoloMTPPolicy
+from mtplx.batching.state import SchedulerMode, SchedulerSettings
+from mtplx.engine.llm_engine import Engine
+
+log = logging.getLogger("mtplx.scheduler")
+
+
+def make_policy(engine: Engine, settings: SchedulerSettings, gate=None) -> Policy:
+    """The policy object of ``settings.mode``. ``gate``: the hyper admission gate to use."""
+    mode = settings.mode
+    if mode == SchedulerMode.HYPER:
+        if gate is None:
+            from mtplx.server.hyper import HyperAdmissionGate  # the gate is part of the server's API
+
+            gate = HyperAdmissionGate()
+        return HyperPolicy(engine, settings, gate)
+    policies = {SchedulerMode.SERIAL: SerialPolicy, SchedulerMode.MTP_BATCH: MTPBatchPolicy,
+                SchedulerMode.AR_BATCH: ARBatchPolicy, SchedulerMode.SOLO_MTP: SoloMTPPolicy}
+    return policies[mode](engine, settings)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, settings: SchedulerSettings, gate=None):
+        self.engine, self.settings = engine, settings
+        self.policy = make_policy(engine, settings, gate)
+        self.queue = JobQueue(settings.max_queued_requests)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def mode(self) -> SchedulerMode:
+        return self.settings.mode
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(job, result or None)`` runs on the model thread when a job ends."""
+        self.policy.listeners.append(listener)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mtplx-model-owner", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, fail the queued ones, cancel the running ones and join the thread."""
+        for job in self.queue.close():
+            job.fail(SchedulerStopped("the server shut down before this request started"))
+        for job in list(self.policy.running):
+            job.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                self.policy.run(self.queue)
+        except Exception:  # a bug in a policy: fail what is left rather than hang clients
+            log.exception("the %s scheduler stopped", self.mode)
+            for job in self.queue.close() + list(self.policy.running):
+                job.fail(SchedulerStopped(f"the {self.mode} scheduler stopped on an internal error"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- request handlers -------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue ``job``. Raises InvalidParameter (this mode cannot run it) or QueueFull."""
+        self.policy.check_request(job.request)
+        job.scheduler_mode = self.mode.value
+        self.queue.put(job, self.policy.on_accept)
+        self.policy.jobs.count("admitted")
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self.policy.running)
+
+    @property
+    def kv_stats(self) -> dict:
+        """KV block counts as of the last cycle (published by the model thread)."""
+        return self.policy.kv_stats
+
+    def telemetry(self) -> dict:
+        """This mode's ``scheduler.<mode>`` block."""
+        return {"queue_depth": self.queue_depth, **self.policy.telemetry()}

@@ -1,0 +1,267 @@
+"""User settings: ``~/.mtplx/config.toml`` (``$MTPLX_CONFIG`` overrides the path).
+
+Precedence: command-line flag > environment (``MTPLX_<KEY>``, e.g. ``MTPLX_SCHEDULER_MODE``)
+> config file > default. The file is a flat TOML table of the keys below; an absent key means
+"use the default". Every bad value is reported with the key, the value, where it came from
+and what is allowed; a malformed file with its path and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from mtplx.batching.state import DEFAULT_MAX_QUEUED, SchedulerMode
+from mtplx.errors import MtplxError
+
+
+class ConfigError(MtplxError):
+    """A config value, variable or file is invalid."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting: ``convert`` turns text (env, ``config set``) or a TOML value into the
+    setting's value, or raises ValueError; ``allowed`` says what is accepted."""
+
+    name: str
+    convert: Callable[[Any], Any]
+    allowed: str
+    secret: bool = False
+
+    @property
+    def env(self) -> str:
+        return f"MTPLX_{self.name.upper()}"
+
+
+def _int(lo: int, hi: int, optional: bool = True) -> Callable[[Any], Any]:
+    def convert(v):
+        if optional and v in (None, "auto"):
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, str)) or not str(v).strip().lstrip("-").isdigit():
+            raise ValueError
+        v = int(v)
+        if not lo <= v <= hi:
+            raise ValueError
+        return v
+    return convert
+
+
+def _float(lo: float, hi: float) -> Callable[[Any], Any]:
+    def convert(v):
+        if v in (None, "auto"):
+            return None
+        if isinstance(v, bool):
+            raise ValueError
+        v = float(v)  # ValueError/TypeError for junk
+        if not lo <= v <= hi:
+            raise ValueError
+        return v
+    return convert
+
+
+def _choice(choices: tuple[str, ...], optional: bool) -> Callable[[Any], Any]:
+    def convert(v):
+        if optional and v in (None, "auto"):
+            return None
+        if v not in choices:
+            raise ValueError
+        return v
+    return convert
+
+
+def _device(v):
+    if v in (None, "auto"):
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+        raise ValueError
+    return v
+
+
+def _text(v):
+    if v in (None, ""):
+        return None
+    if not isinstance(v, str):
+        raise ValueError
+    return v
+
+
+def _required_text(v):
+    if _text(v) is None:
+        raise ValueError
+    return v
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("model", _text, "a Hugging Face model directory or a .gguf file (unset: SmolLM2-135M-Instruct)"),
+    Key("scheduler_mode", lambda v: SchedulerMode(v),
+        f"one of {', '.join(SchedulerMode.choices())}"),
+    Key("generation_mode", _choice(("mtp", "ar"), True), "mtp, ar or auto (mtp when the model has a head)"),
+    Key("depth", _int(1, 8), "an integer from 1 to 8, or auto"),
+    Key("host", _required_text, "a host name or IP address"),
+    Key("port", _int(1, 65535, optional=False), "an integer from 1 to 65535"),
+    Key("max_active_requests", _int(1, 1024), "an integer from 1 to 1024, or auto (the mode's default)"),
+    Key("decode_batch_max", _int(1, 256), "an integer from 1 to 256, or auto (the mode's default)"),
+    Key("batch_wait_ms", _float(0, 60_000), "milliseconds from 0 to 60000, or auto (the mode's default)"),
+    Key("max_queued_requests", _int(1, 100_000, optional=False), "an integer from 1 to 100000"),
+    Key("device", _device, "cpu, cuda, cuda:N or auto"),
+    # the names mtplx.runtime.DTYPES accepts (not imported here: it would pull in torch)
+    Key("dtype", _choice(("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), True),
+        "float32, bfloat16, float16 (or fp32, bf16, fp16) or auto"),
+    Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),
+)}
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("MTPLX_CONFIG") or Path.home() / ".mtplx" / "config.toml").expanduser()
+
+
+def convert(name: str, value: Any, source: str) -> Any:
+    """``value`` for key ``name`` checked and converted; ConfigError names all three and what is allowed."""
+    key = KEYS.get(name)
+    if key is None:
+        raise ConfigError(f"{source}: unknown key {name!r}; known keys: {', '.join(KEYS)}")
+    try:
+        return key.convert(value)
+    except (ValueError, TypeError):
+        shown = "***" if key.secret else repr(value)
+        raise ConfigError(f"{name} = {shown} ({source}) is not allowed: {name} must be {key.allowed}") from None
+
+
+@dataclass
+class Config:
+    model: str | None = None
+    scheduler_mode: SchedulerMode = SchedulerMode.SERIAL
+    generation_mode: str | None = None
+    depth: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_active_requests: int | None = None
+    decode_batch_max: int | None = None
+    batch_wait_ms: float | None = None
+    max_queued_requests: int = DEFAULT_MAX_QUEUED
+    device: str | None = None
+    dtype: str | None = None
+    api_key: str | None = None
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, path: Path | str | None = None, *, env: dict[str, str] | None = None,
+             overrides: dict[str, Any] | None = None) -> Config:
+        """Defaults, then the file, then ``MTPLX_*`` variables, then ``overrides`` (command-line
+        flags: a None value means the flag was not given)."""
+        path = Path(path) if path is not None else config_path()
+        env = os.environ if env is None else env
+        cfg = cls()
+        cfg.sources = {name: "default" for name in KEYS}
+        for name, value in read_file(path).items():
+            cfg._set(name, value, f"config file {path}")
+        for name, key in KEYS.items():
+            if env.get(key.env, "") != "":
+                cfg._set(name, convert(name, env[key.env], f"environment {key.env}"), f"environment {key.env}")
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                flag = "--" + name.replace("_", "-")
+                cfg._set(name, convert(name, value, f"flag {flag}"), f"flag {flag}")
+        return cfg
+
+    def _set(self, name: str, value: Any, source: str) -> None:
+        setattr(self, name, value)
+        self.sources[name] = source
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+    def as_dict(self, reveal_secrets: bool = False) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            if KEYS[f.name].secret and value is not None and not reveal_secrets:
+                value = "***"
+            out[f.name] = value.value if isinstance(value, SchedulerMode) else value
+        return out
+
+
+# -- the file ----------------------------------------------------------------------------------
+_LINE_IN_ERROR = re.compile(r"at line (\d+)")
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The file's settings, each checked; {} when the file does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = _LINE_IN_ERROR.search(str(exc))
+        where = f", line {found.group(1)}" if found else ""
+        raise ConfigError(f"config file {path}{where}: invalid TOML: {exc}") from None
+    values = {}
+    for name, value in raw.items():
+        where = f"config file {path}, line {_line_of(text, name)}"
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: {name} must be a plain value, not a table or array")
+        values[name] = convert(name, value, where)
+    return values
+
+
+def _line_of(text: str, name: str) -> int | str:
+    pattern = re.compile(rf"^\s*[\"']?{re.escape(name)}[\"']?\s*=")
+    return next((i for i, line in enumerate(text.splitlines(), 1) if pattern.match(line)), "?")
+
+
+def set_value(name: str, text: str, path: Path | None = None) -> Any:
+    """Check ``text`` for key ``name`` and write it to the file (creating it); returns the
+    value. The values "auto" and "" remove the key (back to the default)."""
+    path = path or config_path()
+    value = convert(name, text, "config set")
+    values = read_file(path)
+    if value is None:
+        values.pop(name, None)
+    else:
+        values[name] = value
+    write_file(path, values)
+    return value
+
+
+def unset_value(name: str, path: Path | None = None) -> None:
+    """Remove key ``name`` from the file (back to the default)."""
+    if name not in KEYS:
+        raise ConfigError(f"unknown key {name!r}; known keys: {', '.join(KEYS)}")
+    path = path or config_path()
+    values = read_file(path)
+    values.pop(name, None)
+    write_file(path, values)
+
+
+def write_file(path: Path, values: dict[str, Any]) -> None:
+    """Write ``values`` as a flat TOML table (keys in their documented order), atomically."""
+    lines = ["# mtplx settings (`mtplx config show` lists every key; flags and MTPLX_* variables win)"]
+    for name in KEYS:
+        if values.get(name) is not None:
+            lines.append(f"{name} = {_toml_value(values[name])}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if any(KEYS[name].secret for name in values):
+        tmp.chmod(0o600)  # it holds a secret
+    tmp.replace(path)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, SchedulerMode):
+        value = value.value
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    return repr(value)

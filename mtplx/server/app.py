@@ -1,0 +1,81 @@
+"""The FastAPI app: one engine, one scheduler (started with the app), routes and middleware."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI
+
+from mtplx.batching.job import Job, JobResult
+from mtplx.batching.scheduler import Scheduler
+from mtplx.batching.state import SchedulerSettings
+from mtplx.engine.llm_engine import Engine
+from mtplx.server import openai, telemetry
+from mtplx.server.errors import install_error_handlers
+from mtplx.server.metrics import CountRequests, Metrics
+from mtplx.server.protocol import DEFAULT_TEMPERATURE
+from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, api_key_dependency
+
+
+@dataclass
+class ServerState:
+    """What request handlers may use. ``engine`` only to build requests (tokenizer and
+    validation); all model work happens on the scheduler's thread."""
+
+    engine: Engine
+    scheduler: Scheduler
+    metrics: Metrics
+    model_id: str
+    default_temperature: float = DEFAULT_TEMPERATURE
+    started_at: float = field(default_factory=time.time)
+    latest_request: dict | None = None
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise openai.unknown_model(name, self.model_id)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": int(self.started_at), "owned_by": "mtplx",
+                "max_model_len": self.engine.max_context, "mtp_head": self.engine.has_mtp}
+
+    def kv_cache(self) -> dict:
+        """Block counts as of the last cycle, plus the block size in tokens."""
+        return {**self.scheduler.kv_stats, "block_size": self.engine.runner.block_size}
+
+    def remember(self, job: Job, result: JobResult | None) -> None:
+        if result is not None:
+            self.latest_request = {"request_id": job.request_id, "finish_reason": result.finish_reason,
+                                   "prompt_tokens": result.prompt_tokens,
+                                   "completion_tokens": result.completion_tokens, "mtplx_stats": result.stats}
+
+
+def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, model_id: str = "mtplx",
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, gate=None) -> FastAPI:
+    """An app serving ``engine`` under ``settings`` (default: serial). ``gate``: the hyper
+    admission gate to use in hyper mode (default: a fresh ``HyperAdmissionGate``)."""
+    scheduler = Scheduler(engine, settings or SchedulerSettings(), gate=gate)
+    metrics = Metrics(scheduler)
+    temperature = float(engine.loaded.generation_defaults.get("temperature", DEFAULT_TEMPERATURE))
+    state = ServerState(engine, scheduler, metrics, model_id, temperature)
+    scheduler.add_listener(state.remember)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="mtplx", lifespan=lifespan)
+    app.state.mtplx = state
+    install_error_handlers(app)
+    require_key = [Depends(api_key_dependency(api_key))]
+    app.include_router(openai.router, dependencies=require_key)
+    app.include_router(telemetry.router, dependencies=require_key)
+    app.include_router(telemetry.open_router)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts 413s too
+    return app

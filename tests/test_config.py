@@ -1,0 +1,110 @@
+"""``mtplx.config``: file round trip, precedence (flag > environment > file > default), and
+errors that name the key, the value, the source and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtplx.batching.state import SchedulerConfigError, SchedulerMode
+from mtplx.cli import main
+from mtplx.config import Config, ConfigError, set_value, unset_value
+
+
+@pytest.fixture
+def cfg_file(tmp_path, monkeypatch):
+    path = tmp_path / "mtplx" / "config.toml"
+    monkeypatch.setenv("MTPLX_CONFIG", str(path))
+    for name in ("SCHEDULER_MODE", "PORT", "HOST", "DEPTH", "BATCH_WAIT_MS", "API_KEY"):
+        monkeypatch.delenv(f"MTPLX_{name}", raising=False)
+    return path
+
+
+def test_defaults_without_a_file(cfg_file):
+    cfg = Config.load()
+    assert cfg.scheduler_mode == SchedulerMode.SERIAL and cfg.host == "127.0.0.1" and cfg.port == 8000
+    assert cfg.max_active_requests is None and cfg.decode_batch_max is None and cfg.batch_wait_ms is None
+    assert all(cfg.source(k) == "default" for k in cfg.as_dict())
+
+
+def test_set_then_load_round_trips_every_kind_of_value(cfg_file):
+    values = {"model": "/models/my model.gguf", "scheduler_mode": "mtp_batch", "generation_mode": "mtp",
+              "depth": "3", "host": "::1", "port": "9001", "decode_batch_max": "4", "batch_wait_ms": "12.5",
+              "max_queued_requests": "7", "dtype": "bfloat16"}
+    for key, text in values.items():
+        set_value(key, text)
+    cfg = Config.load()
+    assert cfg.model == "/models/my model.gguf" and cfg.scheduler_mode is SchedulerMode.MTP_BATCH
+    assert (cfg.depth, cfg.port, cfg.decode_batch_max, cfg.batch_wait_ms, cfg.max_queued_requests) == (3, 9001, 4, 12.5, 7)
+    assert cfg.host == "::1" and cfg.generation_mode == "mtp" and cfg.dtype == "bfloat16"
+    assert cfg.source("port") == f"config file {cfg_file}"
+    set_value("depth", "auto")
+    unset_value("port")
+    cfg = Config.load()
+    assert cfg.depth is None and cfg.port == 8000 and cfg.scheduler_mode is SchedulerMode.MTP_BATCH
+
+
+def test_flag_beats_environment_beats_file(cfg_file, monkeypatch):
+    set_value("port", "9000")
+    set_value("scheduler_mode", "ar_batch")
+    monkeypatch.setenv("MTPLX_PORT", "9100")
+    cfg = Config.load(overrides={"port": "9200", "scheduler_mode": None})
+    assert cfg.port == 9200 and cfg.source("port") == "flag --port"
+    assert cfg.scheduler_mode is SchedulerMode.AR_BATCH  # a flag not given (None) does not override
+    assert Config.load().port == 9100 and Config.load().source("port") == "environment MTPLX_PORT"
+
+
+def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(cfg_file, monkeypatch):
+    with pytest.raises(ConfigError) as err:
+        set_value("port", "70000")
+    assert "port = '70000'" in str(err.value) and "from 1 to 65535" in str(err.value)
+    monkeypatch.setenv("MTPLX_SCHEDULER_MODE", "turbo")
+    with pytest.raises(ConfigError) as err:
+        Config.load()
+    message = str(err.value)
+    assert "'turbo'" in message and "MTPLX_SCHEDULER_MODE" in message
+    assert all(mode in message for mode in SchedulerMode.choices())
+
+
+def test_an_invalid_scheduler_mode_lists_the_choices():
+    with pytest.raises(SchedulerConfigError, match="serial, mtp_batch, hyper, ar_batch, solo_mtp"):
+        SchedulerMode.parse("fast")
+    assert SchedulerMode.choices() == ["serial", "mtp_batch", "hyper", "ar_batch", "solo_mtp"]
+    assert SchedulerMode("hyper") == "hyper"  # a str enum
+
+
+def test_a_malformed_file_names_the_file_and_the_line(cfg_file):
+    cfg_file.parent.mkdir(parents=True)
+    cfg_file.write_text('port = 8000\nscheduler_mode = "serial\n')
+    with pytest.raises(ConfigError, match=rf"{cfg_file}, line 2: invalid TOML"):
+        Config.load()
+    cfg_file.write_text('port = 8000\n\ndepth = 11\n')
+    with pytest.raises(ConfigError, match=rf"depth = 11 \(config file {cfg_file}, line 3\).*from 1 to 8"):
+        Config.load()
+    cfg_file.write_text('colour = "blue"\n')
+    with pytest.raises(ConfigError, match=r"line 1: unknown key 'colour'; known keys: model, scheduler_mode"):
+        Config.load()
+
+
+def test_the_api_key_is_never_shown(cfg_file, capsys):
+    assert main(["config", "set", "api_key", "s3cret"]) == 0
+    assert main(["config", "show"]) == 0
+    assert main(["config", "get", "api_key"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "***" in out
+    assert Config.load().api_key == "s3cret"
+    assert oct(cfg_file.stat().st_mode & 0o777) == "0o600"
+
+
+def test_config_command_round_trip(cfg_file, capsys):
+    assert main(["config", "set", "scheduler_mode", "hyper"]) == 0
+    assert main(["config", "set", "batch_wait_ms", "0"]) == 0
+    capsys.readouterr()
+    assert main(["config", "get", "scheduler_mode"]) == 0
+    assert capsys.readouterr().out.strip() == "hyper"
+    assert main(["config", "show"]) == 0
+    shown = capsys.readouterr().out
+    assert "scheduler_mode" in shown and f"config file {cfg_file}" in shown
+    assert main(["config", "set", "scheduler_mode", "warp"]) == 2
+    assert "must be one of serial, mtp_batch, hyper, ar_batch, solo_mtp" in capsys.readouterr().err
+    assert main(["config", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(cfg_file)

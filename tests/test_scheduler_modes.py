@@ -1,0 +1,217 @@
+"""The five scheduler modes, below HTTP: each is a policy over the same engine step, so
+concurrent requests produce exactly what each would produce alone (greedy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtplx.batching.job import Delta, Done, Failed, Job
+from mtplx.batching.scheduler import Scheduler
+from mtplx.batching.state import SchedulerMode, SchedulerSettings
+from mtplx.errors import InvalidParameter
+from tests.test_server_harness import Collector, tiny_text_engine
+
+PROMPTS = [f"row {i}: {'abcdefgh'[i]} says" for i in range(8)]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_text_engine(head="repeat")
+
+
+@pytest.fixture(scope="module")
+def solo(engine):
+    """Each prompt decoded alone, greedy: the reference every mode must reproduce."""
+    return [engine.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in PROMPTS]
+
+
+def run_concurrently(engine, scheduler: Scheduler, prompts, **kwargs) -> list[Done]:
+    collectors = [Collector() for _ in prompts]
+    for prompt, collector in zip(prompts, collectors):
+        scheduler.submit(Job(engine.make_request(prompt, **kwargs), collector))
+    ends = [c.wait() for c in collectors]
+    for end, collector in zip(ends, collectors):
+        assert isinstance(end, Done), end
+        assert [t for d in collector.deltas for t in d.token_ids] == end.result.token_ids
+        assert "".join(d.text for d in collector.deltas) == end.result.text
+    return ends
+
+
+def started(engine, mode, **knobs) -> Scheduler:
+    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode, **knobs))
+    scheduler.start()
+    return scheduler
+
+
+@pytest.mark.parametrize("mode", SchedulerMode.choices())
+def test_every_mode_reproduces_solo_greedy_output_under_8_concurrent_requests(engine, solo, mode):
+    scheduler = started(engine, mode)
+    try:
+        ends = run_concurrently(engine, scheduler, PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
+    finally:
+        scheduler.stop()
+    for end, ref in zip(ends, solo):
+        assert end.result.token_ids == ref.token_ids
+        assert end.result.text == ref.text
+        assert end.result.finish_reason == ref.finish_reason
+        assert end.result.stats["scheduler_mode"] == mode
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+    assert scheduler.policy.jobs.totals["completed"] == len(PROMPTS)
+
+
+def test_mtp_batch_verifies_several_rows_per_cycle(engine):
+    scheduler = started(engine, "mtp_batch", batch_wait_ms=200)
+    try:
+        run_concurrently(engine, scheduler, PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
+        block = scheduler.telemetry()
+    finally:
+        scheduler.stop()
+    widths = {int(w) for w in block["batch_histogram"]}
+    assert max(widths) > 1 and max(widths) <= 8
+    assert block["fixed_width"] == 8 and scheduler.settings.policy_label == "fixed_mtp_batch_width_8"
+    assert block["rows_joined"] == block["rows_retired"] == len(PROMPTS)
+
+
+def test_mtp_batch_rows_join_a_running_cohort_at_cycle_boundaries(engine):
+    scheduler = started(engine, "mtp_batch", decode_batch_max=4, batch_wait_ms=0)
+    try:
+        first = Collector()
+        scheduler.submit(Job(engine.make_request(PROMPTS[0], max_tokens=200, temperature=0.0), first))
+        first.events.get(timeout=30)  # the first row is decoding
+        run_concurrently(engine, scheduler, PROMPTS[1:4], max_tokens=8, temperature=0.0)
+        assert isinstance(first.wait(), Done)
+        block = scheduler.telemetry()
+    finally:
+        scheduler.stop()
+    assert block["rows_joined_mid_cohort"] >= 1
+    assert max(int(w) for w in block["batch_histogram"]) > 1
+
+
+def test_ar_batch_turns_mtp_off_when_wider_than_one_and_says_why(engine):
+    scheduler = started(engine, "ar_batch")
+    try:
+        ends = run_concurrently(engine, scheduler, PROMPTS, max_tokens=8, temperature=0.0, mode="mtp")
+        block = scheduler.telemetry()
+        alone = run_concurrently(engine, scheduler, PROMPTS[:1], max_tokens=8, temperature=0.0, mode="mtp")[0]
+    finally:
+        scheduler.stop()
+    disabled = [e.result.stats for e in ends if e.result.stats["mtp_disabled_reason"]]
+    assert disabled and all(s["generation_mode"] == "ar" and "wider than 1" in s["mtp_disabled_reason"]
+                            for s in disabled)
+    assert block["mtp_disabled_rows"] == len(disabled)
+    assert max(int(w) for w in block["batch_histogram"]) > 1
+    assert alone.result.stats["generation_mode"] == "mtp" and alone.result.stats["mtp_disabled_reason"] is None
+
+
+def test_ar_batch_prefills_long_prompts_in_chunks(engine):
+    scheduler = Scheduler(engine, SchedulerSettings.resolve("ar_batch"))
+    scheduler.policy.prefill_chunk = 8
+    scheduler.start()
+    try:
+        long_prompt = "a long prompt that takes several chunks " * 3
+        [end] = run_concurrently(engine, scheduler, [long_prompt], max_tokens=4, temperature=0.0)
+        chunks = scheduler.telemetry()["prefill_chunks"]
+    finally:
+        scheduler.stop()
+    prompt_tokens = end.result.prompt_tokens - end.result.stats["cached_prompt_tokens"]
+    assert chunks == -(-prompt_tokens // 8)
+    assert end.result.token_ids == engine.generate(long_prompt, max_tokens=4, temperature=0.0).token_ids
+
+
+def test_solo_mtp_traces_every_cycle_and_refuses_ar(engine):
+    scheduler = started(engine, "solo_mtp")
+    try:
+        [end] = run_concurrently(engine, scheduler, PROMPTS[:1], max_tokens=MAX_TOKENS, temperature=0.0)
+        with pytest.raises(InvalidParameter, match="no AR fallback"):
+            scheduler.submit(Job(engine.make_request(PROMPTS[0], mode="ar")))
+        block = scheduler.telemetry()
+    finally:
+        scheduler.stop()
+    trace, stats = end.result.stats["cycle_trace"], end.result.stats
+    assert len(trace) == stats["verify_calls"] == block["cycles"]
+    assert sum(c["drafted"] for c in trace) == stats["drafted_tokens"]
+    assert sum(c["accepted"] for c in trace) == stats["accepted_tokens"]
+    assert 1 + sum(c["committed"] for c in trace) == stats["generated_tokens"]  # +1: the prefill token
+    assert sum(c["verify_s"] for c in trace) == pytest.approx(stats["verify_s"])
+    assert set(block["phase_s"]) == {"draft_s", "verify_s", "accept_s", "commit_s"}
+
+
+@pytest.mark.parametrize("mode", SchedulerMode.choices())
+def test_cancel_stops_within_one_cycle_and_frees_blocks(engine, mode):
+    """The client cancels while the third delta is delivered; the job ends at that cycle's
+    boundary: no further output, finish_reason "cancelled", every KV block back."""
+    scheduler = started(engine, mode)
+
+    class CancelOnThird(Collector):
+        seen = 0
+
+        def __call__(self, event):
+            super().__call__(event)
+            if isinstance(event, Delta):
+                self.seen += 1
+                if self.seen == 3:
+                    job.cancel()
+
+    collector = CancelOnThird()
+    job = Job(engine.make_request(PROMPTS[1], max_tokens=500, temperature=0.0), collector)
+    try:
+        scheduler.submit(job)
+        end = collector.wait()
+    finally:
+        scheduler.stop()
+    assert isinstance(end, Done) and end.result.finish_reason == "cancelled"
+    assert len(collector.deltas) == 3
+    assert engine.runner.blocks.num_used_blocks == 0
+    assert scheduler.policy.jobs.totals["cancelled"] == 1
+
+
+def test_a_job_cancelled_while_queued_never_starts(engine):
+    scheduler = Scheduler(engine, SchedulerSettings.resolve("hyper"))  # not started: jobs wait
+    job = Job(engine.make_request(PROMPTS[0], max_tokens=4))
+    collector = Collector()
+    job.emit = collector
+    scheduler.submit(job)
+    job.cancel()
+    scheduler.start()
+    try:
+        follow_up = run_concurrently(engine, scheduler, PROMPTS[:1], max_tokens=4, temperature=0.0)
+        gate = scheduler.telemetry()
+    finally:
+        scheduler.stop()
+    unstarted = collector.wait()
+    assert isinstance(unstarted, Done) and unstarted.result.finish_reason == "cancelled"
+    assert not collector.deltas and follow_up[0].result.finish_reason in ("stop", "length")
+    assert gate["totals"]["abandoned_before_start"] == 1 and gate["totals"]["completed"] == 1
+
+
+def test_batch_admission_waits_for_kv_room_instead_of_failing():
+    """A KV cache that holds about two requests at once: eight still all complete."""
+    engine = tiny_text_engine(head="repeat", kv_cache_tokens=96)
+    refs = [engine.generate(p, max_tokens=12, temperature=0.0) for p in PROMPTS]
+    for mode in ("mtp_batch", "ar_batch"):
+        scheduler = started(engine, mode)
+        try:
+            ends = run_concurrently(engine, scheduler, PROMPTS, max_tokens=12, temperature=0.0)
+            widest = max(int(w) for w in scheduler.telemetry()["batch_histogram"])
+        finally:
+            scheduler.stop()
+        assert [e.result.token_ids for e in ends] == [r.token_ids for r in refs]
+        assert 1 < widest < len(PROMPTS)  # batched, but never more rows than the KV cache holds
+        assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_an_engine_error_fails_only_its_job(engine):
+    scheduler = started(engine, "serial")
+    try:
+        bad = Collector()
+        request = engine.make_request(PROMPTS[0], max_tokens=4)
+        request.prompt_ids = [10_000]  # out of vocabulary: the model step raises
+        scheduler.submit(Job(request, bad))
+        assert isinstance(bad.wait(), Failed)
+        [ok] = run_concurrently(engine, scheduler, PROMPTS[:1], max_tokens=4, temperature=0.0)
+    finally:
+        scheduler.stop()
+    assert ok.result.finish_reason in ("stop", "length")
+    assert engine.runner.blocks.num_used_blocks == 0

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible API on a real uvicorn server, driven by the official ``openai``
+client and by raw HTTP (httpx). References come from the engine alone, before serving."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtplx.batching.state import SchedulerSettings
+from mtplx.server.app import create_app
+from mtplx.server.hyper import HyperAdmissionGate, HyperCohortPlan
+from tests.test_server_harness import running_server, tiny_text_engine
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+GREEDY = dict(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_text_engine(head="repeat", context=4096)
+
+
+@pytest.fixture(scope="module")
+def refs(engine):
+    """What the engine produces alone; computed before the server owns the engine."""
+    return {"chat": engine.generate(CHAT, chat=True, **GREEDY),
+            "text": engine.generate("The sea", **GREEDY),
+            "ids": engine.generate([5, 6, 7, 8], **GREEDY)}
+
+
+@pytest.fixture(scope="module")
+def url(engine, refs):
+    with running_server(create_app(engine, model_id=MODEL)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def sse(response: httpx.Response) -> list:
+    """The data payloads of an SSE response: dicts, and the final "[DONE]"."""
+    out = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def snapshot(url: str, **headers) -> dict:
+    return httpx.get(f"{url}/v1/mtplx/snapshot", headers=headers).json()
+
+
+# -- completions --------------------------------------------------------------------------------
+def test_chat_completion_matches_the_engine_and_reports_usage_and_stats(client, refs):
+    ref = refs["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason == "length"
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["mtplx_stats"]
+    assert stats["generation_mode"] == "mtp" and stats["verify_calls"] > 0
+    assert stats["mean_acceptance_length"] == 1 + stats["accepted_tokens"] / stats["verify_calls"]
+    assert stats["scheduler_mode"] == "serial" and stats["scheduler_lane"] == "serial"
+    assert stats["queue_wait_s"] >= 0 and stats["run_s"] > 0 and stats["ttft_s"] > 0
+
+
+def test_chat_stream_with_include_usage(client, refs):
+    ref = refs["chat"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
+    assert last.model_extra["mtplx_stats"]["generated_tokens"] == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_sse_framing_and_stats_in_the_final_chunk(url, refs):
+    body = {"model": MODEL, "messages": CHAT, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse(response)
+    assert events[-1] == "[DONE]"
+    final = events[-2]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == len(refs["chat"].token_ids)
+    assert "acceptance_rate" in final["mtplx_stats"]
+
+
+def test_text_and_token_id_completions(client, refs):
+    r = client.completions.create(model=MODEL, prompt="The sea", **GREEDY)
+    assert r.object == "text_completion" and r.choices[0].text == refs["text"].text
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], extra_body={"return_token_ids": True}, **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == refs["ids"].token_ids
+    streamed = client.completions.create(model=MODEL, prompt="The sea", stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == refs["text"].text
+
+
+def test_stop_strings_cut_the_text_before_the_stop(client, refs):
+    full = refs["chat"].text
+    stop = full[6:8]
+    expected = full[:full.find(stop)]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, stop=[stop, "never-appears"], **GREEDY)
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, stop=stop, stream=True, **GREEDY)
+    streamed = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_and_max_completion_tokens(client):
+    a = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=5, temperature=0)
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 5
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason == "length"
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234,
+                  presence_penalty=0.3, frequency_penalty=0.2, extra_body={"top_k": 40, "min_p": 0.01})
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    again = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **kwargs) if c.choices)
+    other = client.chat.completions.create(**{**kwargs, "seed": 99}).choices[0].message.content
+    assert first == again == streamed
+    assert other != first  # 20 tokens sampled at temperature 0.9 from 96: a collision is negligible
+
+
+def test_per_request_generation_mode_and_depth(client, refs):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"generation_mode": "ar"}, **GREEDY)
+    assert r.choices[0].message.content == refs["chat"].text
+    assert r.model_extra["mtplx_stats"]["generation_mode"] == "ar"
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"depth": 3}, **GREEDY)
+    assert r.choices[0].message.content == refs["chat"].text
+    assert len(r.model_extra["mtplx_stats"]["drafted_by_depth"]) == 3
+
+
+# -- errors ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(temperature=-1), "temperature", "must be a finite number >= 0"),
+    (dict(top_p=1.5), "top_p", "(0, 1]"),
+    (dict(n=2), "n", "only n=1 is supported"),
+    (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (dict(extra_body={"top_k": -3}), "top_k", "integer >= 0"),
+    (dict(extra_body={"depth": 9}), "depth", "from 1 to 8"),
+    (dict(presence_penalty=3), "presence_penalty", "[-2, 2]"),
+])
+def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, **{"max_tokens": 4, **kwargs})
+    error = err.value.body
+    assert err.value.status_code == 400 and error["param"] == param and words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_prompt_longer_than_the_context_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="context is 4096 tokens"):
+        client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
+
+
+def test_unknown_model_and_route_are_404_in_the_openai_shape(client, url):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert err.value.body["code"] == "model_not_found" and "'tiny'" in err.value.body["message"]
+    r = httpx.post(f"{url}/v1/nothing", json={})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_endpoint(client):
+    [card] = client.models.list().data
+    assert card.id == MODEL and card.owned_by == "mtplx"
+
+
+# -- telemetry --------------------------------------------------------------------------------
+def test_metrics_health_and_snapshot_report_what_ran(client, url):
+    client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    metrics = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    value = lambda name, **labels: sum(s.value for s in metrics[name].samples  # noqa: E731
+                                       if s.name.endswith(("_total", "_count")) or s.name == name
+                                       if all(s.labels.get(k) == v for k, v in labels.items()))
+    for name in ("mtplx_spec_decode_num_drafts", "mtplx_spec_decode_num_draft_tokens",
+                 "mtplx_spec_decode_num_accepted_tokens", "mtplx_prompt_tokens", "mtplx_generation_tokens"):
+        assert value(name) > 0, name
+    # depth 1 by default (engine.DEFAULT_DEPTH), and one earlier request asked for depth 3
+    assert value("mtplx_spec_decode_num_draft_tokens") > value("mtplx_spec_decode_num_drafts")
+    assert value("mtplx_spec_decode_num_accepted_tokens") <= value("mtplx_spec_decode_num_draft_tokens")
+    per_pos = {s.labels["position"]: s.value for s in metrics["mtplx_spec_decode_num_accepted_tokens_per_pos"].samples
+               if s.name.endswith("_total")}
+    assert {"0", "1"} <= set(per_pos) and sum(per_pos.values()) == value("mtplx_spec_decode_num_accepted_tokens")
+    assert value("mtplx_time_to_first_token_seconds") >= 1 and value("mtplx_e2e_request_latency_seconds") >= 1
+    assert value("mtplx_request_success", finish_reason="length") >= 1
+    assert value("mtplx_http_requests", route="/v1/chat/completions", status="200") >= 1
+    assert value("mtplx_kv_cache_blocks_total") == 1024 and value("mtplx_kv_cache_blocks_used") == 0
+    assert "mtplx_num_requests_waiting" in metrics and "mtplx_num_requests_running" in metrics
+
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["scheduler_mode"] == "serial"
+    assert health["scheduler"]["serial"]["totals"]["completed"] >= 1 and health["scheduler"]["hyper"] == {}
+
+    snap = snapshot(url)
+    assert snap["scheduler_mode"] == "serial" and snap["scheduler_policy"] == "serial_fifo"
+    assert snap["active_lane"] == "idle" and snap["config"]["max_active_requests"] == 1
+    assert snap["scheduler"]["serial"] == snap["telemetry"] and snap["scheduler"]["mtp_batch"] == {}
+    kv = snap["kv_cache"]
+    assert kv["total_blocks"] == 1024 and kv["free_blocks"] == 1024 and kv["cached_blocks"] > 0
+    assert snap["latest_request"]["mtplx_stats"]["generated_tokens"] == GREEDY["max_tokens"]
+
+
+# -- disconnects --------------------------------------------------------------------------------
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_closed_stream_cancels_its_generation_and_frees_its_blocks(url):
+    before = snapshot(url)["telemetry"]["totals"]["cancelled"]
+    body = {"model": MODEL, "prompt": "The sea", "stream": True, "max_tokens": 3000, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert wait_until(lambda: snapshot(url)["telemetry"]["totals"]["cancelled"] == before + 1)
+    snap = snapshot(url)
+    assert snap["active_requests"] == 0 and snap["kv_cache"]["used_blocks"] == 0
+    assert snap["latest_request"]["finish_reason"] == "cancelled"
+    assert snap["latest_request"]["completion_tokens"] < 3000
+
+
+def test_a_dropped_connection_cancels_a_whole_response(url):
+    before = snapshot(url)["telemetry"]["totals"]["cancelled"]
+    body = {"model": MODEL, "prompt": "The sea", "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    assert wait_until(lambda: snapshot(url)["telemetry"]["totals"]["cancelled"] == before + 1)
+    assert snapshot(url)["kv_cache"]["used_blocks"] == 0
+
+
+# -- servers with limits ----------------------------------------------------------------------
+def test_api_key_is_required_when_set(engine):
+    app = create_app(engine, model_id=MODEL, api_key="s3cret")
+    with running_server(app) as base:
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/v1/mtplx/snapshot").status_code == 401
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        assert httpx.get(f"{base}/health").status_code == 200  # health checks need no key
+
+
+def test_an_oversized_body_is_413(engine):
+    with running_server(create_app(engine, model_id=MODEL, max_body_bytes=2000)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 5000}])
+        assert err.value.status_code == 413 and err.value.body["code"] == "request_too_large"
+        chunked = httpx.post(f"{base}/v1/completions", content=iter([b'{"model": "tiny", "prompt": "', b"z" * 4000]),
+                             headers={"content-type": "application/json"})
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+
+
+class HeldExecutor:
+    """A hyper width executor that holds the model thread until released (to fill the queue)."""
+
+    def __init__(self):
+        self.running, self.release = threading.Event(), threading.Event()
+
+    def plan(self, request):
+        return HyperCohortPlan(2, "held")
+
+    def run_cohort(self, plan, singleton):
+        self.running.set()
+        self.release.wait(30)
+        return singleton()
+
+
+def test_a_full_queue_is_503_with_retry_after(engine):
+    gate, held = HyperAdmissionGate(), HeldExecutor()
+    gate.install_width_executor(held)
+    settings = SchedulerSettings.resolve("hyper", max_queued_requests=1)
+    with running_server(create_app(engine, settings, model_id=MODEL, gate=gate)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        ask = lambda: client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)  # noqa: E731
+        results = []
+        workers = [threading.Thread(target=lambda: results.append(ask())) for _ in range(2)]
+        workers[0].start()
+        assert held.running.wait(10)  # the first request holds the model thread
+        workers[1].start()
+        assert wait_until(lambda: snapshot(base)["queue_depth"] == 1)  # the second waits
+        with pytest.raises(openai.APIStatusError) as err:
+            ask()
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        assert err.value.body["code"] == "queue_full"
+        held.release.set()
+        for w in workers:
+            w.join(30)
+        assert len(results) == 2 and all(r.usage.completion_tokens == 3 for r in results)
