@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
 
-from mtplx.engine import attention
 from mtplx.engine.llm_engine import Engine
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams

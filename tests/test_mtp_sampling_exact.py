@@ -3,7 +3,6 @@
 On a tiny-vocabulary model the exact distribution of 3-token continuations is enumerated from
 the reference model's own probabilities; thousands of MTP samples must fit it (chi-square)."""
 
-import itertools
 
 import pytest
 import torch

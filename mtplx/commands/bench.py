@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtplx.commands.common import add_model_options, load_engine
+from mtplx.commands.common import add_model_options, load_engine, measure_side_by_side, parse_depths
 
 
 def add_parser(sub) -> None:
@@ -22,19 +22,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtplx.benchmarking import measure, render_table
-    from mtplx.errors import InvalidParameter
+    from mtplx.benchmarking import render_table
 
-    try:
-        depths = tuple(int(d) for d in args.depths.split(",") if d)
-    except ValueError:
-        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
     sampling = {"temperature": args.temperature}
     if args.seed is not None:
         sampling["seed"] = args.seed
-    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
-                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **sampling)
+    report = measure_side_by_side(engine, args, **sampling)
     report["model"] = str(engine.loaded.source)
     print(render_table(report))
     if args.json_out:

@@ -19,3 +19,28 @@ def load_engine(args, depth=None):
 
     return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
                       allow_unverified_head=args.allow_unverified_head)
+
+
+# a token-id prompt suite for models without a tokenizer
+TOKEN_ID_SUITE = ((1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12))
+
+
+def parse_depths(text: str) -> tuple[int, ...]:
+    """``"1,2,3"`` -> (1, 2, 3); a clear error names the option otherwise."""
+    from mtplx.errors import InvalidParameter
+
+    try:
+        return tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        raise InvalidParameter("depths", f"{text!r} is not a comma-separated list of integers") from None
+
+
+def measure_side_by_side(engine, args, **sampling) -> dict:
+    """AR and every ``--depths`` depth on the prompt suite, interleaved (benchmarking.measure)."""
+    import sys
+
+    from mtplx.benchmarking import measure
+
+    suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
+    return measure(engine, depths=parse_depths(args.depths), max_tokens=args.max_tokens, repeats=args.repeats,
+                   progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite, **sampling)

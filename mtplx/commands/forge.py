@@ -99,24 +99,19 @@ def run_build(args) -> int:
 
 
 def run_verify(args) -> int:
-    from mtplx.benchmarking import measure, render_table
+    from mtplx.benchmarking import render_table
+    from mtplx.commands.common import TOKEN_ID_SUITE, measure_side_by_side, parse_depths
     from mtplx.errors import InvalidParameter
     from mtplx.forge.artifact import read_provenance, write_provenance
     from mtplx.forge.measure import sampled_exactness
     from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
-    from mtplx.commands.tune import TOKEN_ID_SUITE
     from mtplx.tuning import pick_depth
 
-    try:
-        depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
-    except ValueError:
-        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
     if not engine.has_mtp:
         raise InvalidParameter("head", "this model has no MTP head to verify (pass --head DIR)")
-    suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
-    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
-                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite)
+    report = measure_side_by_side(engine, args)
     greedy_ok = bool(report.get("greedy_identical_to_ar"))
     print(f"greedy identity with AR: {'pass' if greedy_ok else 'FAIL'}")
     prompt = (engine.tokenizer.apply_chat_template(as_chat(HELD_OUT_PROMPTS[0])) if engine.tokenizer

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mtplx.commands.common import add_model_options, load_engine
-
-# For models without a tokenizer: token-id prompts (tuples, so they are not taken for chat messages).
-TOKEN_ID_SUITE = ((1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12))
+from mtplx.commands.common import add_model_options, load_engine, measure_side_by_side, parse_depths
 
 
 def add_parser(sub) -> None:
@@ -20,22 +17,16 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtplx.benchmarking import measure, render_table
-    from mtplx.errors import InvalidParameter
+    from mtplx.benchmarking import render_table
     from mtplx.tuning import pick_depth, save_choice
 
-    try:
-        depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
-    except ValueError:
-        raise InvalidParameter("depths", f"{args.depths!r} is not a comma-separated list of integers") from None
+    parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
     if not engine.has_mtp:
         print("this model has no MTP head: it runs AR only, nothing to tune "
               "(forge one with `mtplx forge build`)", file=sys.stderr)
         return 0
-    suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
-    report = measure(engine, depths=depths, max_tokens=args.max_tokens, repeats=args.repeats,
-                     progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite)
+    report = measure_side_by_side(engine, args)
     print(render_table(report))
     choice = pick_depth(report)
     print(choice["message"])

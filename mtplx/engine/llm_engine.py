@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence as Seq
 
@@ -12,7 +11,7 @@ from mtplx.engine.generator import Generator
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams, make_generator
 from mtplx.engine.sequence import Sequence
-from mtplx.errors import InvalidParameter, MtplxError
+from mtplx.errors import InvalidParameter
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.models.layers import fuse_projections
 
@@ -152,7 +151,6 @@ class Engine:
                 while not seq.finished:
                     self.step([seq])
                     yield seq, text.update(seq)
-                yield seq, text.flush(seq)
             finally:
                 self.generator.release(seq)
 
@@ -209,9 +207,6 @@ class TextTracker:
                 seq.finish_reason = "stop"
                 return self._emit(text[:cut], final=True)
         return self._emit(text, final=seq.finished)
-
-    def flush(self, seq: Sequence) -> str:
-        return ""
 
     def _emit(self, text: str, final: bool) -> str:
         end = len(text) if final else max(self.emitted, len(text) - self.hold)
