@@ -51,3 +51,14 @@ def test_default_model_streams_text_and_reports_stats(engine):
     assert "".join(pieces) == full.text
     assert len(pieces) > 3
     assert full.stats["generated_tokens"] == len(full.token_ids)
+
+
+@pytest.mark.slow
+def test_stop_strings_cut_streamed_and_returned_text_alike(engine):
+    full = engine.generate("Count from one to twenty: one, two,", max_tokens=40, ignore_eos=True).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
+    result = engine.generate("Count from one to twenty: one, two,", max_tokens=40, ignore_eos=True, stop=[stop])
+    streamed = "".join(engine.stream("Count from one to twenty: one, two,", max_tokens=40, ignore_eos=True,
+                                     stop=[stop]))
+    assert result.text == cut == streamed and result.finish_reason == "stop"

@@ -190,28 +190,36 @@ class Engine:
 
 class TextTracker:
     """Turns a sequence's generated ids into new text pieces, honouring stop strings: text
-    that might be the start of a stop string is held back until it is decided."""
+    that might be the start of a stop string is held back until it is decided. Decoding is
+    incremental (each token is decoded once), so a long answer costs linear time."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int):
-        self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
-        self.emitted = 0  # characters already yielded
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int = 0):
+        self.stop = stop
+        self.decoder = tokenizer.incremental_decoder() if tokenizer is not None else None
+        self.text = ""      # complete characters decoded so far
+        self.consumed = 0   # generated tokens fed to the decoder
+        self.emitted = 0    # characters already yielded
+        self.searched = 0   # stop strings were looked for in text[:searched]
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def update(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
+        if self.decoder is None:
             return ""
-        text = self.tokenizer.decode(seq.generated)
+        new = seq.generated[self.consumed:]
+        self.consumed += len(new)
+        self.text += self.decoder.push(new)
+        if seq.finished:
+            self.text += self.decoder.flush()
         if self.stop:
-            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            start = max(0, self.searched - self.hold)
+            cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+            self.searched = len(self.text)
             if cut >= 0:
                 seq.finish_reason = "stop"
-                return self._emit(text[:cut], final=True)
-        return self._emit(text, final=seq.finished)
+                return self._emit(cut)
+        return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
 
-    def _emit(self, text: str, final: bool) -> str:
-        end = len(text) if final else max(self.emitted, len(text) - self.hold)
-        if not final:
-            while end > self.emitted and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character
-                end -= 1
-        piece, self.emitted = text[self.emitted:end], max(self.emitted, end)
+    def _emit(self, end: int) -> str:
+        end = max(self.emitted, end)
+        piece, self.emitted = self.text[self.emitted:end], end
         return piece
