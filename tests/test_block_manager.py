@@ -362,3 +362,17 @@ def test_misuse_is_reported():
         bm.free("zz")
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+def test_namespaces_keep_prefix_caches_apart():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(1, 14))
+    bm.allocate("a", prompt, namespace="trunk_only")
+    bm.commit("a", prompt)
+    bm.free("a")
+    assert bm.allocate("b", prompt) == 0  # default namespace: no hit on trunk_only blocks
+    bm.commit("b", prompt)
+    bm.free("b")
+    assert bm.allocate("c", prompt, namespace="trunk_only") == 12
+    assert bm.allocate("d", prompt) == 12
+    bm.check_invariants()

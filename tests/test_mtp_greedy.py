@@ -49,3 +49,15 @@ def test_stats_have_the_documented_fields():
     assert stats["mean_acceptance_length"] == 1 + stats["accepted_tokens"] / stats["verify_calls"]
     assert stats["correction_tokens"] + stats["bonus_tokens"] == stats["verify_calls"]
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_ar_blocks_never_serve_an_mtp_request_stale_head_entries():
+    """AR requests on a head model write no head KV, so their cached blocks are kept apart."""
+    engine, _ = tiny_engine("llama")
+    prompt = list(range(3, 30))
+    engine.generate(prompt, mode="ar", max_tokens=4)
+    assert engine.generate(prompt, mode="ar", max_tokens=4).stats["cached_prompt_tokens"] == 24
+    assert engine.generate(prompt, mode="mtp", max_tokens=4).stats["cached_prompt_tokens"] == 0
+    assert engine.generate(prompt, mode="mtp", max_tokens=4).stats["cached_prompt_tokens"] == 24
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()

@@ -44,6 +44,7 @@ class _Block:
     serial: int = -1
     parent_serial: int = -1
     token_ids: tuple[int, ...] = ()
+    namespace: str | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class _Seq:
     table: list[int]
     length: int  # tokens with valid KV
     num_hashed: int  # leading blocks that are registered (prefix hits or own commits)
+    namespace: str | None = None
 
 
 class BlockManager:
@@ -71,8 +73,12 @@ class BlockManager:
         self.prefix_lookup_tokens = 0
         self.prefix_lookups = 0
 
-    def allocate(self, seq_id: SeqId, prompt_ids: list[int]) -> int:
+    def allocate(self, seq_id: SeqId, prompt_ids: list[int], namespace: str | None = None) -> int:
         """Register a sequence and give it blocks covering the whole prompt.
+
+        ``namespace`` separates prefix caches whose blocks hold different things for the same
+        tokens (e.g. blocks written without the MTP head's entries): hits and registrations
+        stay within the sequence's namespace.
 
         Returns how many leading prompt tokens already have KV (a multiple of block_size,
         always < len(prompt_ids)); length(seq_id) is that count until the next commit.
@@ -81,7 +87,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
-        hits = self._match_prefix(prompt_ids)
+        hits = self._match_prefix(prompt_ids, namespace)
         need = self._blocks_for(len(prompt_ids)) - len(hits)
         reviving = sum(self._blocks[b].ref_count == 0 for b in hits)
         if need > self.num_free_blocks - reviving:  # checked first: a failure changes nothing
@@ -91,7 +97,7 @@ class BlockManager:
                 del self._cached[b]
             self._blocks[b].ref_count += 1
         cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Seq(hits + [self._take_block() for _ in range(need)], cached, len(hits))
+        self._seqs[seq_id] = _Seq(hits + [self._take_block() for _ in range(need)], cached, len(hits), namespace)
         self.prefix_lookups += 1
         self.prefix_lookup_tokens += len(prompt_ids)
         self.prefix_hits_tokens += cached
@@ -220,9 +226,9 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _match_prefix(self, prompt_ids: list[int]) -> list[int]:
+    def _match_prefix(self, prompt_ids: list[int], namespace: str | None) -> list[int]:
         """Cached blocks for the longest prefix that ends before the last prompt token."""
-        bs, hits, parent_key, parent_serial = self.block_size, [], None, _ROOT
+        bs, hits, parent_key, parent_serial = self.block_size, [], namespace, _ROOT
         for i in range((len(prompt_ids) - 1) // bs):
             tokens = tuple(prompt_ids[i * bs:(i + 1) * bs])
             key = block_hash(parent_key, tokens)
@@ -230,7 +236,7 @@ class BlockManager:
             if b is None:
                 break
             block = self._blocks[b]
-            if block.token_ids != tokens or block.parent_serial != parent_serial:  # a collision
+            if block.token_ids != tokens or block.parent_serial != parent_serial or block.namespace != namespace:
                 break
             hits.append(b)
             parent_key, parent_serial = key, block.serial
@@ -243,14 +249,14 @@ class BlockManager:
         sequence, or a collision): that mapping is kept and this block stays unregistered.
         """
         i, bs, table = seq.num_hashed, self.block_size, seq.table
-        parent = self._blocks[table[i - 1]] if i else _Block(serial=_ROOT)
+        parent = self._blocks[table[i - 1]] if i else _Block(key=seq.namespace, serial=_ROOT)
         tokens = tuple(token_ids[i * bs:(i + 1) * bs])
         key = block_hash(parent.key, tokens)
         if key in self._key_to_block:
             return False
         block = self._blocks[table[i]]
         block.key, block.parent_key, block.token_ids = key, parent.key, tokens
-        block.serial, block.parent_serial = self._next_serial, parent.serial
+        block.serial, block.parent_serial, block.namespace = self._next_serial, parent.serial, seq.namespace
         self._next_serial += 1
         self._key_to_block[key] = table[i]
         return True

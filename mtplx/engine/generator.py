@@ -35,7 +35,10 @@ class Generator:
         """Take blocks for the prompt, reusing cached prefix blocks."""
         seq.stats = DecodeStats(depth=seq.depth, prompt_tokens=len(seq.prompt_ids))
         seq.t_start = time.perf_counter()
-        cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        # AR sequences on a model with a head leave the head's KV entries unwritten: their
+        # blocks go to a separate prefix cache, so an MTP request never drafts from them
+        namespace = "trunk_only" if self.runner.head is not None and seq.mode != "mtp" else None
+        cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids, namespace=namespace)
         self.runner.allocate_state(seq)
         seq.trunk_len = seq.cached_prompt_tokens = seq.stats.cached_prompt_tokens = cached
         seq.head_len = max(cached, 1)
