@@ -59,7 +59,9 @@ class BlockManager:
     """Block tables, lengths and refcounts of running sequences over num_blocks KV blocks of
     block_size token slots each, plus the prefix cache of full committed blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache_disabled_reason: str | None = None):
+        """prefix_cache_disabled_reason: when set, no block is ever registered, so no lookup
+        hits (models whose cached KV alone cannot resume a sequence); stats() reports why."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -72,6 +74,7 @@ class BlockManager:
         self.prefix_hits_tokens = 0
         self.prefix_lookup_tokens = 0
         self.prefix_lookups = 0
+        self.prefix_cache_disabled_reason = prefix_cache_disabled_reason
 
     def allocate(self, seq_id: SeqId, prompt_ids: list[int], namespace: str | None = None) -> int:
         """Register a sequence and give it blocks covering the whole prompt.
@@ -185,11 +188,14 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def stats(self) -> dict[str, int]:
-        return {"total_blocks": self.num_blocks, "free_blocks": self.num_free_blocks,
-                "cached_blocks": self.num_cached_blocks, "used_blocks": self.num_used_blocks,
-                "prefix_hit_tokens": self.prefix_hits_tokens,
-                "prefix_lookup_tokens": self.prefix_lookup_tokens, "prefix_lookups": self.prefix_lookups}
+    def stats(self) -> dict:
+        out = {"total_blocks": self.num_blocks, "free_blocks": self.num_free_blocks,
+               "cached_blocks": self.num_cached_blocks, "used_blocks": self.num_used_blocks,
+               "prefix_hit_tokens": self.prefix_hits_tokens,
+               "prefix_lookup_tokens": self.prefix_lookup_tokens, "prefix_lookups": self.prefix_lookups}
+        if self.prefix_cache_disabled_reason:
+            out["prefix_cache_disabled_reason"] = self.prefix_cache_disabled_reason
+        return out
 
     def check_invariants(self) -> None:
         """Assert the accounting is consistent (for tests; O(num_blocks + table sizes))."""
@@ -248,6 +254,8 @@ class BlockManager:
         False if its key already maps to another block (same content registered by another
         sequence, or a collision): that mapping is kept and this block stays unregistered.
         """
+        if self.prefix_cache_disabled_reason:
+            return False
         i, bs, table = seq.num_hashed, self.block_size, seq.table
         parent = self._blocks[table[i - 1]] if i else _Block(key=seq.namespace, serial=_ROOT)
         tokens = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -86,22 +86,16 @@ class CudaGraphRunner(ModelRunner):
     def _load(self, g: _Graph, seqs, token_rows, starts) -> None:
         """Fill the graph's static inputs for these rows; unused rows and columns stay padding."""
         R, q = g.ids.shape
-        bs = self.block_size
         ids = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
         pos = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
         slots = torch.full((R, q), self.cache.scratch_slot, dtype=torch.long, pin_memory=True)
         tables = torch.full((R, self.table_width), self.cache.scratch_block, dtype=torch.long, pin_memory=True)
         for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
-            n = len(row)
-            self.blocks.ensure_capacity(seq.seq_id, start + n)
-            table = self.blocks.block_table(seq.seq_id)
+            table, positions, row_slots = self.row_layout(seq, start, len(row), q)
             tables[r, : len(table)] = torch.tensor(table)
-            p = torch.arange(start, start + n)
-            ids[r, :n] = torch.tensor(row)
-            ids[r, n:] = row[-1]
-            pos[r, :n] = p
-            pos[r, n:] = start + n - 1
-            slots[r, :n] = tables[r, p // bs] * bs + p % bs
+            ids[r] = torch.tensor(row + [row[-1]] * (q - len(row)))
+            pos[r] = torch.tensor(positions)
+            slots[r] = torch.tensor(row_slots)
         for dst, src in ((g.ids, ids), (g.positions, pos), (g.slots, slots), (g.tables, tables)):
             dst.copy_(src, non_blocking=True)
         if g.hidden_in is not None:

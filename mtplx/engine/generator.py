@@ -146,14 +146,12 @@ class Generator:
     def _accept(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], q: list):
         """logits: [k+1, V] target logits at the draft positions and the bonus position."""
         draft_t = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if seq.counts is not None:  # position i's penalties count the drafts before it
+            logits = torch.cat([self._penalised(seq, logits[i:i + 1], drafts[:i]) for i in range(len(drafts) + 1)])
         if seq.params.greedy:
-            if seq.counts is not None:
-                logits = torch.cat([self._penalised(seq, logits[i:i + 1], drafts[:i]) for i in range(len(drafts) + 1)])
             return verify_greedy(logits, draft_t)
-        p = torch.cat([logits_to_probs(self._penalised(seq, logits[i:i + 1], drafts[:i]), seq.params)
-                       for i in range(len(drafts) + 1)])
         draft_q = None if q[0] is None else torch.stack(q)
-        return verify_sampled(p, draft_q, draft_t, seq.generator)
+        return verify_sampled(logits_to_probs(logits, seq.params), draft_q, draft_t, seq.generator)
 
     # -- sampling helpers ----------------------------------------------------------------
     def _penalised(self, seq: Sequence, logits: torch.Tensor, previous: list[int]) -> torch.Tensor:

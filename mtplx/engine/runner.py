@@ -28,23 +28,6 @@ HYBRID_PREFIX_CACHE_REASON = (
     "hybrid linear-attention model: a cached KV prefix cannot restore the recurrent state at its end")
 
 
-class NoPrefixCacheBlockManager(BlockManager):
-    """Block accounting that never registers blocks in the prefix cache, so no lookup hits.
-
-    For hybrid models: a hit would reuse the prefix's KV blocks, but the linear-attention
-    layers' recurrent state at the end of that prefix is not stored anywhere."""
-
-    def __init__(self, num_blocks: int, block_size: int, reason: str):
-        super().__init__(num_blocks, block_size)
-        self.prefix_cache_disabled_reason = reason
-
-    def _register(self, seq, token_ids) -> bool:
-        return False
-
-    def stats(self) -> dict:
-        return {**super().stats(), "prefix_cache_disabled_reason": self.prefix_cache_disabled_reason}
-
-
 @dataclass
 class _PendingVerify:
     """A verify forward whose recurrent state waits for ``commit_state``."""
@@ -66,10 +49,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
         self.prefix_cache_disabled_reason = HYBRID_PREFIX_CACHE_REASON if cfg.is_hybrid else None
-        if self.prefix_cache_disabled_reason:
-            self.blocks = NoPrefixCacheBlockManager(num_blocks, block_size, self.prefix_cache_disabled_reason)
-        else:
-            self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, self.prefix_cache_disabled_reason)
         self.cache = PagedKVCache(
             num_layers=cfg.num_kv_layers + (1 if head is not None else 0),
             num_blocks=num_blocks, block_size=block_size, kv_heads=cfg.num_key_value_heads,
@@ -126,11 +106,9 @@ class ModelRunner:
         bs = self.block_size
         positions, slots, tables = [], [], []
         for seq, start, n in zip(seqs, starts, lens):
-            self.blocks.ensure_capacity(seq.seq_id, start + n)
-            table = self.blocks.block_table(seq.seq_id)
-            pos = list(range(start, start + n))
-            slots.append([table[p // bs] * bs + p % bs for p in pos] + [self.cache.scratch_slot] * (q - n))
-            positions.append(pos + [start + n - 1] * (q - n))
+            table, pos, slot = self.row_layout(seq, start, n, q)
+            positions.append(pos)
+            slots.append(slot)
             tables.append(table[: (start + n + bs - 1) // bs])
         width = max(len(t) for t in tables)
         tables = [t + [self.cache.scratch_block] * (width - len(t)) for t in tables]
@@ -142,6 +120,16 @@ class ModelRunner:
             meta.state_slots = as_tensor([s.state_slot for s in seqs])
             meta.query_lens = as_tensor(lens)
         return meta
+
+    def row_layout(self, seq: Sequence, start: int, n: int, q: int) -> tuple[list[int], list[int], list[int]]:
+        """(block table, positions, cache slots) of n new tokens at sequence index ``start``,
+        padded to q (padding repeats the last position and writes to the scratch slot)."""
+        bs = self.block_size
+        self.blocks.ensure_capacity(seq.seq_id, start + n)
+        table = self.blocks.block_table(seq.seq_id)
+        pos = list(range(start, start + n))
+        slots = [table[p // bs] * bs + p % bs for p in pos] + [self.cache.scratch_slot] * (q - n)
+        return table, pos + [start + n - 1] * (q - n), slots
 
     def _pad(self, rows: list[list[int]], q: int) -> torch.Tensor:
         return torch.tensor([r + [r[-1]] * (q - len(r)) for r in rows], dtype=torch.long, device=self.device)
