@@ -25,12 +25,15 @@ MAX_GRAPH_QUERY = 8
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor        # [R, q] long
-    positions: torch.Tensor  # [R, q] long
-    slots: torch.Tensor      # [R, q] long
+    ids: torch.Tensor        # [R, q] long  } views of one device buffer, filled by one copy
+    positions: torch.Tensor  # [R, q] long  }
+    slots: torch.Tensor      # [R, q] long  }
     tables: torch.Tensor     # [R, W] long
     hidden_in: torch.Tensor | None  # [R, q, H] (head graphs)
     out: torch.Tensor        # [R, q, H]
+    rows_in: torch.Tensor    # [3 * R * q] long: ids, positions, slots (the buffer behind the three views)
+    staging: torch.Tensor    # pinned host memory for rows_in then the used table columns
+    copied: torch.cuda.Event  # recorded after the copies out of ``staging``
 
 
 class CudaGraphRunner(ModelRunner):
@@ -84,20 +87,31 @@ class CudaGraphRunner(ModelRunner):
         return self.enabled and rows <= ROW_BUCKETS[-1] and q <= MAX_GRAPH_QUERY
 
     def _load(self, g: _Graph, seqs, token_rows, starts) -> None:
-        """Fill the graph's static inputs for these rows; unused rows and columns stay padding."""
+        """Fill the graph's static inputs for these rows with two host-to-device copies (ids,
+        positions and slots; then the block-table columns in use). Padding rows read the
+        scratch block; table columns past a row's length may hold stale entries, which the
+        attention kernel never reads (it stops at the row's last position)."""
         R, q = g.ids.shape
-        ids = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
-        pos = torch.zeros(R, q, dtype=torch.long, pin_memory=True)
-        slots = torch.full((R, q), self.cache.scratch_slot, dtype=torch.long, pin_memory=True)
-        tables = torch.full((R, self.table_width), self.cache.scratch_block, dtype=torch.long, pin_memory=True)
-        for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
+        ids, pos, slots, tables = [], [], [], []
+        for seq, row, start in zip(seqs, token_rows, starts):
             table, positions, row_slots = self.row_layout(seq, start, len(row), q)
-            tables[r, : len(table)] = torch.tensor(table)
-            ids[r] = torch.tensor(row + [row[-1]] * (q - len(row)))
-            pos[r] = torch.tensor(positions)
-            slots[r] = torch.tensor(row_slots)
-        for dst, src in ((g.ids, ids), (g.positions, pos), (g.slots, slots), (g.tables, tables)):
-            dst.copy_(src, non_blocking=True)
+            ids += row + [row[-1]] * (q - len(row))
+            pos += positions
+            slots += row_slots
+            tables.append(table)
+        pad = (R - len(seqs)) * q
+        width = max(len(t) for t in tables)
+        flat_tables = []
+        for t in tables:
+            flat_tables += t + [self.cache.scratch_block] * (width - len(t))
+        flat_tables += [self.cache.scratch_block] * ((R - len(seqs)) * width)
+        values = ids + [0] * pad + pos + [0] * pad + slots + [self.cache.scratch_slot] * pad + flat_tables
+        n = 3 * R * q
+        g.copied.synchronize()  # the previous step's copies out of the staging buffer are done
+        g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
+        g.rows_in.copy_(g.staging[:n], non_blocking=True)
+        g.tables[:, :width].copy_(g.staging[n: n + R * width].view(R, width), non_blocking=True)
+        g.copied.record()
         if g.hidden_in is not None:
             g.hidden_in.zero_()
 
@@ -111,9 +125,9 @@ class CudaGraphRunner(ModelRunner):
     def _capture(self, kind: str, R: int, q: int) -> _Graph:
         dev, H = self.device, self.model.config.hidden_size
         long = dict(dtype=torch.long, device=dev)
-        ids = torch.zeros(R, q, **long)
-        positions = torch.zeros(R, q, **long)
-        slots = torch.full((R, q), self.cache.scratch_slot, **long)
+        rows_in = torch.zeros(3, R, q, **long)
+        ids, positions, slots = rows_in.unbind(0)
+        slots.fill_(self.cache.scratch_slot)
         tables = torch.full((R, self.table_width), self.cache.scratch_block, **long)
         hidden_in = torch.zeros(R, q, H, dtype=self.dtype, device=dev) if kind == "head" else None
         meta = AttentionMetadata(positions, slots, tables)
@@ -132,4 +146,7 @@ class CudaGraphRunner(ModelRunner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = forward()
-        return _Graph(graph, ids, positions, slots, tables, hidden_in, out)
+        staging = torch.empty(3 * R * q + R * self.table_width, dtype=torch.long, pin_memory=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Graph(graph, ids, positions, slots, tables, hidden_in, out, rows_in.view(-1), staging, copied)

@@ -53,9 +53,10 @@ class CausalLM(nn.Module):
         """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rotary = self.rotary.bind(meta.positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, meta, cache.k[i], cache.v[i])
-        hidden = self.model.norm(x)
+            x, delta = layer.forward_chain(x, delta, rotary, meta, cache.k[i], cache.v[i])
+        hidden = self.model.norm.add_forward(x, delta)[1]
         cache.store_block_ends(hidden, meta.slot_mapping)
         return hidden
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtplx.engine.attention import AttentionMetadata, paged_attention, write_kv
+from mtplx.kernels import fused
 from mtplx.models.config import ModelConfig
 
 
@@ -22,6 +23,18 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.usable(x):
+            return fused.rms_norm(x, self.weight, self.eps, self.zero_centered)[1]
+        return self._reference(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm (one kernel on CUDA)."""
+        if fused.usable(x):
+            return fused.rms_norm(x, self.weight, self.eps, self.zero_centered, delta)
+        x = x + delta
+        return x, self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op where the backend has it
         weight = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
@@ -95,7 +108,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_weight"):
-            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            if fused.usable(gate_up):
+                return self.down_proj(fused.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -129,6 +145,13 @@ class Attention(nn.Module):
                 [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if fused.usable(x) and isinstance(rotary, BoundRotary):
+            q = fused.qkv_rope_write(
+                q, k, v, rotary.cos, rotary.sin, meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
+                self.head_dim, self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
+            out = paged_attention(q, k_pool, v_pool, meta, self.scale)
+            return self.o_proj(out.reshape(rows, q_len, -1))
         q = q.reshape(rows, q_len, self.heads, self.head_dim)
         k = k.reshape(rows, q_len, self.kv_heads, self.head_dim)
         v = v.reshape(rows, q_len, self.kv_heads, self.head_dim)
@@ -183,5 +206,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, x, rotary, meta, k_pool, v_pool):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, meta, k_pool, v_pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, delta = self.forward_chain(x, None, rotary, meta, k_pool, v_pool)
+        return x + delta
+
+    def forward_chain(self, x, delta, rotary, meta, k_pool, v_pool):
+        """The block on input x + delta (delta None: on x), returned as (residual, mlp output)
+        with their sum left to the caller, so each residual add shares a kernel with the
+        norm after it. Same operations, in the same order, as ``forward``."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
+        return x, self.mlp(h)

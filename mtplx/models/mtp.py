@@ -46,5 +46,6 @@ class MTPHead(nn.Module):
         pair = (h, e) if self.mtp.hidden_first else (e, h)
         x = self.fc(torch.cat(pair, dim=-1))
         layer = self.cache_layer
-        x = self.layers[0](x, trunk.rotary, meta.for_head(), cache.k[layer], cache.v[layer])
+        x = self.layers[0](x, trunk.rotary.bind(meta.positions, x.dtype), meta.for_head(), cache.k[layer],
+                           cache.v[layer])
         return self.norm(x)

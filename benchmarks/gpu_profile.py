@@ -1,0 +1,217 @@
+"""Where a decode step's time goes on the GPU (issue 7 notes): kernel breakdown of one AR
+trunk step, batch-1 matmul bandwidth per weight shape, and host overhead around a replay.
+
+    PYTHONPATH=. python benchmarks/gpu_profile.py --out profile.json [--shapes qwen3-8b,smollm2-135m]
+
+Prints a table per shape; the JSON holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu import SHAPES, copy_bandwidth, random_engine, timed
+from mtplx.engine.runner import ModelRunner
+from mtplx.engine.sampling import SamplingParams
+from mtplx.engine.sequence import Sequence
+
+
+def kernel_breakdown(fn, steps: int = 5) -> dict:
+    """GPU kernel time per step by kernel name (torch.profiler over ``steps`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name[ev.name[:90]]
+            entry[0] += 1
+            entry[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+    return {"kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": sum(r[2] for r in rows),
+            "top": [{"name": n, "count": c, "us": us} for n, c, us in rows[:25]]}
+
+
+def gemv_bandwidth(device, shapes: dict[str, tuple[int, int]], copies: int, rows: int = 1) -> dict:
+    """F.linear on [rows, in] x [out, in] bf16 weights, rotating over ``copies`` weights (more
+    than the L2 holds) inside one CUDA graph; bytes of weight read per second."""
+    out = {}
+    for name, (n_out, n_in) in shapes.items():
+        k = copies if n_out * n_in * 2 * copies < 24e9 else 1
+        ws = [torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(k)]
+        x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
+        reps = max(1, 36 // k)
+
+        def body():
+            for _ in range(reps):
+                for w in ws:
+                    F.linear(x, w)
+
+        body()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        t = timed(g.replay, repeats=10) / (reps * k)
+        out[name] = {"shape": [n_out, n_in], "rows": rows, "us": t * 1e6, "GBs": n_out * n_in * 2 / t / 1e9}
+        ws = g = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def host_overhead(engine) -> dict:
+    """AR step pieces at a 128-token context: graph replay alone, runner.trunk (fills inputs,
+    replays), runner.trunk + logits + argmax + .item() (a sync), and the engine's whole step."""
+    runner = engine.runner
+    seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
+                   generator=torch.Generator(device=engine.device))
+    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    out = {}
+    with torch.inference_mode():
+        runner.trunk([seq], [seq.prompt_ids], [0])
+        runner.trunk([seq], [[5]], [128])
+        g = runner.graphs[("trunk", 1, 1)]
+        out["replay_only_us"] = timed(g.graph.replay) * 1e6
+        out["runner_trunk_us"] = timed(lambda: runner.trunk([seq], [[5]], [128])) * 1e6
+
+        def wall(fn, n=50):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / n * 1e6
+
+        out["trunk_wall_us"] = wall(lambda: runner.trunk([seq], [[5]], [128]))
+        out["trunk_logits_argmax_item_wall_us"] = wall(
+            lambda: runner.logits(runner.trunk([seq], [[5]], [128])[:, -1]).argmax(-1).item())
+        out["load_inputs_only_wall_us"] = wall(lambda: runner._load(g, [seq], [[5]], [128]))
+    runner.blocks.free(seq.seq_id)
+    req = engine.make_request(list(range(3, 19)), mode="ar", max_tokens=257, ignore_eos=True)
+    s = engine.new_sequence(req)
+    engine.generator.admit(s)
+    engine.generator.prefill(s)
+    with torch.inference_mode():
+        for _ in range(5):
+            engine.step([s])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = 0
+        while not s.finished and n < 200:
+            engine.step([s])
+            n += 1
+        torch.cuda.synchronize()
+        out["engine_step_wall_us"] = (time.perf_counter() - t0) / n * 1e6
+    engine.generator.release(s)
+    return out
+
+
+def layer_compile(engine) -> dict:
+    """One decoder layer at rows=1, q=1 inside a CUDA graph: as it runs now, and compiled by
+    torch.compile (Inductor fuses the elementwise work): what fusion could buy per layer."""
+    runner = engine.runner
+    model = engine.loaded.model
+    layer = model.model.layers[0]
+    H = model.config.hidden_size
+    seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
+                   generator=torch.Generator(device=engine.device))
+    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    out = {}
+    with torch.inference_mode():
+        runner.trunk([seq], [seq.prompt_ids], [0])
+        meta = ModelRunner.metadata(runner, [seq], [128], [1])
+        rotary = model.rotary.bind(meta.positions, engine.dtype)
+        x = torch.randn(1, 1, H, device=engine.device, dtype=engine.dtype)
+        k, v = runner.cache.k[0], runner.cache.v[0]
+
+        def graph_time(fn):
+            fn(); fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(36):
+                    fn()
+            return timed(g.replay, repeats=10) / 36 * 1e6
+
+        out["layer_eager_graph_us"] = graph_time(lambda: layer(x, rotary, meta, k, v))
+        try:
+            t0 = time.perf_counter()
+            compiled = torch.compile(layer, dynamic=False)
+            compiled(x, rotary, meta, k, v)
+            out["compile_s"] = time.perf_counter() - t0
+            out["layer_compiled_graph_us"] = graph_time(lambda: compiled(x, rotary, meta, k, v))
+            ref = layer(x, rotary, meta, k, v).float()
+            got = compiled(x, rotary, meta, k, v).float()
+            out["compiled_rel_err"] = float((got - ref).norm() / ref.norm())
+        except Exception as e:  # report, do not stop the run
+            out["compile_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    runner.blocks.free(seq.seq_id)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="qwen3-8b,smollm2-135m")
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "copy_bandwidth_GBs": copy_bandwidth(device) / 1e9, "shapes": {}}
+    print(f"copy bandwidth {report['copy_bandwidth_GBs']:.0f} GB/s", flush=True)
+    for name in [n for n in args.shapes.split(",") if n]:
+        cfg = SHAPES[name]
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        qd, kvd = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+        mats = {"qkv": (qd + 2 * kvd, h), "o": (h, qd), "gate_up": (2 * i, h), "down": (h, i),
+                "lm_head": (cfg["vocab_size"], h)}
+        entry = {"gemv_rows1": gemv_bandwidth(device, mats, cfg["num_hidden_layers"]),
+                 "gemv_rows4": gemv_bandwidth(device, mats, cfg["num_hidden_layers"], rows=4)}
+        engine = random_engine(cfg, device)
+        runner = engine.runner
+        seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
+                       generator=torch.Generator(device=engine.device))
+        runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        with torch.inference_mode():
+            runner.trunk([seq], [seq.prompt_ids], [0])
+            entry["eager_step"] = kernel_breakdown(lambda: ModelRunner.trunk(runner, [seq], [[5]], [128]))
+            entry["graph_step"] = kernel_breakdown(lambda: runner.trunk([seq], [[5]], [128]))
+        runner.blocks.free(seq.seq_id)
+        entry["host"] = host_overhead(engine)
+        if args.compile:
+            entry["layer"] = layer_compile(engine)
+        report["shapes"][name] = entry
+        del engine
+        torch.cuda.empty_cache()
+        print(f"== {name}", flush=True)
+        for m, r in entry["gemv_rows1"].items():
+            r4 = entry["gemv_rows4"][m]
+            print(f"  gemv {m:8s} {r['shape']}: {r['us']:8.1f} us {r['GBs']:6.0f} GB/s | rows4 {r4['us']:8.1f} us")
+        for kind in ("eager_step", "graph_step"):
+            b = entry[kind]
+            print(f"  {kind}: {b['kernels_per_step']:.0f} kernels, {b['gpu_us_per_step']:.0f} us GPU")
+            for t in b["top"][:14]:
+                print(f"    {t['count']:6.1f} x {t['us']:8.1f} us  {t['name']}")
+        print("  host", json.dumps({k: round(v, 1) for k, v in entry["host"].items()}))
+        if "layer" in entry:
+            print("  layer", json.dumps(entry["layer"]))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
