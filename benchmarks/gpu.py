@@ -236,6 +236,65 @@ def hf_baseline(shape: dict, device, modes) -> dict:
     return out
 
 
+def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None) -> tuple[float, list]:
+    """Submit every request at once to an in-process scheduler in ``mode`` (the server's own
+    scheduler, without HTTP); returns (seconds until the last finished, results in order)."""
+    import queue
+
+    from mtplx.batching.job import Done, Failed, Job
+    from mtplx.batching.scheduler import Scheduler
+    from mtplx.batching.state import SchedulerSettings
+
+    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode, depth=depth))
+    scheduler.start()
+    ended: queue.Queue = queue.Queue()
+    t0 = time.perf_counter()
+    for i, request in enumerate(requests):
+        def emit(event, i=i):
+            if isinstance(event, (Done, Failed)):
+                ended.put((i, event))
+        scheduler.submit(Job(request, emit))
+    results = {}
+    while len(results) < len(requests):
+        i, event = ended.get(timeout=600)
+        if isinstance(event, Failed):
+            raise SystemExit(f"FAIL: {mode} request {i} failed: {event.error!r}")
+        results[i] = event.result
+    elapsed = time.perf_counter() - t0
+    scheduler.stop()
+    return elapsed, [results[i] for i in range(len(requests))]
+
+
+def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128) -> dict:
+    """hyper vs serial on the same greedy chat requests (tok/s ratio, byte-identical outputs),
+    and mtp_batch / ar_batch aggregate tok/s at 1/2/4/8 concurrent streams."""
+    from mtplx.benchmarking import BENCH_PROMPTS
+
+    def requests(n: int, mode: str | None = None) -> list:
+        prompts = [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n)]
+        return [engine.make_request([{"role": "user", "content": p}], chat=True, mode=mode, depth=depth,
+                                    max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+
+    out = {}
+    run_jobs(engine, "serial", requests(1)[:1], depth)  # warm-up
+    times = {}
+    for mode in ("serial", "hyper", "serial", "hyper"):  # interleaved, best of two
+        elapsed, results = run_jobs(engine, mode, requests(len(BENCH_PROMPTS)), depth)
+        tokens = sum(r.completion_tokens for r in results)
+        times.setdefault(mode, []).append((tokens / elapsed, results))
+    serial = max(times["serial"], key=lambda t: t[0])
+    hyper = max(times["hyper"], key=lambda t: t[0])
+    out["serial_tok_s"], out["hyper_tok_s"] = serial[0], hyper[0]
+    out["hyper_over_serial"] = hyper[0] / serial[0]
+    out["hyper_byte_identical"] = all(a.text == b.text and a.token_ids == b.token_ids
+                                      for a, b in zip(serial[1], hyper[1]))
+    for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
+        for streams in (1, 2, 4, 8):
+            elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode), depth)
+            out[f"{mode}_tok_s_x{streams}"] = sum(r.completion_tokens for r in results) / elapsed
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -270,7 +329,12 @@ def main() -> None:
 
         engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16", head=args.head)
         report["default_model"] = measure(engine, max_tokens=128, repeats=2)
-        print(render_table(report["default_model"]))
+        print(render_table(report["default_model"]), flush=True)
+        configs = report["default_model"]["configs"]
+        best = max((c for c in configs if c != "ar"), key=lambda c: configs[c]["tok_s"])
+        depth = configs[best].get("depth") or 2
+        report["default_model"]["scheduler_modes"] = scheduler_modes(engine, depth)
+        print(json.dumps(report["default_model"]["scheduler_modes"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

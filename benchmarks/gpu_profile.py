@@ -71,6 +71,81 @@ def gemv_bandwidth(device, shapes: dict[str, tuple[int, int]], copies: int, rows
     return out
 
 
+def gemv1_sweep(device, name: str) -> dict:
+    """The one-row kernel with the prologue each projection gets in the decode block (norm
+    before qkv and gate/up, SiLU * up before down) over a grid of configs, against what it
+    replaces (cuBLAS plus the separate elementwise kernel), 36 weight copies in a CUDA graph."""
+    import itertools
+
+    from mtplx.kernels import fused
+    from mtplx.kernels.gemv import _launch
+
+    grid = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 4)))
+    out = {}
+    for proj, (n_out, n_in) in projection_shapes(name).items():
+        k = 36 if n_out * n_in * 2 * 36 < 24e9 else 1
+        ws = [torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(k)]
+        reps = max(1, 36 // k)
+        prologue = {"qkv": 1, "gate_up": 1, "down": 2}.get(proj, 0)
+        x = torch.randn(1, n_in * (2 if prologue == 2 else 1), device=device, dtype=torch.bfloat16)
+        delta = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
+        nw = torch.randn(n_in, device=device, dtype=torch.bfloat16)
+        total = torch.empty_like(delta)
+
+        def ours(w, cfg):
+            return _launch(x, w, None, n_in, prologue, delta=delta if prologue == 1 else None,
+                           norm_weight=nw if prologue == 1 else None, total=total, eps=1e-6, config=cfg)
+
+        def theirs(w):
+            if prologue == 1:
+                return F.linear(fused.rms_norm(x, nw, 1e-6, False, delta)[1], w)
+            if prologue == 2:
+                return F.linear(fused.silu_mul(x), w)
+            return F.linear(x, w)
+
+        def graph_us(fn):
+            fn(ws[0])
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    for w in ws:
+                        fn(w)
+            return timed(g.replay, repeats=7) / (reps * k) * 1e6
+
+        ref = theirs(ws[0]).float()
+        entry = {"shape": [n_out, n_in], "prologue": prologue, "baseline_us": graph_us(theirs)}
+        best = None
+        for cfg in grid:
+            try:
+                got = ours(ws[0], cfg).float()
+            except Exception as e:
+                if "OutOfResources" not in type(e).__name__:
+                    raise
+                continue
+            err = float((got - ref).norm() / ref.norm())
+            if err > 1e-2:
+                raise SystemExit(f"FAIL: gemv1 {proj} config {cfg}: rel err {err}")
+            t = graph_us(lambda w, cfg=cfg: ours(w, cfg))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        entry.update(ours_us=best[0], config=list(best[1]))
+        out[proj] = entry
+        print(f"  one-row {name} {proj:8s} (prologue {prologue}): cuBLAS+elementwise {entry['baseline_us']:7.1f} us"
+              f"  ours {best[0]:7.1f} us {best[1]}", flush=True)
+        ws = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
+    cfg = SHAPES[name]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    qd, kvd = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    return {"qkv": (qd + 2 * kvd, h), "o": (h, qd), "gate_up": (2 * i, h), "down": (h, i),
+            "lm_head": (cfg["vocab_size"], h)}
+
+
 def host_overhead(engine) -> dict:
     """AR step pieces at a 128-token context: graph replay alone, runner.trunk (fills inputs,
     replays), runner.trunk + logits + argmax + .item() (a sync), and the engine's whole step."""
@@ -168,17 +243,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="qwen3-8b,smollm2-135m")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--gemv1-sweep", default="", help="shapes to sweep the one-row GEMV's configs on")
+    ap.add_argument("--no-steps", action="store_true", help="skip the step profiles")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "copy_bandwidth_GBs": copy_bandwidth(device) / 1e9, "shapes": {}}
     print(f"copy bandwidth {report['copy_bandwidth_GBs']:.0f} GB/s", flush=True)
-    for name in [n for n in args.shapes.split(",") if n]:
+    if args.gemv1_sweep:
+        report["gemv1_sweep"] = {n: gemv1_sweep(device, n) for n in args.gemv1_sweep.split(",")}
+    for name in [n for n in args.shapes.split(",") if n and not args.no_steps]:
         cfg = SHAPES[name]
-        h, i = cfg["hidden_size"], cfg["intermediate_size"]
-        qd, kvd = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-        mats = {"qkv": (qd + 2 * kvd, h), "o": (h, qd), "gate_up": (2 * i, h), "down": (h, i),
-                "lm_head": (cfg["vocab_size"], h)}
+        mats = projection_shapes(name)
         entry = {"gemv_rows1": gemv_bandwidth(device, mats, cfg["num_hidden_layers"]),
                  "gemv_rows4": gemv_bandwidth(device, mats, cfg["num_hidden_layers"], rows=4)}
         engine = random_engine(cfg, device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtplx.engine import attention
-from mtplx.kernels import fused
+from mtplx.kernels import fused, gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.layers import RMSNorm, RotaryEmbedding
 
@@ -120,15 +120,40 @@ def test_silu_mul(dtype):
     assert rel(fused.silu_mul(x), F.silu(gate) * up) < tol(dtype)
 
 
-def test_tiny_model_forward_matches_reference(reference_path):
-    """A whole tiny Qwen3 (q/k norms) with fused projections: fused kernels vs reference,
-    through prefill and decode forwards over the paged cache."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_variants_match_reference(dtype, reference_path):
+    g = torch.Generator().manual_seed(1)
+    rows, k, n = 1, 300, 70  # neither a multiple of the tiles
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(k, generator=g))
+    with torch.inference_mode():
+        assert rel(gemv.gemv(x, w, b), F.linear(x, w, b)) < tol(dtype)
+        s, got = gemv.norm_gemv(x, delta, norm.weight, norm.eps, w)
+        ref_s, ref_h = reference_path(lambda: norm.add_forward(x, delta))
+        assert rel(s, ref_s) < tol(dtype) and rel(got, F.linear(ref_h, w)) < tol(dtype)
+        s, got = gemv.norm_gemv(x, None, norm.weight, norm.eps, w, b)
+        assert s is x and rel(got, F.linear(reference_path(lambda: norm(x)), w, b)) < tol(dtype)
+        gate_up = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert rel(gemv.silu_gemv(gate_up, w), F.linear(F.silu(gate) * up, w)) < tol(dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_tiny_model_forward_matches_reference(family, reference_path):
+    """A whole tiny Qwen3 (q/k norms) or Qwen2 (qkv bias) with fused projections: fused
+    kernels vs reference, through prefill and a 3-token forward (the elementwise kernels)
+    and one-token forwards (the one-row GEMV blocks) over the paged cache."""
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import LoadedModel
     from mtplx.models.layers import fuse_projections
     from tests.tiny_models import hf_reference, ours_from_hf
 
-    hf, cfg = hf_reference("qwen3")
+    hf, cfg = hf_reference(family)
     model = ours_from_hf(hf, cfg).to(DEVICE)
     fuse_projections(model)
     outs = []
@@ -142,7 +167,8 @@ def test_tiny_model_forward_matches_reference(reference_path):
                 runner = engine.runner
                 prefill = runner.logits(runner.trunk([seq], [seq.prompt_ids], [0]))
                 step = runner.logits(runner.trunk([seq], [[4, 5, 6]], [17]))
-            outs.append((prefill, step))
+                one = runner.logits(runner.trunk([seq], [[7]], [20]))
+            outs.append((prefill, step, one))
         finally:
             attention.KERNELS_ENABLED = True
     for got, ref in zip(outs[0], outs[1]):

@@ -11,6 +11,7 @@ from torch import nn
 
 from mtplx.engine.attention import AttentionMetadata
 from mtplx.engine.kv_cache import PagedKVCache
+from mtplx.kernels import gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -62,4 +63,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] -> logits [..., vocab] float32."""
+        if gemv.usable(hidden, self.lm_head.weight):
+            return gemv.gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

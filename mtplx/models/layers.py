@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtplx.engine.attention import AttentionMetadata, paged_attention, write_kv
-from mtplx.kernels import fused
+from mtplx.kernels import fused, gemv
 from mtplx.models.config import ModelConfig
 
 
@@ -146,12 +146,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if fused.usable(x) and isinstance(rotary, BoundRotary):
-            q = fused.qkv_rope_write(
-                q, k, v, rotary.cos, rotary.sin, meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
-                self.head_dim, self.q_norm.weight if self.qk_norm else None,
-                self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
-            out = paged_attention(q, k_pool, v_pool, meta, self.scale)
-            return self.o_proj(out.reshape(rows, q_len, -1))
+            return self.o_proj(self.attend_fused(q, k, v, rotary, meta, k_pool, v_pool))
         q = q.reshape(rows, q_len, self.heads, self.head_dim)
         k = k.reshape(rows, q_len, self.kv_heads, self.head_dim)
         v = v.reshape(rows, q_len, self.kv_heads, self.head_dim)
@@ -162,6 +157,17 @@ class Attention(nn.Module):
         out = paged_attention(q, k_pool, v_pool, meta, self.scale)
         return self.o_proj(out.reshape(rows, q_len, -1))
 
+
+    def attend_fused(self, q, k, v, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor) -> torch.Tensor:
+        """Projected q, k, v [rows, q_len, n * head_dim] -> attention output [rows, q_len, heads * head_dim]
+        (q/k norms, RoPE and the KV write in one kernel, then the paged attention kernel)."""
+        rows, q_len = q.shape[:2]
+        q = fused.qkv_rope_write(
+            q, k, v, rotary.cos, rotary.sin, meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
+            self.head_dim, self.q_norm.weight if self.qk_norm else None,
+            self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
+        return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
 
     def fuse(self) -> None:
         """One matmul for q, k and v (fewer launches per step); the originals become views."""
@@ -213,9 +219,39 @@ class DecoderLayer(nn.Module):
         """The block on input x + delta (delta None: on x), returned as (residual, mlp output)
         with their sum left to the caller, so each residual add shares a kernel with the
         norm after it. Same operations, in the same order, as ``forward``."""
+        if self._decode_fusable(x, rotary):
+            return self._forward_decode(x, delta, rotary, meta, k_pool, v_pool)
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
         return x, self.mlp(h)
+
+    def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:
+        """One row on the GPU with fused projections: the block below applies."""
+        attn, mlp = self.self_attn, self.mlp
+        return (type(attn) is Attention and type(mlp) is MLP and hasattr(attn, "qkv_weight")
+                and hasattr(mlp, "gate_up_weight") and not self.input_layernorm.zero_centered
+                and isinstance(rotary, BoundRotary) and gemv.usable(x, attn.qkv_weight))
+
+    def _forward_decode(self, x, delta, rotary, meta, k_pool, v_pool):
+        """``forward_chain`` for one-row forwards (batch-1 AR steps, drafts): the o and down
+        projections through the one-row GEMV (SiLU * up as the down projection's prologue),
+        each norm the prologue of the matmul after it where that pays (kernels/gemv.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if gemv.prologue_pays(attn.qkv_weight):
+            x, qkv = gemv.norm_gemv(x, delta, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias)
+        else:
+            x, h = (x, ln1(x)) if delta is None else ln1.add_forward(x, delta)
+            qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)
+        q, k, v = qkv.split([attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim,
+                             attn.kv_heads * attn.head_dim], dim=-1)
+        o = gemv.gemv(attn.attend_fused(q, k, v, rotary, meta, k_pool, v_pool), attn.o_proj.weight, attn.o_proj.bias)
+        if gemv.prologue_pays(mlp.gate_up_weight):
+            x, gate_up = gemv.norm_gemv(x, o, ln2.weight, ln2.eps, mlp.gate_up_weight, mlp.gate_up_bias)
+        else:
+            x, h = ln2.add_forward(x, o)
+            gate_up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias)
+        return x, gemv.silu_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
