@@ -13,6 +13,7 @@ from mtplx.batching.job import Job
 from mtplx.batching.policy import Policy
 from mtplx.batching.queue import JobQueue
 from mtplx.batching.telemetry import Histogram
+from mtplx.engine.generator import SequenceFault
 from mtplx.engine.llm_engine import Engine, Request, TextTracker
 from mtplx.engine.sequence import Sequence
 
@@ -27,11 +28,10 @@ class Row:
     @classmethod
     def open(cls, engine: Engine, job: Job) -> Row:
         """Make the job's sequence and take its KV blocks (prefix-cache hits included).
-        Raises OutOfBlocks with nothing taken."""
-        req = job.request
-        seq = engine.new_sequence(req)
+        Raises (OutOfBlocks, or a fault) with nothing taken."""
+        seq = engine.new_sequence(job.request)
         engine.generator.admit(seq)
-        return cls(job, seq, TextTracker(engine.tokenizer, req.stop, len(req.prompt_ids)))
+        return cls(job, seq, engine.text_tracker(job.request))
 
     def prefill(self, engine: Engine, chunk: int | None = None) -> bool:
         """Feed the prompt (``chunk`` tokens at most); True once the first token is sampled."""
@@ -109,16 +109,34 @@ class RowPolicy(Policy):
             self.drop(row, exc)
 
     def step(self, rows: list[Row]) -> None:
-        """One engine step for ``rows`` (all of one generation mode), then publish each row."""
+        """One engine step for ``rows`` (all of one generation mode), then publish each row.
+
+        A row whose own work failed (SequenceFault) fails alone; the others stepped and go
+        on. Any other exception came from a batched forward: every row of the step fails
+        (their state is no longer trustworthy), and the rows of other steps go on."""
+        failed: dict[int, BaseException] = {}
         try:
             self.engine.step([r.seq for r in rows])
+        except SequenceFault as fault:
+            failed = fault.errors
         except Exception as exc:
             for row in rows:
                 self.drop(row, exc)
             return
         self.batch_histogram.add(len(rows))
         for row in rows:
+            if row.seq.seq_id in failed:
+                self.drop(row, failed[row.seq.seq_id])
+            else:
+                self.publish(row)
+
+    def publish(self, row: Row) -> None:
+        """Send a row's new output; detokenising is the row's own work, so a failure there
+        fails that row alone."""
+        try:
             row.publish()
+        except Exception as exc:
+            self.drop(row, exc)
 
     def retire_done(self) -> None:
         """Release and report every row that finished or whose client cancelled."""

@@ -37,5 +37,6 @@ class HyperPolicy(SingleRequestPolicy):
 
     def telemetry(self) -> dict:
         """The gate's ``scheduler.hyper`` block, plus how jobs ended (cancelled included)."""
+        jobs = self.jobs.as_dict()
         return {"policy": self.settings.policy_label, **self.gate.snapshot(),
-                "job_totals": self.jobs.as_dict()["totals"]}
+                "job_totals": jobs["totals"], "cancel_latency_s": jobs["cancel_latency_s"]}

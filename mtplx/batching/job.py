@@ -68,6 +68,7 @@ class Job:
     t_started: float | None = None
     t_first_token: float | None = None
     t_finished: float | None = None
+    t_cancelled: float | None = None  # the first cancel() (the client left, or the server cut it off)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _sent_tokens: int = 0
     _text: list[str] = field(default_factory=list, repr=False)
@@ -75,6 +76,8 @@ class Job:
     # -- called from any thread ---------------------------------------------------------
     def cancel(self) -> None:
         """Ask the scheduler to stop this job at the next cycle boundary (and free its KV)."""
+        if self.t_cancelled is None:
+            self.t_cancelled = time.perf_counter()
         self._cancel.set()
 
     @property

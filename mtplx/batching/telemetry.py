@@ -61,13 +61,15 @@ class Histogram:
 
 
 class JobCounters:
-    """What every mode reports about its jobs: totals, queue wait and run time (seconds)."""
+    """What every mode reports about its jobs: totals, queue wait, run time and cancel latency
+    (seconds from a running job's cancel to its end, its KV blocks freed)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.totals = Counter(admitted=0, started=0, completed=0, cancelled=0, failed=0, abandoned_before_start=0)
         self.queue_wait_s = Summary()
         self.run_s = Summary()
+        self.cancel_latency_s = Summary()
 
     def count(self, name: str) -> None:
         with self._lock:
@@ -76,4 +78,5 @@ class JobCounters:
     def as_dict(self) -> dict:
         with self._lock:
             totals = dict(self.totals)
-        return {"totals": totals, "queue_wait_s": self.queue_wait_s.as_dict(), "run_s": self.run_s.as_dict()}
+        return {"totals": totals, "queue_wait_s": self.queue_wait_s.as_dict(), "run_s": self.run_s.as_dict(),
+                "cancel_latency_s": self.cancel_latency_s.as_dict()}

@@ -9,11 +9,18 @@ MTP cycle, per row (REFERENCE.md section 3):
      number of tokens whose KV is valid, so a partial acceptance costs no copy (hybrid models'
      recurrent state is kept at the accepted position by ``runner.commit_state``).
 Functions take lists of sequences (rows) so batching modes reuse them unchanged.
+
+Faults: a row's own work in a step (drafting, acceptance, sampling, commit) that raises does
+not stop the other rows: they complete the step, then ``SequenceFault`` names the failed rows
+(the caller fails those requests and frees their blocks). An exception in a batched forward
+is not attributable to a row and propagates as is (the caller fails every row of the step).
+``Generator.fault_hook`` injects such faults on purpose (tests, chaos drills).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -24,22 +31,52 @@ from mtplx.engine.speculative import verify_greedy, verify_sampled
 from mtplx.engine.stats import DecodeStats
 
 
+# fault_hook(point, seq) is called on the model thread before each per-row stage (here, and
+# "detokenize" in llm_engine.TextTracker); what it raises is that row's fault, except at
+# "forward" (before a trunk forward that includes the row), which fails the whole step the
+# way a failing forward does.
+FaultHook = Callable[[str, Sequence], None]
+FAULT_POINTS = ("admit", "prefill", "forward", "draft", "accept", "sample", "commit", "detokenize")
+
+
+class SequenceFault(Exception):
+    """Some rows' own work in a step failed; every other row completed the step.
+
+    errors: seq_id -> the exception raised for that row."""
+
+    def __init__(self, errors: dict[int, BaseException]):
+        self.errors = errors
+        super().__init__("; ".join(f"sequence {i}: {type(e).__name__}: {e}" for i, e in errors.items()))
+
+
 class Generator:
     def __init__(self, runner: ModelRunner, eos_token_ids: set[int]):
         self.runner = runner
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = runner.model.config.vocab_size
+        self.fault_hook: FaultHook | None = None  # FAULT_POINTS; None (no cost) unless injecting
 
     # -- lifecycle ----------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
-        """Take blocks for the prompt, reusing cached prefix blocks."""
+        """Take blocks for the prompt, reusing cached prefix blocks. If it raises, the
+        sequence holds nothing (OutOfBlocks: nothing was taken; later errors release)."""
         seq.stats = DecodeStats(depth=seq.depth, prompt_tokens=len(seq.prompt_ids))
         seq.t_start = time.perf_counter()
         # AR sequences on a model with a head leave the head's KV entries unwritten: their
         # blocks go to a separate prefix cache, so an MTP request never drafts from them
         namespace = "trunk_only" if self.runner.head is not None and seq.mode != "mtp" else None
         cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids, namespace=namespace)
+        try:
+            self._set_up(seq, cached)
+        except BaseException:
+            self.release(seq)
+            raise
+
+    def _set_up(self, seq: Sequence, cached: int) -> None:
+        """The rest of admission, once the prompt's blocks are taken (``cached`` of its tokens hit)."""
         self.runner.allocate_state(seq)
+        if self.fault_hook is not None:
+            self.fault_hook("admit", seq)
         seq.trunk_len = seq.cached_prompt_tokens = seq.stats.cached_prompt_tokens = cached
         seq.head_len = max(cached, 1)
         if cached and self.runner.head is not None:
@@ -59,6 +96,9 @@ class Generator:
         Returns True when the prompt is done."""
         prompt = seq.prompt_ids
         end = len(prompt) if chunk is None else min(len(prompt), seq.trunk_len + chunk)
+        if self.fault_hook is not None:
+            self.fault_hook("prefill", seq)
+            self.fault_hook("forward", seq)
         hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
         seq.trunk_len = end
         if self.runner.head is not None and seq.mode == "mtp":
@@ -74,33 +114,62 @@ class Generator:
 
     # -- AR ----------------------------------------------------------------------------
     def ar_step(self, seqs: list[Sequence]) -> None:
-        """One autoregressive token for each row."""
+        """One autoregressive token for each row. Raises SequenceFault after the step if some
+        rows' own work failed."""
+        self._before_forward(seqs)
         hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
-        tokens = self._sample_rows(seqs, self.runner.logits(hidden[:, 0]))
+        faults: dict[int, BaseException] = {}
+        tokens = self._sample_rows(seqs, self.runner.logits(hidden[:, 0]), faults)
         for seq, token in zip(seqs, tokens):
-            seq.trunk_len += 1
-            self._commit(seq, [token])
+            if seq.seq_id in faults:
+                continue
+            try:
+                seq.trunk_len += 1
+                self._commit(seq, [token])
+            except Exception as exc:
+                faults[seq.seq_id] = exc
+        if faults:
+            raise SequenceFault(faults)
 
     # -- MTP ---------------------------------------------------------------------------
     def mtp_cycle(self, seqs: list[Sequence]) -> None:
-        """Draft, verify, accept and commit one cycle for each row."""
+        """Draft, verify, accept and commit one cycle for each row. Raises SequenceFault after
+        the cycle if some rows' own work failed (a failed row keeps its place in the batched
+        forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
+        faults: dict[int, BaseException] = {}
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs)
+        drafts, draft_probs = self._draft(seqs, faults)
         t1 = time.perf_counter()
         rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
+        self._before_forward(seqs)
         hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True)
         logits = self.runner.logits(hidden)
         t2 = time.perf_counter()
-        outcomes = [self._accept(s, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r])
-                    for r, s in enumerate(seqs)]
+        outcomes = []
+        for r, seq in enumerate(seqs):
+            outcome = None
+            if seq.seq_id not in faults:
+                try:
+                    if self.fault_hook is not None:
+                        self.fault_hook("accept", seq)
+                    outcome = self._accept(seq, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r])
+                except Exception as exc:
+                    faults[seq.seq_id] = exc
+            # a failed row "accepts" everything: its recurrent state is kept as fed, no redo
+            outcomes.append(outcome if outcome is not None else (len(drafts[r]), None))
         t3 = time.perf_counter()
         self.runner.commit_state(seqs, [accepted + 1 for accepted, _ in outcomes])
         for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
-            seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
-            seq.hidden_backlog = hidden[r, : accepted + 1]
-            seq.trunk_len += accepted + 1
-            self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
-            self._commit(seq, drafts[r][:accepted] + [token])
+            if seq.seq_id in faults:
+                continue
+            try:
+                seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
+                seq.hidden_backlog = hidden[r, : accepted + 1]
+                seq.trunk_len += accepted + 1
+                self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
+                self._commit(seq, drafts[r][:accepted] + [token])
+            except Exception as exc:
+                faults[seq.seq_id] = exc
         t4 = time.perf_counter()
         for seq in seqs:
             st = seq.stats
@@ -108,9 +177,19 @@ class Generator:
             st.verify_s += t2 - t1
             st.accept_s += t3 - t2
             st.commit_s += t4 - t3
+        if faults:
+            raise SequenceFault(faults)
 
-    def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
-        """Catch the head up on committed tokens, then draft ``depth`` tokens per row."""
+    def _before_forward(self, seqs: list[Sequence]) -> None:
+        """The fault hook's "forward" point (not attributable: it fails the whole step)."""
+        if self.fault_hook is not None:
+            for seq in seqs:
+                self.fault_hook("forward", seq)
+
+    def _draft(self, seqs: list[Sequence], faults: dict[int, BaseException]
+               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+        """Catch the head up on committed tokens, then draft ``depth`` tokens per row. A row
+        whose draft choice raises is recorded in ``faults`` and drafts the argmax from then on."""
         catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
         width = max(len(t) for t in catch_up)
         hidden = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
@@ -123,7 +202,18 @@ class Generator:
         depth = max(s.depth for s in seqs)
         for j in range(depth):
             logits = self.runner.logits(h)
-            picks = [self._draft_token(seq, logits[r:r + 1], drafts[r]) for r, seq in enumerate(seqs)]
+            picks = []
+            for r, seq in enumerate(seqs):
+                pick = None
+                if seq.seq_id not in faults:
+                    try:
+                        if self.fault_hook is not None:
+                            self.fault_hook("draft", seq)
+                        pick = self._draft_token(seq, logits[r:r + 1], drafts[r])
+                    except Exception as exc:
+                        faults[seq.seq_id] = exc
+                # a failed row drafts a placeholder (the argmax): the batch keeps its shape
+                picks.append(pick if pick is not None else (logits[r:r + 1].argmax(-1), None))
             # host sync, once per depth for all rows: the drafts feed the next head step
             for r, token in enumerate(torch.cat([t for t, _ in picks]).tolist()):
                 drafts[r].append(token)
@@ -166,14 +256,28 @@ class Generator:
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         return self._sample_rows([seq], logits)[0]
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor,
+                     faults: dict[int, BaseException] | None = None) -> list[int]:
         """One token per row from logits [rows, V], each with its own sampler and generator;
-        the host syncs once for all rows."""
+        the host syncs once for all rows. With ``faults``, a row whose sampling raises is
+        recorded there (its token is a placeholder); without, the exception propagates."""
         tokens = logits.argmax(-1)  # plain greedy rows need nothing more
-        if not all(s.params.greedy and s.counts is None for s in seqs):
-            tokens = torch.cat([tokens[r:r + 1] if s.params.greedy and s.counts is None
-                                else self._sample_tensor(s, logits[r:r + 1]) for r, s in enumerate(seqs)])
-        return tokens.tolist()  # the step's one host sync
+        hook = self.fault_hook
+        if hook is None and all(s.params.greedy and s.counts is None for s in seqs):
+            return tokens.tolist()  # the step's one host sync
+        picks = []
+        for r, s in enumerate(seqs):
+            try:
+                if hook is not None:
+                    hook("sample", s)
+                plain = s.params.greedy and s.counts is None
+                picks.append(tokens[r:r + 1] if plain else self._sample_tensor(s, logits[r:r + 1]))
+            except Exception as exc:
+                if faults is None:
+                    raise
+                faults[s.seq_id] = exc
+                picks.append(tokens[r:r + 1])
+        return torch.cat(picks).tolist()  # the step's one host sync
 
     def _sample_tensor(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> [1] token on the device."""
@@ -185,6 +289,8 @@ class Generator:
     # -- commit --------------------------------------------------------------------------
     def _commit(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
+        if self.fault_hook is not None:
+            self.fault_hook("commit", seq)
         for token in new_tokens:
             if token in self.eos_token_ids and not seq.ignore_eos:
                 seq.finish_reason = "stop"
