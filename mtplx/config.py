@@ -24,6 +24,10 @@ class ConfigError(MtplxError):
     """A config value, variable or file is invalid."""
 
 
+# keys whose command-line flag is not "--" + the key with dashes (named in error messages)
+FLAG_NAMES = {"max_queued_requests": "--max-queue"}
+
+
 @dataclass(frozen=True)
 class Key:
     """One setting: ``convert`` turns text (env, ``config set``) or a TOML value into the
@@ -166,7 +170,7 @@ class Config:
                 cfg._set(name, convert(name, env[key.env], f"environment {key.env}"), f"environment {key.env}")
         for name, value in (overrides or {}).items():
             if value is not None:
-                flag = "--" + name.replace("_", "-")
+                flag = FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
                 cfg._set(name, convert(name, value, f"flag {flag}"), f"flag {flag}")
         return cfg
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mtplx.batching.job import Delta, Done, Failed, Job
+from mtplx.batching.queue import QueueFull
 from mtplx.batching.scheduler import Scheduler
 from mtplx.batching.state import SchedulerMode, SchedulerSettings
 from mtplx.errors import InvalidParameter
@@ -184,6 +185,33 @@ def test_a_job_cancelled_while_queued_never_starts(engine):
     assert isinstance(unstarted, Done) and unstarted.result.finish_reason == "cancelled"
     assert not collector.deltas and follow_up[0].result.finish_reason in ("stop", "length")
     assert gate["totals"]["abandoned_before_start"] == 1 and gate["totals"]["completed"] == 1
+
+
+@pytest.mark.parametrize("mode", ["serial", "hyper"])
+def test_a_full_queue_sheds_jobs_whose_clients_left(engine, mode):
+    """Jobs cancelled while queued do not hold queue slots: a new request is admitted (and the
+    dead ones end as cancelled) instead of a 503."""
+    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode, max_queued_requests=2))  # not started
+    dead = [Job(engine.make_request(p, max_tokens=4), Collector()) for p in PROMPTS[:2]]
+    for job in dead:
+        scheduler.submit(job)
+    with pytest.raises(QueueFull):
+        scheduler.submit(Job(engine.make_request(PROMPTS[2], max_tokens=4)))
+    for job in dead:
+        job.cancel()
+    fresh = Job(engine.make_request(PROMPTS[2], max_tokens=4, temperature=0.0), Collector())
+    scheduler.submit(fresh)  # the scheduler has not started: only shedding makes room
+    for job in dead:  # ended at once, by the submit that shed them
+        end = job.emit.events.get_nowait()
+        assert isinstance(end, Done) and end.result.finish_reason == "cancelled"
+    scheduler.start()
+    try:
+        end = fresh.emit.wait()
+        totals = scheduler.telemetry()["totals"]
+    finally:
+        scheduler.stop()
+    assert isinstance(end, Done) and end.result.finish_reason in ("stop", "length")
+    assert totals["abandoned_before_start"] == 2 and totals["completed"] == 1
 
 
 def test_batch_admission_waits_for_kv_room_instead_of_failing():

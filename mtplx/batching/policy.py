@@ -14,6 +14,7 @@ from mtplx.batching.job import Job, JobResult
 from mtplx.batching.queue import JobQueue
 from mtplx.batching.state import SchedulerMode, SchedulerSettings
 from mtplx.batching.telemetry import JobCounters
+from mtplx.engine.generator import SequenceFault
 from mtplx.engine.llm_engine import Engine, Request
 from mtplx.engine.sequence import Sequence
 
@@ -32,7 +33,7 @@ class Policy:
         self.jobs = JobCounters()
         self.listeners: list[Listener] = []
         self.running: list[Job] = []  # jobs that hold KV blocks now
-        self.kv_stats: dict = engine.runner.blocks.stats()  # published for handlers after each cycle
+        self.kv_stats: dict = kv_stats(engine)  # published for handlers after each cycle
 
     # -- handler thread -------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -62,9 +63,7 @@ class Policy:
     def begin(self, job: Job, lane: str) -> bool:
         """Start ``job`` on ``lane``; False (and nothing to run) if it was cancelled while queued."""
         if job.cancelled:
-            self.jobs.count("abandoned_before_start")
-            self.abandon(job)
-            job.finish_unstarted()
+            self.drop_unstarted(job)
             return False
         job.start(lane)
         self.jobs.count("started")
@@ -72,33 +71,59 @@ class Policy:
         self.running.append(job)
         return True
 
+    def drop_unstarted(self, job: Job) -> None:
+        """End a job cancelled while it waited (its client left): it never holds blocks. Runs on
+        the model thread, or under the queue lock when a full queue sheds its dead jobs."""
+        self.jobs.count("abandoned_before_start")
+        self.abandon(job)
+        job.finish_unstarted()
+
     def abandon(self, job: Job) -> None:
         """Hook for a job dropped before it started (hyper releases its ticket)."""
 
     def finish(self, job: Job, seq: Sequence) -> None:
         """Report a job that ended normally or by cancel; its blocks must already be released."""
-        result = job.finish(seq)
+        try:
+            result = job.finish(seq)
+        except Exception as exc:  # building the result failed: the client still gets an answer
+            self.fail(job, exc)
+            return
         self.jobs.count("cancelled" if result.finish_reason == "cancelled" else "completed")
         self._ended(job, result)
 
     def fail(self, job: Job, error: BaseException) -> None:
-        log.exception("request %s failed", job.request_id, exc_info=error)
+        """Report a job that failed (its blocks must already be released), with a log line
+        that names it. A SequenceFault of its sequence alone reports the row's own error."""
+        if isinstance(error, SequenceFault) and len(error.errors) == 1:
+            [error] = error.errors.values()
+        log.error("request %s failed: %s: %s", job.request_id, type(error).__name__, error, exc_info=error)
         job.fail(error)
         self.jobs.count("failed")
         self._ended(job, None)
 
     def publish_kv(self, *_: object) -> None:
         """Refresh the KV block counts handlers read (a few ints; called once per cycle)."""
-        self.kv_stats = self.engine.runner.blocks.stats()
+        self.kv_stats = kv_stats(self.engine)
 
     def _ended(self, job: Job, result: JobResult | None) -> None:
         if job in self.running:
             self.running.remove(job)
         if job.t_started is not None:
             self.jobs.run_s.add(job.t_finished - job.t_started)
+        if job.t_cancelled is not None and job.t_finished >= job.t_cancelled:
+            self.jobs.cancel_latency_s.add(job.t_finished - job.t_cancelled)
         self.publish_kv()
         for listener in self.listeners:
             try:
                 listener(job, result)
             except Exception:  # telemetry must never take the model thread down
                 log.exception("scheduler listener failed")
+
+
+def kv_stats(engine: Engine) -> dict:
+    """The block manager's counts, plus ``state_slots_used`` (recurrent-state slots held by
+    running sequences) on hybrid models."""
+    stats = engine.runner.blocks.stats()
+    if engine.runner.states is not None:
+        stats["state_slots_used"] = engine.runner.states.num_used_slots
+    return stats

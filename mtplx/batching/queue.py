@@ -32,12 +32,20 @@ class JobQueue:
         self._cond = threading.Condition()
         self._closed = False
 
-    def put(self, job: Job, on_accept: Callable[[Job], None] | None = None) -> None:
-        """Append ``job``; raises QueueFull when ``capacity`` jobs are already waiting.
-        ``on_accept(job)`` runs under the lock just before the append (it must not block)."""
+    def put(self, job: Job, on_accept: Callable[[Job], None] | None = None,
+            on_drop: Callable[[Job], None] | None = None) -> None:
+        """Append ``job``; raises QueueFull when ``capacity`` live jobs are already waiting.
+        A full queue first sheds jobs cancelled while waiting (their clients left), handing
+        each to ``on_drop``. Both callbacks run under the lock and must not block."""
         with self._cond:
             if self._closed:
                 raise SchedulerStopped("the server is shutting down")
+            if len(self._jobs) >= self.capacity and on_drop is not None:
+                dead = [j for j in self._jobs if j.cancelled]
+                if dead:
+                    self._jobs = deque(j for j in self._jobs if not j.cancelled)
+                    for j in dead:
+                        on_drop(j)
             if len(self._jobs) >= self.capacity:
                 raise QueueFull(self.capacity)
             if on_accept is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 
@@ -45,6 +46,10 @@ class Scheduler:
         self.policy = make_policy(engine, settings, gate)
         self.queue = JobQueue(settings.max_queued_requests)
         self._thread: threading.Thread | None = None
+        self._admitting = True
+        # every submitted job until it is dropped (a job between the queue and the running list
+        # is in neither): what ``cut_off`` fails at shutdown
+        self._submitted: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
 
     @property
     def mode(self) -> SchedulerMode:
@@ -68,6 +73,24 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    # -- draining (graceful shutdown) --------------------------------------------------------
+    def stop_admitting(self) -> None:
+        """Refuse new jobs from now on (``submit`` raises SchedulerStopped, a 503); queued
+        and running jobs go on. One attribute write, so a signal handler may call it."""
+        self._admitting = False
+
+    def cut_off(self, error: SchedulerStopped) -> int:
+        """End every job that has not ended yet with ``error`` (its client gets an error
+        event or a 503): queued jobs leave the queue, running ones stop at the next cycle
+        boundary and free their KV blocks. Returns how many were cut off."""
+        self.stop_admitting()
+        self.queue.close()
+        unfinished = [job for job in list(self._submitted.values()) if job.t_finished is None]
+        for job in unfinished:
+            job.fail(error)  # the Done the policy emits when the job stops comes after it, unread
+            job.cancel()
+        return len(unfinished)
+
     def _run(self) -> None:
         try:
             with torch.inference_mode():
@@ -83,10 +106,14 @@ class Scheduler:
 
     # -- request handlers -------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue ``job``. Raises InvalidParameter (this mode cannot run it) or QueueFull."""
+        """Queue ``job``. Raises InvalidParameter (this mode cannot run it), QueueFull, or
+        SchedulerStopped (shutting down)."""
+        if not self._admitting:
+            raise SchedulerStopped("the server is shutting down and accepts no new requests")
         self.policy.check_request(job.request)
         job.scheduler_mode = self.mode.value
-        self.queue.put(job, self.policy.on_accept)
+        self.queue.put(job, self.policy.on_accept, self.policy.drop_unstarted)
+        self._submitted[job.request_id] = job
         self.policy.jobs.count("admitted")
 
     @property

@@ -1,18 +1,24 @@
 """``mtplx serve``: the OpenAI-compatible server.
 
-Settings come from flags > ``MTPLX_*`` variables > the config file > defaults; the scheduler
-settings are validated before the model is loaded, so a bad combination fails in a second
-with one line that names the rule.
+Settings come from flags > ``MTPLX_*`` variables > the config file > defaults. Everything
+that can fail without the model is checked before it loads (the scheduler settings, an
+exposed host without a key, a port in use), so such a mistake fails in a second with one
+line. SIGINT/SIGTERM drain the server (``mtplx.server.lifecycle``) and exit 0.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 from mtplx.batching.state import SchedulerMode
 from mtplx.commands.common import add_model_options
 from mtplx.config import Config
+
+MIB = 1024 * 1024
+# The --max-body-mb and --shutdown-grace-s defaults are security.DEFAULT_MAX_BODY_BYTES and
+# lifecycle.DEFAULT_SHUTDOWN_GRACE_S, written out: building the parser must not import the server.
 
 # flags that are also config keys (the flag wins when given)
 CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "host", "port", "max_active_requests",
@@ -33,17 +39,42 @@ def add_parser(sub) -> None:
     p.add_argument("--max-active-requests", default=None, help="ar_batch: requests decoded together (default 8)")
     p.add_argument("--decode-batch-max", default=None, help="mtp_batch: rows verified per forward (default 8)")
     p.add_argument("--batch-wait-ms", default=None, help="mtp_batch: gather window in ms (default 20)")
-    p.add_argument("--max-queued-requests", default=None, help="waiting requests before 503 (default 64)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-queue", "--max-queued-requests", dest="max_queued_requests", default=None, metavar="N",
+                   help="waiting requests beyond which new ones get 503 + Retry-After (default 64)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (or 'X-API-Key: KEY') on every route but /health "
+                        "and /metrics")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the path)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
+                   help="request bodies over this many MiB get 413 (default 16)")
+    p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=10.0, metavar="S",
+                   help="on SIGINT/SIGTERM: seconds in-flight requests may take to finish before they are "
+                        "ended with an error (default 10)")
     p.add_argument("--config", default=None, help="config file (default $MTPLX_CONFIG or ~/.mtplx/config.toml)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def run(args) -> int:
     from mtplx.server import openai
+    from mtplx.server.lifecycle import DrainingServer, listen, uvicorn_config
     from mtplx.server.security import check_exposure
 
     cfg = Config.load(args.config, overrides={k: getattr(args, k) for k in CONFIG_FLAGS})
@@ -52,21 +83,28 @@ def run(args) -> int:
         max_active_requests=cfg.max_active_requests, decode_batch_max=cfg.decode_batch_max,
         batch_wait_ms=cfg.batch_wait_ms, max_queued_requests=cfg.max_queued_requests, sources=cfg.sources)
     check_exposure(cfg.host, cfg.api_key)
-
-    import uvicorn
+    sock = listen(cfg.host, cfg.port)  # connections made while the model loads wait in the backlog
 
     import mtplx
     from mtplx.server.app import create_app
 
-    engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
-                        allow_unverified_head=args.allow_unverified_head)
-    openai._validate_model_for_mode(settings, engine.has_mtp)
-    model_id = args.served_model_name or served_name(cfg.model)
-    app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key, max_body_bytes=args.max_body_bytes)
-    print(f"mtplx serve: {model_id} at http://{cfg.host}:{cfg.port}/v1 (scheduler {settings.mode.value}, "
-          f"policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'})", file=sys.stderr)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    with sock:
+        engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
+                            allow_unverified_head=args.allow_unverified_head)
+        openai._validate_model_for_mode(settings, engine.has_mtp)
+        model_id = args.served_model_name or served_name(cfg.model)
+        app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,
+                         max_body_bytes=int(args.max_body_mb * MIB))
+        print(f"mtplx serve: {model_id} at http://{_url_host(cfg.host)}:{cfg.port}/v1 (scheduler "
+              f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'})",
+              file=sys.stderr)
+        server = DrainingServer(uvicorn_config(app, args.log_level), app.state.mtplx.scheduler, args.shutdown_grace_s)
+        server.run(sockets=[sock])
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def served_name(model: str | None) -> str:

@@ -7,7 +7,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from mtplx.engine.generator import Generator
+from mtplx.engine.generator import FaultHook, Generator
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams, make_generator
 from mtplx.engine.sequence import Sequence
@@ -69,10 +69,24 @@ class Engine:
         self.generator = Generator(self.runner, eos)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
+        if getattr(self.runner, "enabled", False):  # capture now: the first request runs as fast as the rest
+            self.runner.capture_all(depths=tuple(range(1, max(3, self.default_depth) + 1)))
 
     @property
     def has_mtp(self) -> bool:
         return self.loaded.head is not None
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        """``hook(point, seq)``, called on the model thread before each per-request stage
+        (generator.FAULT_POINTS); an exception it raises fails that request alone ("forward":
+        every request of that step), as a real fault there would. For tests and chaos drills;
+        set it before the requests it targets. None (the default) costs nothing."""
+        return self.generator.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.generator.fault_hook = hook
 
     # -- request building ------------------------------------------------------------------
     def encode_prompt(self, prompt, *, chat: bool = False) -> list[int]:
@@ -142,9 +156,9 @@ class Engine:
         """Decode one request alone (serial path); yields (sequence, new text) after each step.
         The final text honours stop strings; blocks are returned when the generator closes."""
         seq = self.new_sequence(req)
-        text = TextTracker(self.tokenizer, req.stop, len(req.prompt_ids))
+        text = self.text_tracker(req)
         with torch.inference_mode():
-            self.generator.admit(seq)
+            self.generator.admit(seq)  # holds nothing if it raises
             try:
                 self.generator.prefill(seq)
                 yield seq, text.update(seq)
@@ -154,8 +168,13 @@ class Engine:
             finally:
                 self.generator.release(seq)
 
+    def text_tracker(self, req: Request) -> TextTracker:
+        """The detokeniser of one request's output (stop strings applied)."""
+        return TextTracker(self.tokenizer, req.stop, len(req.prompt_ids), self.generator.fault_hook)
+
     def step(self, seqs: list[Sequence]) -> None:
-        """One decode step for rows of the same mode; ends rows that hit the context limit."""
+        """One decode step for rows of the same mode; ends rows that hit the context limit.
+        Raises generator.SequenceFault when some rows' own work failed (the others stepped)."""
         for seq in seqs:
             if len(seq.tokens) + seq.depth + 1 > self.max_context:
                 seq.finish_reason = "length"
@@ -193,8 +212,10 @@ class TextTracker:
     that might be the start of a stop string is held back until it is decided. Decoding is
     incremental (each token is decoded once), so a long answer costs linear time."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int = 0):
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int = 0,
+                 fault_hook: FaultHook | None = None):
         self.stop = stop
+        self.fault_hook = fault_hook  # its "detokenize" point (Engine.fault_hook)
         self.decoder = tokenizer.incremental_decoder() if tokenizer is not None else None
         self.text = ""      # complete characters decoded so far
         self.consumed = 0   # generated tokens fed to the decoder
@@ -203,6 +224,8 @@ class TextTracker:
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def update(self, seq: Sequence) -> str:
+        if self.fault_hook is not None:
+            self.fault_hook("detokenize", seq)
         if self.decoder is None:
             return ""
         new = seq.generated[self.consumed:]

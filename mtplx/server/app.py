@@ -6,7 +6,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from mtplx.batching.job import Job, JobResult
 from mtplx.batching.scheduler import Scheduler
@@ -16,7 +16,7 @@ from mtplx.server import openai, telemetry
 from mtplx.server.errors import install_error_handlers
 from mtplx.server.metrics import CountRequests, Metrics
 from mtplx.server.protocol import DEFAULT_TEMPERATURE
-from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, api_key_dependency
+from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, RequireAPIKey
 
 
 @dataclass
@@ -53,8 +53,9 @@ class ServerState:
 
 def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, model_id: str = "mtplx",
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, gate=None) -> FastAPI:
-    """An app serving ``engine`` under ``settings`` (default: serial). ``gate``: the hyper
-    admission gate to use in hyper mode (default: a fresh ``HyperAdmissionGate``)."""
+    """An app serving ``engine`` under ``settings`` (default: serial). ``api_key``: required on
+    every route but /health and /metrics (security.py). ``gate``: the hyper admission gate to
+    use in hyper mode (default: a fresh ``HyperAdmissionGate``)."""
     scheduler = Scheduler(engine, settings or SchedulerSettings(), gate=gate)
     metrics = Metrics(scheduler)
     temperature = float(engine.loaded.generation_defaults.get("temperature", DEFAULT_TEMPERATURE))
@@ -72,10 +73,11 @@ def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, mod
     app = FastAPI(title="mtplx", lifespan=lifespan)
     app.state.mtplx = state
     install_error_handlers(app)
-    require_key = [Depends(api_key_dependency(api_key))]
-    app.include_router(openai.router, dependencies=require_key)
-    app.include_router(telemetry.router, dependencies=require_key)
+
+    app.include_router(openai.router)
+    app.include_router(telemetry.router)
     app.include_router(telemetry.open_router)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts 413s too
+    app.add_middleware(RequireAPIKey, api_key=api_key)  # before the body is read
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts 401s and 413s too
     return app

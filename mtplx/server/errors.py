@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from mtplx.batching.queue import QueueFull
+from mtplx.batching.queue import QueueFull, SchedulerStopped
 from mtplx.errors import InvalidParameter, MtplxError
 
 log = logging.getLogger("mtplx.server")
@@ -67,6 +67,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFull)
     async def _full(request: Request, exc: QueueFull):
         return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+
+    @app.exception_handler(SchedulerStopped)
+    async def _stopping(request: Request, exc: SchedulerStopped):  # draining: not the client's fault
+        return APIError(503, str(exc), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
 
     @app.exception_handler(MtplxError)
     async def _user(request: Request, exc: MtplxError):

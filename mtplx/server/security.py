@@ -1,19 +1,29 @@
-"""API key checks, the request body size limit, and the rule for exposed hosts."""
+"""The API key check, the request body size limit, and the rule for exposed hosts.
+
+With a key set, every route needs it except ``OPEN_PATHS`` (deny by default: a route added
+later is protected without anyone remembering to). The key is checked before the body is
+read, so a client without it cannot make the server read or parse anything.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 
-from fastapi import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtplx.errors import MtplxError
-from mtplx.server.errors import APIError, error_body
+from mtplx.server.errors import error_body
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MIB = 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 16 * MIB  # far above any prompt a context holds; bounds one request's memory
+
+# Open without a key: load balancers' health checks and Prometheus scrapers. /metrics holds
+# only aggregate counters (no prompt or output text, no request ids, no keys), as in vLLM.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def is_loopback(host: str) -> bool:
@@ -32,20 +42,41 @@ def check_exposure(host: str, api_key: str | None) -> None:
                          "(or MTPLX_API_KEY) so only clients holding the key can use it")
 
 
-def api_key_dependency(api_key: str | None):
-    """A FastAPI dependency accepting ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``)."""
-    expected = api_key.encode() if api_key else None
+def _digest(key: bytes) -> bytes:
+    # Comparing fixed-length digests keeps compare_digest's time independent of the key's length too.
+    return hashlib.sha256(key).digest()
 
-    async def require_key(request: Request) -> None:
-        if expected is None:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.strip().encode(), expected):  # constant time
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
-    return require_key
+def offered_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """The keys a request offers: ``Authorization: Bearer KEY`` and ``X-API-Key: KEY`` (raw bytes)."""
+    keys = []
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            keys.append(value[7:].strip())
+        elif name == b"x-api-key":
+            keys.append(value.strip())
+    return keys
+
+
+class RequireAPIKey:
+    """ASGI middleware: with ``api_key`` set, a request to any path outside ``OPEN_PATHS``
+    must offer it (see ``offered_keys``), else 401 before its body is read. The key is
+    compared in constant time and never logged or echoed."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.expected = _digest(api_key.encode()) if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        # every offered key is compared (no short-circuit), each in constant time
+        if sum(hmac.compare_digest(_digest(key), self.expected) for key in offered_keys(scope["headers"])):
+            return await self.app(scope, receive, send)
+        message = "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+        await send_error(send, 401, error_body(message, "invalid_request_error", None, "invalid_api_key"),
+                         [(b"www-authenticate", b"Bearer")])
 
 
 class BodySizeLimit:
@@ -60,7 +91,8 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(send)
+            body = error_body(self._message(), "invalid_request_error", None, "request_too_large")
+            return await send_error(send, 413, body)
         seen = 0
 
         async def limited_receive() -> Message:
@@ -74,10 +106,14 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
     def _message(self) -> str:
-        return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        return (f"the request body is larger than the server's limit of {self.max_bytes} bytes "
+                f"({self.max_bytes / MIB:g} MiB, set with --max-body-mb)")
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(self._message(), "invalid_request_error", None, "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+
+async def send_error(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Send a whole JSON error response from ASGI middleware (outside FastAPI's handlers)."""
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from mtplx.server.metrics import CONTENT_TYPE
 from mtplx.server.openai import _mtplx_scheduler_state
 
-open_router = APIRouter()  # no API key: health checks and scrapers
-router = APIRouter()  # behind the API key like the rest of /v1
+open_router = APIRouter()  # /health, /metrics: open without the API key (security.OPEN_PATHS decides)
+router = APIRouter()  # /v1/...: behind the API key when one is set
 
 
 @open_router.get("/health")
