@@ -72,6 +72,7 @@ class CudaGraphRunner(ModelRunner):
 
     def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
         """Capture the graphs a server will need up front (start-up, not first request)."""
+        depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
         for r in rows:
             self._graph("trunk", r, 1)
             for d in depths:
