@@ -2,8 +2,10 @@
 trunk step, batch-1 matmul bandwidth per weight shape, and host overhead around a replay.
 
     PYTHONPATH=. python benchmarks/gpu_profile.py --out profile.json [--shapes qwen3-8b,smollm2-135m]
+        [--gemv1-sweep qwen3-8b,smollm2-135m] [--no-steps]
 
-Prints a table per shape; the JSON holds every number.
+Prints a table per shape; the JSON holds every number. ``--gemv1-sweep`` times the one-row
+GEMV (mtplx/kernels/gemv.py) over a grid of tile configs against what it replaces.
 """
 
 from __future__ import annotations
@@ -146,16 +148,23 @@ def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
             "lm_head": (cfg["vocab_size"], h)}
 
 
+def prefilled(engine, context: int = 128) -> Sequence:
+    """A sequence holding ``context`` prompt tokens in the engine's cache (free it after)."""
+    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
+                   generator=torch.Generator(device=engine.device))
+    engine.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    with torch.inference_mode():
+        engine.runner.trunk([seq], [seq.prompt_ids], [0])
+    return seq
+
+
 def host_overhead(engine) -> dict:
     """AR step pieces at a 128-token context: graph replay alone, runner.trunk (fills inputs,
     replays), runner.trunk + logits + argmax + .item() (a sync), and the engine's whole step."""
     runner = engine.runner
-    seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device=engine.device))
-    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    seq = prefilled(engine)
     out = {}
     with torch.inference_mode():
-        runner.trunk([seq], [seq.prompt_ids], [0])
         runner.trunk([seq], [[5]], [128])
         g = runner.graphs[("trunk", 1, 1)]
         out["replay_only_us"] = timed(g.graph.replay) * 1e6
@@ -195,54 +204,10 @@ def host_overhead(engine) -> dict:
     return out
 
 
-def layer_compile(engine) -> dict:
-    """One decoder layer at rows=1, q=1 inside a CUDA graph: as it runs now, and compiled by
-    torch.compile (Inductor fuses the elementwise work): what fusion could buy per layer."""
-    runner = engine.runner
-    model = engine.loaded.model
-    layer = model.model.layers[0]
-    H = model.config.hidden_size
-    seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device=engine.device))
-    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    out = {}
-    with torch.inference_mode():
-        runner.trunk([seq], [seq.prompt_ids], [0])
-        meta = ModelRunner.metadata(runner, [seq], [128], [1])
-        rotary = model.rotary.bind(meta.positions, engine.dtype)
-        x = torch.randn(1, 1, H, device=engine.device, dtype=engine.dtype)
-        k, v = runner.cache.k[0], runner.cache.v[0]
-
-        def graph_time(fn):
-            fn(); fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(36):
-                    fn()
-            return timed(g.replay, repeats=10) / 36 * 1e6
-
-        out["layer_eager_graph_us"] = graph_time(lambda: layer(x, rotary, meta, k, v))
-        try:
-            t0 = time.perf_counter()
-            compiled = torch.compile(layer, dynamic=False)
-            compiled(x, rotary, meta, k, v)
-            out["compile_s"] = time.perf_counter() - t0
-            out["layer_compiled_graph_us"] = graph_time(lambda: compiled(x, rotary, meta, k, v))
-            ref = layer(x, rotary, meta, k, v).float()
-            got = compiled(x, rotary, meta, k, v).float()
-            out["compiled_rel_err"] = float((got - ref).norm() / ref.norm())
-        except Exception as e:  # report, do not stop the run
-            out["compile_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    runner.blocks.free(seq.seq_id)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="qwen3-8b,smollm2-135m")
-    ap.add_argument("--compile", action="store_true")
     ap.add_argument("--gemv1-sweep", default="", help="shapes to sweep the one-row GEMV's configs on")
     ap.add_argument("--no-steps", action="store_true", help="skip the step profiles")
     args = ap.parse_args()
@@ -259,17 +224,12 @@ def main() -> None:
                  "gemv_rows4": gemv_bandwidth(device, mats, cfg["num_hidden_layers"], rows=4)}
         engine = random_engine(cfg, device)
         runner = engine.runner
-        seq = Sequence(prompt_ids=list(range(1, 129)), params=SamplingParams(), max_tokens=1,
-                       generator=torch.Generator(device=engine.device))
-        runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        seq = prefilled(engine)
         with torch.inference_mode():
-            runner.trunk([seq], [seq.prompt_ids], [0])
             entry["eager_step"] = kernel_breakdown(lambda: ModelRunner.trunk(runner, [seq], [[5]], [128]))
             entry["graph_step"] = kernel_breakdown(lambda: runner.trunk([seq], [[5]], [128]))
         runner.blocks.free(seq.seq_id)
         entry["host"] = host_overhead(engine)
-        if args.compile:
-            entry["layer"] = layer_compile(engine)
         report["shapes"][name] = entry
         del engine
         torch.cuda.empty_cache()
@@ -283,8 +243,6 @@ def main() -> None:
             for t in b["top"][:14]:
                 print(f"    {t['count']:6.1f} x {t['us']:8.1f} us  {t['name']}")
         print("  host", json.dumps({k: round(v, 1) for k, v in entry["host"].items()}))
-        if "layer" in entry:
-            print("  layer", json.dumps(entry["layer"]))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
