@@ -61,3 +61,29 @@ def test_ar_blocks_never_serve_an_mtp_request_stale_head_entries():
     assert engine.generate(prompt, mode="mtp", max_tokens=4).stats["cached_prompt_tokens"] == 24
     assert engine.runner.blocks.num_used_blocks == 0
     engine.runner.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, monkeypatch):
+    """Argmax drafts stay on the device and greedy verification runs there: one transfer per
+    cycle (drafts, accepted counts, next tokens), however deep and however many rows. On a GPU
+    each transfer is a host sync that drains the queue of launched work."""
+    engine, _ = tiny_engine("qwen3")
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    seqs = []
+    for i in range(rows):
+        seq = engine.new_sequence(engine.make_request([3 + i, 4, 5, 6], mode="mtp", depth=3, max_tokens=30))
+        engine.generator.admit(seq)
+        engine.generator.prefill(seq)
+        seqs.append(seq)
+    transfers = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: transfers.append(_n) or _f(self))
+    with torch.inference_mode():
+        for _ in range(4):
+            transfers.clear()
+            before = [s.num_generated for s in seqs]
+            engine.generator.mtp_cycle(seqs)
+            assert transfers == ["tolist"]
+            assert all(s.num_generated > b for s, b in zip(seqs, before))

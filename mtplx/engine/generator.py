@@ -138,25 +138,30 @@ class Generator:
         forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
         faults: dict[int, BaseException] = {}
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs, faults)
-        t1 = time.perf_counter()
-        rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
-        self._before_forward(seqs)
-        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True)
-        logits = self.runner.logits(hidden)
-        t2 = time.perf_counter()
-        outcomes = []
-        for r, seq in enumerate(seqs):
-            outcome = None
-            if seq.seq_id not in faults:
-                try:
-                    if self.fault_hook is not None:
-                        self.fault_hook("accept", seq)
-                    outcome = self._accept(seq, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r])
-                except Exception as exc:
-                    faults[seq.seq_id] = exc
-            # a failed row "accepts" everything: its recurrent state is kept as fed, no redo
-            outcomes.append(outcome if outcome is not None else (len(drafts[r]), None))
+        # argmax drafts stay on the device: the cycle syncs with the host once (not for hybrid
+        # models: re-feeding accepted tokens to their recurrent state needs them on the host)
+        on_device = self.runner.states is None and all(
+            s.counts is None and (s.params.greedy or s.draft_policy == "greedy") for s in seqs)
+        if on_device:
+            draft_tokens = self._draft_on_device(seqs, faults)
+            t1 = time.perf_counter()
+            rows = [[s.tokens[s.trunk_len]] + [0] * s.depth for s in seqs]  # the drafts come from the overlay
+            self._before_forward(seqs)
+            hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True,
+                                       overlay=draft_tokens)
+            logits = self.runner.logits(hidden)
+            t2 = time.perf_counter()
+            drafts, outcomes = self._accept_device_drafts(seqs, logits, draft_tokens, faults)
+        else:
+            drafts, draft_probs = self._draft(seqs, faults)
+            t1 = time.perf_counter()
+            rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
+            self._before_forward(seqs)
+            hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True)
+            logits = self.runner.logits(hidden)
+            t2 = time.perf_counter()
+            outcomes = self._accept_rows(seqs, lambda r, seq: self._accept(
+                seq, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r]), drafts, faults)
         t3 = time.perf_counter()
         self.runner.commit_state(seqs, [accepted + 1 for accepted, _ in outcomes])
         for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
@@ -186,17 +191,86 @@ class Generator:
             for seq in seqs:
                 self.fault_hook("forward", seq)
 
-    def _draft(self, seqs: list[Sequence], faults: dict[int, BaseException]
-               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
-        """Catch the head up on committed tokens, then draft ``depth`` tokens per row. A row
-        whose draft choice raises is recorded in ``faults`` and drafts the argmax from then on."""
+    def _accept_rows(self, seqs: list[Sequence], accept, drafts: list[list[int]],
+                     faults: dict[int, BaseException]) -> list[tuple[int, int | None]]:
+        """(accepted, next token) per row from ``accept(r, seq)``; a failed row is recorded in
+        ``faults`` and "accepts" everything (its recurrent state is kept as fed, no redo)."""
+        outcomes = []
+        for r, seq in enumerate(seqs):
+            outcome = None
+            if seq.seq_id not in faults:
+                try:
+                    if self.fault_hook is not None:
+                        self.fault_hook("accept", seq)
+                    outcome = accept(r, seq)
+                except Exception as exc:
+                    faults[seq.seq_id] = exc
+            outcomes.append(outcome if outcome is not None else (len(drafts[r]), None))
+        return outcomes
+
+    def _head_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed the head the pairs committed since its last step; its last output per row
+        (the first draft's hidden state) -> [rows, H]."""
         catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
         width = max(len(t) for t in catch_up)
         hidden = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
         out = self.runner.head_forward(seqs, hidden, catch_up, [s.head_len for s in seqs])
-        h = out[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in catch_up])]
         for s in seqs:
             s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        if all(len(t) == width for t in catch_up):
+            return out[:, width - 1]  # a slice: no index tensor to copy to the device (a host sync)
+        return out[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in catch_up])]
+
+    def _draft_on_device(self, seqs: list[Sequence], faults: dict[int, BaseException]) -> torch.Tensor:
+        """Argmax drafts (greedy targets, or the default greedy draft policy, no penalties),
+        each fed to the next head step on the device: [rows, depth] ids, never synced. The
+        same drafts as ``_draft`` picks."""
+        h = self._head_catch_up(seqs)
+        depth = max(s.depth for s in seqs)
+        tokens = []
+        for j in range(depth):
+            picks = self.runner.logits(h).argmax(-1)
+            if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
+                for seq in seqs:
+                    if seq.seq_id not in faults:
+                        try:
+                            self.fault_hook("draft", seq)
+                        except Exception as exc:
+                            faults[seq.seq_id] = exc
+            tokens.append(picks)
+            if j + 1 < depth:
+                out = self.runner.head_forward(seqs, h[:, None], [[0]] * len(seqs),
+                                               [s.trunk_len + 1 + j for s in seqs], tokens=picks[:, None])
+                h = out[:, 0]
+        return torch.stack(tokens, dim=1)
+
+    def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor,
+                              faults: dict[int, BaseException]) -> tuple[list[list[int]], list]:
+        """Greedy verification of every greedy row on the device, then one transfer of the
+        drafts, accepted counts and next tokens (the cycle's host sync); sampled rows then go
+        through exact rejection sampling (their drafts are one-hot: argmax). Returns the drafts
+        (host lists, each cut to its row's depth) and the outcomes."""
+        k = draft_tokens.shape[1]
+        target = logits[:, : k + 1].argmax(-1)  # [rows, k + 1]; ties to the lowest index, as verify_greedy
+        leading = (target[:, :k] == draft_tokens).long().cumprod(dim=1).sum(dim=1)
+        depths = torch.tensor([[s.depth] for s in seqs], dtype=torch.long).to(logits.device, non_blocking=True)
+        accepted = torch.minimum(leading[:, None], depths)
+        next_token = target.gather(1, accepted)
+        host = torch.cat([draft_tokens, accepted, next_token], dim=1).tolist()
+        drafts = [row[: s.depth] for row, s in zip(host, seqs)]
+
+        def accept(r: int, seq: Sequence):
+            if seq.params.greedy:
+                return host[r][k], host[r][k + 1]
+            return self._accept(seq, logits[r, : seq.depth + 1], drafts[r], [None] * seq.depth)
+
+        return drafts, self._accept_rows(seqs, accept, drafts, faults)
+
+    def _draft(self, seqs: list[Sequence], faults: dict[int, BaseException]
+               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+        """Catch the head up on committed tokens, then draft ``depth`` tokens per row. A row
+        whose draft choice raises is recorded in ``faults`` and drafts the argmax from then on."""
+        h = self._head_catch_up(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         depth = max(s.depth for s in seqs)
