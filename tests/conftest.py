@@ -19,3 +19,19 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def serve(tmp_path, default_gguf):
+    """Start servers with ``serve(*args)``; any still running at the end is killed."""
+    from tests.serve_process import ServeProcess
+
+    started: list[ServeProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServeProcess:
+        started.append(ServeProcess(tmp_path, *args, env=env))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.kill()

@@ -23,7 +23,7 @@ import pytest
 from mtplx.cli import build_parser
 from mtplx.server.lifecycle import MAX_HEADER_BYTES
 from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, MIB
-from tests.test_server_shutdown import COUNTING, MODEL, ServeProcess, serve_env, wait_until
+from tests.serve_process import COUNTING, MODEL, ServeProcess, serve_env, wait_until
 
 pytestmark = pytest.mark.slow
 
