@@ -324,7 +324,8 @@ class Generator:
             return logits
         counts = seq.counts.clone()
         if previous:
-            counts.index_add_(0, torch.tensor(previous, device=counts.device), torch.ones(len(previous), dtype=counts.dtype, device=counts.device))
+            index = torch.tensor(previous, device=counts.device)
+            counts.index_add_(0, index, torch.ones(len(previous), dtype=counts.dtype, device=counts.device))
         return apply_penalties(logits, counts[None], seq.params.presence_penalty, seq.params.frequency_penalty)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:

@@ -295,4 +295,3 @@ def load_prompts_file(path: Path) -> list:
     if not isinstance(data, list) or not data:
         raise ForgeError(f"{path} must hold a non-empty JSON list of prompts")
     return data
-

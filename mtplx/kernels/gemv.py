@@ -60,8 +60,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, swn, eps,
-                      K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[n] = sum_k a[k] w[n, k] (+ b[n]) where a is PROLOGUE 0: x; 1: rms_norm(x (+ delta))
         * norm_weight (program 0 stores the sum); 2: silu(x[:K]) * x[K:]."""
         pid = tl.program_id(0)

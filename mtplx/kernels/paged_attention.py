@@ -52,7 +52,8 @@ if triton is not None:
         sq_r, sq_t, sq_h, sk_b, sk_s, sk_h, so_r, so_t, so_h, st_r, sp_r,
         q_len, key_start, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        M_PAD: tl.constexpr, MAX_KEYS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC_BOUND: tl.constexpr,
+        M_PAD: tl.constexpr, MAX_KEYS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+        DYNAMIC_BOUND: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -104,6 +105,7 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1), out.stride(2), block_tables.stride(0), positions.stride(0),
         q_len, key_start, scale,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=m_pad, BLOCK_N=max(16, min(64, page * 4)),
-        DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MAX_KEYS=0 if q.is_cuda else block_tables.shape[1] * page,
+        DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MAX_KEYS=0 if q.is_cuda else block_tables.shape[1] * page,
     )
     return out

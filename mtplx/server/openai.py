@@ -159,4 +159,3 @@ async def _generate(request: Request, body: GenerationFields, prompt, max_tokens
 def unknown_model(name: str, served: str) -> APIError:
     return APIError(404, f"model {name!r} is not served here; this server serves {served!r}",
                     param="model", code="model_not_found")
-

@@ -27,6 +27,7 @@ from mtplx.errors import InvalidParameter, MtplxError
 from mtplx.server.errors import RETRY_AFTER_S, APIError, error_body
 from mtplx.server.protocol import ResponseShape, usage
 
+
 def submit(scheduler: Scheduler, request: EngineRequest, request_id: str,
            deltas: bool = True) -> tuple[Job, asyncio.Queue]:
     """Queue a job for ``request``; its events (without the Deltas when ``deltas`` is False)
