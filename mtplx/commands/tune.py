@@ -33,8 +33,7 @@ def run(args) -> int:
     path = save_choice(engine.loaded, engine.device, engine.dtype, choice, report)
     if choice["depth"] is not None:
         print(f"saved depth {choice['depth']} to {path}")
-    elif path is not None:
-        print(f"removed the earlier tuned depth for this model from {path}")
     else:
-        print("nothing saved (generate and serve keep their default depth)")
+        print(f"saved to {path}: requests to this model default to AR here (a request can still ask for "
+              "generation_mode mtp)")
     return 0

@@ -47,7 +47,11 @@ class Engine:
     """One model, one KV cache, one decode step. Not thread-safe: one owner thread drives it."""
 
     def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
-                 block_size: int = 16, cuda_graphs: bool = True):
+                 block_size: int = 16, cuda_graphs: bool = True, default_mode: str | None = None):
+        """default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
+        has a head; ``mtplx.load`` passes "ar" where ``mtplx tune`` found MTP slower)."""
+        if default_mode not in (None, "ar", "mtp"):
+            raise InvalidParameter("default_mode", f"must be 'ar' or 'mtp', got {default_mode!r}")
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -68,6 +72,7 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set(self.config.eos_token_ids)
         self.generator = Generator(self.runner, eos)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
+        self.default_mode = default_mode
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
         if getattr(self.runner, "enabled", False):  # capture now: the first request runs as fast as the rest
             self.runner.capture_all(depths=tuple(range(1, max(3, self.default_depth) + 1)))
@@ -121,7 +126,7 @@ class Engine:
                      stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy",
                      ignore_eos: bool = False) -> Request:
         """Validate every parameter and tokenise the prompt (errors name the parameter)."""
-        mode = mode or ("mtp" if self.has_mtp else "ar")
+        mode = mode or (self.default_mode if self.has_mtp else None) or ("mtp" if self.has_mtp else "ar")
         if mode not in ("ar", "mtp"):
             raise InvalidParameter("mode", f"{mode!r} is not one of 'ar', 'mtp'")
         if mode == "mtp" and not self.has_mtp:

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mtplx.batching.state import DEFAULT_DECODE_BATCH_MAX, SchedulerConfigError, SchedulerMode, SchedulerSettings
+from mtplx.batching.state import (DEFAULT_DECODE_BATCH_MAX, MTP_ONLY_MODES, SchedulerConfigError, SchedulerMode,
+                                  SchedulerSettings)
 from mtplx.server.errors import APIError
 from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
 from mtplx.server.streaming import stream_response, whole_response
@@ -147,13 +148,19 @@ async def _generate(request: Request, body: GenerationFields, prompt, max_tokens
     server.check_model(body.model)
     settings = server.scheduler.settings
     engine_request = server.engine.make_request(
-        prompt, chat=chat, mode=body.generation_mode or settings.generation_mode,
+        prompt, chat=chat, mode=body.generation_mode or settings.generation_mode or _mode_default(settings),
         depth=body.depth if body.depth is not None else settings.depth,
         max_tokens=max_tokens or server.engine.max_context, **body.sampling_kwargs(server.default_temperature))
     shape = ResponseShape(chat, body.model, body.return_token_ids)
     if body.stream:
         return stream_response(server.scheduler, engine_request, shape, body.include_usage)
     return await whole_response(request, server.scheduler, engine_request, shape)
+
+
+def _mode_default(settings: SchedulerSettings) -> str | None:
+    """mtp in the MTP-only modes (whatever the engine's default, e.g. AR after `mtplx tune`
+    found MTP slower); else None: the engine's default."""
+    return "mtp" if settings.mode in MTP_ONLY_MODES else None
 
 
 def unknown_model(name: str, served: str) -> APIError:
