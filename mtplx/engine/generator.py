@@ -197,16 +197,23 @@ class Generator:
         ``faults`` and "accepts" everything (its recurrent state is kept as fed, no redo)."""
         outcomes = []
         for r, seq in enumerate(seqs):
-            outcome = None
-            if seq.seq_id not in faults:
-                try:
-                    if self.fault_hook is not None:
-                        self.fault_hook("accept", seq)
-                    outcome = accept(r, seq)
-                except Exception as exc:
-                    faults[seq.seq_id] = exc
+            outcome = self._row_work(seq, "accept", lambda: accept(r, seq), faults)
             outcomes.append(outcome if outcome is not None else (len(drafts[r]), None))
         return outcomes
+
+    def _row_work(self, seq: Sequence, point: str, work, faults: dict[int, BaseException]):
+        """One row's own work at a fault point: the hook, then ``work()``. What either raises is
+        that row's fault (recorded in ``faults``; the result is None); a row already failed
+        does nothing."""
+        if seq.seq_id in faults:
+            return None
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(point, seq)
+            return work()
+        except Exception as exc:
+            faults[seq.seq_id] = exc
+            return None
 
     def _head_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed the head the pairs committed since its last step; its last output per row
@@ -232,11 +239,7 @@ class Generator:
             picks = self.runner.logits(h).argmax(-1)
             if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
                 for seq in seqs:
-                    if seq.seq_id not in faults:
-                        try:
-                            self.fault_hook("draft", seq)
-                        except Exception as exc:
-                            faults[seq.seq_id] = exc
+                    self._row_work(seq, "draft", lambda: None, faults)
             tokens.append(picks)
             if j + 1 < depth:
                 out = self.runner.head_forward(seqs, h[:, None], [[0]] * len(seqs),
@@ -278,14 +281,7 @@ class Generator:
             logits = self.runner.logits(h)
             picks = []
             for r, seq in enumerate(seqs):
-                pick = None
-                if seq.seq_id not in faults:
-                    try:
-                        if self.fault_hook is not None:
-                            self.fault_hook("draft", seq)
-                        pick = self._draft_token(seq, logits[r:r + 1], drafts[r])
-                    except Exception as exc:
-                        faults[seq.seq_id] = exc
+                pick = self._row_work(seq, "draft", lambda: self._draft_token(seq, logits[r:r + 1], drafts[r]), faults)
                 # a failed row drafts a placeholder (the argmax): the batch keeps its shape
                 picks.append(pick if pick is not None else (logits[r:r + 1].argmax(-1), None))
             # host sync, once per depth for all rows: the drafts feed the next head step
