@@ -162,6 +162,10 @@ def test_per_request_generation_mode_and_depth(client, refs):
     (dict(extra_body={"top_k": -3}), "top_k", "integer >= 0"),
     (dict(extra_body={"depth": 9}), "depth", "from 1 to 8"),
     (dict(presence_penalty=3), "presence_penalty", "[-2, 2]"),
+    (dict(logit_bias={"5": 100}), "logit_bias", "would change the output"),
+    (dict(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (dict(extra_body={"min_tokens": 3}), "min_tokens", "not supported"),
+    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "not supported"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as err:
@@ -169,6 +173,27 @@ def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, word
     error = err.value.body
     assert err.value.status_code == 400 and error["param"] == param and words in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unsupported_fields_and_harmless_unknown_fields_pass(client, refs):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, logit_bias={}, response_format={"type": "text"},
+                                       user="someone", extra_body={"repetition_penalty": 1.0, "store": False},
+                                       **GREEDY)
+    assert r.choices[0].message.content == refs["chat"].text
+
+
+def test_ignore_eos_decodes_past_the_end_of_sequence_token(client, engine):
+    first = engine.generate("a", max_tokens=1, temperature=0.0).token_ids[0]
+    eos = engine.generator.eos_token_ids
+    engine.generator.eos_token_ids = {first}  # greedy decoding now ends at once...
+    try:
+        stopped = client.completions.create(model=MODEL, prompt="a", max_tokens=40, temperature=0)
+        ignored = client.completions.create(model=MODEL, prompt="a", max_tokens=40, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    finally:
+        engine.generator.eos_token_ids = eos
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 0
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 40  # ...unless ignored
 
 
 def test_a_prompt_longer_than_the_context_is_400(client):

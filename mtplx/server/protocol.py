@@ -24,10 +24,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields other servers accept that this one does not implement and that would change the
+# output if ignored: a 400 naming the field unless the value is one of these neutral ones.
+# Other unknown fields (user, metadata, store, ...) do not change the output and are ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": (None, {}), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
+    "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "functions": (None, []),
+    "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "prompt_logprobs": (None, 0), "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False), "min_new_tokens": (None, 0),
+}
+
+
 class GenerationFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are checked in check_supported
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,9 +59,14 @@ class GenerationFields(BaseModel):
     depth: int | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
     return_token_ids: bool = False
+    ignore_eos: bool = False
 
     def check_supported(self) -> None:
         """400 for features this server does not offer, instead of silently ignoring them."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+                raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
+                               param=name, code="unsupported_value")
         if self.n != 1:
             raise APIError(400, f"n: only n=1 is supported (got {self.n}); send one request per completion",
                            param="n", code="unsupported_value")
@@ -62,7 +79,7 @@ class GenerationFields(BaseModel):
         temperature = default_temperature if self.temperature is None else self.temperature
         return dict(temperature=temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    seed=self.seed, stop=self.stop, draft_policy=self.draft_policy)
+                    seed=self.seed, stop=self.stop, draft_policy=self.draft_policy, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
