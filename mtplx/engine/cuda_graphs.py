@@ -49,28 +49,27 @@ class CudaGraphRunner(ModelRunner):
     # -- public forwards (same contract as ModelRunner) -----------------------------------------
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-              keep_states: bool = False, overlay: torch.Tensor | None = None) -> torch.Tensor:
-        q = max(len(r) for r in token_rows)
-        if not self._eligible(len(seqs), q):
-            return super().trunk(seqs, token_rows, starts, keep_states, overlay)
-        g = self._graph("trunk", len(seqs), q)
-        self._load(g, seqs, token_rows, starts)
-        if overlay is not None:  # device to device, no host sync
-            g.ids[: len(seqs), 1: 1 + overlay.shape[1]].copy_(overlay)
-        g.graph.replay()
-        return g.out[: len(seqs)]
+              keep_states: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._eligible(len(seqs), max(len(r) for r in token_rows)):
+            return super().trunk(seqs, token_rows, starts, keep_states, ids)
+        return self._replay("trunk", seqs, token_rows, starts, ids)
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
-        q = max(len(r) for r in token_rows)
-        if not self._eligible(len(seqs), q):
-            return super().head_forward(seqs, hidden, token_rows, starts, tokens)
-        g = self._graph("head", len(seqs), q)
+                     starts: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._eligible(len(seqs), max(len(r) for r in token_rows)):
+            return super().head_forward(seqs, hidden, token_rows, starts, ids)
+        return self._replay("head", seqs, token_rows, starts, ids, hidden)
+
+    def _replay(self, kind: str, seqs, token_rows, starts, ids: torch.Tensor | None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill the (kind, rows, q) graph's inputs, replay it; its output buffer [rows, q, H]."""
+        g = self._graph(kind, len(seqs), max(len(r) for r in token_rows))
         self._load(g, seqs, token_rows, starts)
-        if tokens is not None:  # device to device, no host sync
-            g.ids[: len(seqs), :1].copy_(tokens)
-        g.hidden_in[: len(seqs), : hidden.shape[1]].copy_(hidden)
+        if ids is not None:  # device to device, no host sync
+            g.ids[: len(seqs), : ids.shape[1]].copy_(ids)
+        if hidden is not None:
+            g.hidden_in[: len(seqs), : hidden.shape[1]].copy_(hidden)
         g.graph.replay()
         return g.out[: len(seqs)]
 

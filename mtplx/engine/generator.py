@@ -145,10 +145,11 @@ class Generator:
         if on_device:
             draft_tokens = self._draft_on_device(seqs, faults)
             t1 = time.perf_counter()
-            rows = [[s.tokens[s.trunk_len]] + [0] * s.depth for s in seqs]  # the drafts come from the overlay
+            rows = [[s.tokens[s.trunk_len]] + [0] * s.depth for s in seqs]  # lengths; the ids are on the device
+            primary = torch.tensor([row[:1] for row in rows]).to(draft_tokens.device, non_blocking=True)
             self._before_forward(seqs)
             hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True,
-                                       overlay=draft_tokens)
+                                       ids=torch.cat([primary, draft_tokens], dim=1))
             logits = self.runner.logits(hidden)
             t2 = time.perf_counter()
             drafts, outcomes = self._accept_device_drafts(seqs, logits, draft_tokens, faults)
@@ -243,7 +244,7 @@ class Generator:
             tokens.append(picks)
             if j + 1 < depth:
                 out = self.runner.head_forward(seqs, h[:, None], [[0]] * len(seqs),
-                                               [s.trunk_len + 1 + j for s in seqs], tokens=picks[:, None])
+                                               [s.trunk_len + 1 + j for s in seqs], ids=picks[:, None])
                 h = out[:, 0]
         return torch.stack(tokens, dim=1)
 

@@ -137,14 +137,13 @@ class ModelRunner:
     # -- forwards -----------------------------------------------------------------------
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-              keep_states: bool = False, overlay: torch.Tensor | None = None) -> torch.Tensor:
+              keep_states: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed token_rows[r] at sequence indices starts[r]... Returns hidden [rows, q, H].
 
         keep_states: a verify forward; the recurrent state (hybrid models) is then cut back to
         the accepted tokens by ``commit_state``.
-        overlay: [rows, n] token ids on the device that replace columns 1..n of the rows
-        (drafts that never went to the host); token_rows then give the first token and the
-        lengths."""
+        ids: [rows, q] token ids already on the device (drafts that never went to the host), in
+        place of token_rows' values; token_rows then only give each row's length."""
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
         if keep_states and self.states is not None:
@@ -154,25 +153,18 @@ class ModelRunner:
                 meta.capture = True
             else:
                 self._pending.snapshot = self.states.snapshot(meta.state_slots)
-        return self.model(self._ids(token_rows, max(lens), overlay), meta, self.cache)
+        return self.model(ids if ids is not None else self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
+                     starts: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
         """MTP head over pairs (hidden[r, i], token_rows[r][i]); the pair's entry goes to the
         token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H].
-        tokens: [rows, 1] ids on the device for one-token rows (the previous draft), in place
-        of token_rows' values."""
+        ids: as in ``trunk``."""
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
-        ids = tokens if tokens is not None else self._pad(token_rows, max(lens))
-        return self.head(self.model, hidden, ids, meta, self.cache)
-
-    def _ids(self, rows: list[list[int]], q: int, overlay: torch.Tensor | None) -> torch.Tensor:
-        ids = self._pad(rows, q)
-        if overlay is not None:
-            ids[:, 1: 1 + overlay.shape[1]] = overlay
-        return ids
+        return self.head(self.model, hidden, ids if ids is not None else self._pad(token_rows, max(lens)), meta,
+                         self.cache)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
