@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from mtplx.engine import attention  # its KERNELS_ENABLED switches these kernels off too
+
 try:
     import triton
     import triton.language as tl
@@ -38,9 +40,7 @@ def available() -> bool:
 
 def usable(x: torch.Tensor) -> bool:
     """True where the fused kernels run: CUDA tensors (or any, under Triton's interpreter)."""
-    from mtplx.engine.attention import KERNELS_ENABLED
-
-    return KERNELS_ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+    return attention.KERNELS_ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
 
 
 if triton is not None:

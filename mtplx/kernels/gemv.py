@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from mtplx.kernels import fused
+
 try:
     import triton
     import triton.language as tl
@@ -32,9 +34,7 @@ SMALL_WEIGHT = 4 * 1024 * 1024  # elements: below this, launches dominate and fu
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row, on CUDA in half precision (or any dtype under Triton's interpreter)."""
-    from mtplx.kernels.fused import usable as kernels_usable
-
-    return (x.numel() == x.shape[-1] and kernels_usable(x) and weight.is_contiguous()
+    return (x.numel() == x.shape[-1] and fused.usable(x) and weight.is_contiguous()
             and x.dtype == weight.dtype and (x.dtype in (torch.bfloat16, torch.float16) or not x.is_cuda))
 
 

@@ -27,11 +27,13 @@ class RMSNorm(nn.Module):
             return fused.rms_norm(x, self.weight, self.eps, self.zero_centered)[1]
         return self._reference(x)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, norm(x + delta)): the residual add and the next norm (one kernel on CUDA)."""
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm (one kernel on CUDA);
+        delta None: (x, norm(x))."""
         if fused.usable(x):
             return fused.rms_norm(x, self.weight, self.eps, self.zero_centered, delta)
-        x = x + delta
+        if delta is not None:
+            x = x + delta
         return x, self._reference(x)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +143,7 @@ class Attention(nn.Module):
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
         if hasattr(self, "qkv_weight"):
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
-                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+            q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if fused.usable(x) and isinstance(rotary, BoundRotary):
@@ -157,6 +158,10 @@ class Attention(nn.Module):
         out = paged_attention(q, k_pool, v_pool, meta, self.scale)
         return self.o_proj(out.reshape(rows, q_len, -1))
 
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused q/k/v projection's output [..., (heads + 2 kv_heads) * head_dim] -> q, k, v views."""
+        return qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
+                         dim=-1)
 
     def attend_fused(self, q, k, v, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
                      v_pool: torch.Tensor) -> torch.Tensor:
@@ -221,10 +226,7 @@ class DecoderLayer(nn.Module):
         norm after it. Same operations, in the same order, as ``forward``."""
         if self._decode_fusable(x, rotary):
             return self._forward_decode(x, delta, rotary, meta, k_pool, v_pool)
-        if delta is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
         return x, self.mlp(h)
 
@@ -244,10 +246,9 @@ class DecoderLayer(nn.Module):
         if gemv.prologue_pays(attn.qkv_weight):
             x, qkv = gemv.norm_gemv(x, delta, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias)
         else:
-            x, h = (x, ln1(x)) if delta is None else ln1.add_forward(x, delta)
+            x, h = ln1.add_forward(x, delta)
             qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)
-        q, k, v = qkv.split([attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim,
-                             attn.kv_heads * attn.head_dim], dim=-1)
+        q, k, v = attn.split_qkv(qkv)
         o = gemv.gemv(attn.attend_fused(q, k, v, rotary, meta, k_pool, v_pool), attn.o_proj.weight, attn.o_proj.bias)
         if gemv.prologue_pays(mlp.gate_up_weight):
             x, gate_up = gemv.norm_gemv(x, o, ln2.weight, ln2.eps, mlp.gate_up_weight, mlp.gate_up_bias)
