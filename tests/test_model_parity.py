@@ -105,3 +105,10 @@ def test_fused_projections_give_the_same_logits(arch):
     after = runner.logits(runner.trunk([seq], [ids], [0]))
     assert (before - after).abs().max() <= 1e-5
     assert sum(p.numel() for p in ours.parameters()) == params  # views, no second copy
+    # A second engine over the same model must not re-fuse: graphs captured by the first read
+    # the fused weights' addresses (re-fusing freed them and broke those graphs on the GPU).
+    pointers = [(a.qkv_weight.data_ptr(), m.gate_up_weight.data_ptr())
+                for a, m in ((layer.self_attn, layer.mlp) for layer in ours.model.layers)]
+    assert fuse_projections(ours) == 0
+    assert pointers == [(a.qkv_weight.data_ptr(), m.gate_up_weight.data_ptr())
+                        for a, m in ((layer.self_attn, layer.mlp) for layer in ours.model.layers)]

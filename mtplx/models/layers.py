@@ -117,6 +117,10 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    @property
+    def is_fused(self) -> bool:
+        return hasattr(self, "gate_up_weight")
+
     def fuse(self) -> None:
         """One matmul for gate and up (fewer launches per step); the originals become views."""
         self.gate_up_weight, self.gate_up_bias = _fuse_linears(self.gate_proj, self.up_proj)
@@ -174,6 +178,10 @@ class Attention(nn.Module):
             self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
         return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
 
+    @property
+    def is_fused(self) -> bool:
+        return hasattr(self, "qkv_weight")
+
     def fuse(self) -> None:
         """One matmul for q, k and v (fewer launches per step); the originals become views."""
         self.qkv_weight, self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -196,10 +204,12 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def fuse_projections(module: nn.Module) -> int:
-    """Fuse q/k/v and gate/up matmuls in every Attention and MLP below ``module`` (inference)."""
+    """Fuse q/k/v and gate/up matmuls in every Attention and MLP below ``module`` (inference).
+    Idempotent: a module fused before keeps its fused weights, whose addresses CUDA graphs that
+    an earlier engine captured over the same model still read."""
     fused = 0
     for sub in module.modules():
-        if isinstance(sub, (Attention, MLP)) and not sub.training:
+        if isinstance(sub, (Attention, MLP)) and not sub.training and not sub.is_fused:
             sub.fuse()
             fused += 1
     return fused
