@@ -207,6 +207,44 @@ def check_against_reference(engine: Engine) -> dict:
     return {"fast_vs_fp32_rel_err": fast, "reference_bf16_vs_fp32_rel_err": ref}
 
 
+def check_cycle_graph(engine: Engine) -> dict:
+    """Fail loudly unless the whole-cycle CUDA graph (greedy MTP) computes what the eager
+    ``ModelRunner.greedy_cycle`` computes from the same state: 1 and 3 rows, depths 1-3, after a
+    real first cycle (so the catch-up is a cycle's, not a prompt's). Drafts may differ only
+    where bf16 rounding flips a near-tie (counted, and bounded)."""
+    gen, runner = engine.generator, engine.runner
+    worst, flips, drafted = 0.0, 0, 0
+    g = torch.Generator().manual_seed(int(time.time()))
+    for rows in (1, 3):
+        for depth in (1, 2, 3):
+            seqs = []
+            for _ in range(rows):
+                prompt = torch.randint(0, engine.config.vocab_size, (24,), generator=g).tolist()
+                seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=depth, max_tokens=64,
+                                                              ignore_eos=True))
+                gen.admit(seq)
+                gen.prefill(seq)
+                seqs.append(seq)
+            with torch.inference_mode():
+                gen.mtp_cycle(seqs)  # eager (a prompt-wide catch-up); leaves a cycle-sized backlog
+                width = max(s.trunk_len + 1 - s.head_len for s in seqs)
+                backlog = torch.stack([torch.cat([s.hidden_backlog, s.hidden_backlog[-1:].expand(
+                    width - s.hidden_backlog.shape[0], -1)]) for s in seqs])
+                fast = [t.clone() for t in runner.greedy_cycle(seqs, backlog, depth)]
+                ref = ModelRunner.greedy_cycle(runner, seqs, backlog, depth)
+            for a, b in zip(fast[:2], ref[:2]):
+                worst = max(worst, float((a.float() - b.float()).norm() / b.float().norm()))
+            flips += int((fast[2][:, :depth] != ref[2][:, :depth]).sum())
+            drafted += rows * depth
+            for s in seqs:
+                gen.release(s)
+    print(f"  whole-cycle graph vs eager cycle: worst relative error {worst:.4f}, drafts differing "
+          f"{flips}/{drafted}", flush=True)
+    if worst > 0.05 or flips > drafted // 4:
+        raise SystemExit(f"FAIL: the whole-cycle CUDA graph differs from the eager cycle: {worst}, {flips}")
+    return {"cycle_graph_vs_eager_rel_err": worst, "cycle_graph_draft_flips": [flips, drafted]}
+
+
 def hf_baseline(shape: dict, device, modes) -> dict:
     import transformers
 
@@ -314,7 +352,8 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for name in [n for n in args.shapes.split(",") if n]:
         engine = random_engine(SHAPES[name], device)
-        entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine)}
+        entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine),
+                 **check_cycle_graph(engine)}
         entry.update(step_costs(engine))
         entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
         for streams in (1, 2, 4, 8):

@@ -143,16 +143,10 @@ class Generator:
         on_device = self.runner.states is None and all(
             s.counts is None and (s.params.greedy or s.draft_policy == "greedy") for s in seqs)
         if on_device:
-            draft_tokens = self._draft_on_device(seqs, faults)
-            t1 = time.perf_counter()
-            rows = [[s.tokens[s.trunk_len]] + [0] * s.depth for s in seqs]  # lengths; the ids are on the device
-            primary = torch.tensor([row[:1] for row in rows]).to(draft_tokens.device, non_blocking=True)
-            self._before_forward(seqs)
-            hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True,
-                                       ids=torch.cat([primary, draft_tokens], dim=1))
-            logits = self.runner.logits(hidden)
+            t1 = t0  # one fused draft + verify: its time (launch and wait) counts as verify_s
+            hidden, logits, host = self._greedy_cycle(seqs, faults)
             t2 = time.perf_counter()
-            drafts, outcomes = self._accept_device_drafts(seqs, logits, draft_tokens, faults)
+            drafts, outcomes = self._accept_device_drafts(seqs, logits, host, faults)
         else:
             drafts, draft_probs = self._draft(seqs, faults)
             t1 = time.perf_counter()
@@ -229,38 +223,32 @@ class Generator:
             return out[:, width - 1]  # a slice: no index tensor to copy to the device (a host sync)
         return out[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in catch_up])]
 
-    def _draft_on_device(self, seqs: list[Sequence], faults: dict[int, BaseException]) -> torch.Tensor:
+    def _greedy_cycle(self, seqs: list[Sequence], faults: dict[int, BaseException]):
         """Argmax drafts (greedy targets, or the default greedy draft policy, no penalties),
-        each fed to the next head step on the device: [rows, depth] ids, never synced. The
-        same drafts as ``_draft`` picks."""
-        h = self._head_catch_up(seqs)
+        each fed to the next head step on the device, the verify and greedy acceptance, in one
+        ``runner.greedy_cycle`` (one CUDA graph where captured); then the cycle's one transfer
+        to the host. The same drafts as ``_draft`` picks. Returns (verify hidden, verify
+        logits, host rows: drafts, accepted count, next token)."""
         depth = max(s.depth for s in seqs)
-        tokens = []
-        for j in range(depth):
-            picks = self.runner.logits(h).argmax(-1)
-            if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
+        if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
+            for _ in range(depth):
                 for seq in seqs:
                     self._row_work(seq, "draft", lambda: None, faults)
-            tokens.append(picks)
-            if j + 1 < depth:
-                out = self.runner.head_forward(seqs, h[:, None], [[0]] * len(seqs),
-                                               [s.trunk_len + 1 + j for s in seqs], ids=picks[:, None])
-                h = out[:, 0]
-        return torch.stack(tokens, dim=1)
+        self._before_forward(seqs)
+        width = max(s.trunk_len + 1 - s.head_len for s in seqs)
+        backlog = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
+        hidden, logits, packed = self.runner.greedy_cycle(seqs, backlog, depth)
+        for s in seqs:
+            s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        return hidden, logits, packed.tolist()  # the cycle's host sync
 
-    def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor,
+    def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, host: list[list[int]],
                               faults: dict[int, BaseException]) -> tuple[list[list[int]], list]:
-        """Greedy verification of every greedy row on the device, then one transfer of the
-        drafts, accepted counts and next tokens (the cycle's host sync); sampled rows then go
-        through exact rejection sampling (their drafts are one-hot: argmax). Returns the drafts
-        (host lists, each cut to its row's depth) and the outcomes."""
-        k = draft_tokens.shape[1]
-        target = logits[:, : k + 1].argmax(-1)  # [rows, k + 1]; ties to the lowest index, as verify_greedy
-        leading = (target[:, :k] == draft_tokens).long().cumprod(dim=1).sum(dim=1)
-        depths = torch.tensor([[s.depth] for s in seqs], dtype=torch.long).to(logits.device, non_blocking=True)
-        accepted = torch.minimum(leading[:, None], depths)
-        next_token = target.gather(1, accepted)
-        host = torch.cat([draft_tokens, accepted, next_token], dim=1).tolist()
+        """Outcomes of a ``_greedy_cycle``: greedy rows take the device's verdict; sampled rows
+        (greedy drafts under the default draft policy) go through exact rejection sampling,
+        their drafts one-hot (argmax). Returns the drafts (each cut to its row's depth) and the
+        outcomes."""
+        k = len(host[0]) - 2
         drafts = [row[: s.depth] for row, s in zip(host, seqs)]
 
         def accept(r: int, seq: Sequence):

@@ -29,6 +29,25 @@ HYBRID_PREFIX_CACHE_REASON = (
 
 
 @dataclass
+class CycleInputs:
+    """Device inputs of one greedy MTP cycle (``ModelRunner.greedy_cycle``) over R rows.
+
+    catch_up_ids / catch_up: the head's catch-up pairs [R, W] and their metadata (padded to W);
+    last: [R] index of each row's last real catch-up pair (its output is draft 1's state);
+    draft_metas: one single-token metadata per further head step (depth - 1 of them);
+    primary: [R, 1] the committed token the verify starts from; verify: its metadata
+    [R, depth + 1]; depths: [R, 1] each row's own depth (acceptance is capped there)."""
+
+    catch_up_ids: torch.Tensor
+    catch_up: AttentionMetadata
+    last: torch.Tensor
+    draft_metas: list[AttentionMetadata]
+    primary: torch.Tensor
+    verify: AttentionMetadata
+    depths: torch.Tensor
+
+
+@dataclass
 class _PendingVerify:
     """A verify forward whose recurrent state waits for ``commit_state``."""
 
@@ -169,6 +188,50 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
+                     depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One MTP cycle with argmax drafts, all on the device (no host sync): the head catches
+        up on each row's committed pairs (tokens[head_len: trunk_len + 1] with the trunk hidden
+        ``backlog`` [rows, W, H]), drafts ``depth`` argmax tokens, the trunk verifies
+        [tokens[trunk_len]] + drafts, and the greedy outcome is computed. Rows without
+        penalties or recurrent state (the generator checks). Returns (verify hidden
+        [rows, depth + 1, H], verify logits [rows, depth + 1, V], packed [rows, depth + 2]:
+        the drafts, the accepted count capped at the row's own depth, the next token)."""
+        return self.cycle_forward(self.cycle_inputs(seqs, backlog.shape[1], depth), backlog, depth)
+
+    def cycle_inputs(self, seqs: list[Sequence], width: int, depth: int) -> CycleInputs:
+        catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return CycleInputs(
+            catch_up_ids=self._pad(catch_up, width),
+            catch_up=self.metadata(seqs, [s.head_len for s in seqs], [len(c) for c in catch_up]),
+            last=as_tensor([len(c) - 1 for c in catch_up]),
+            draft_metas=[self.metadata(seqs, [s.trunk_len + 1 + j for s in seqs], [1] * len(seqs))
+                         for j in range(depth - 1)],
+            primary=as_tensor([[s.tokens[s.trunk_len]] for s in seqs]),
+            verify=self.metadata(seqs, [s.trunk_len for s in seqs], [1 + s.depth for s in seqs]),
+            depths=as_tensor([[s.depth] for s in seqs]))
+
+    def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor,
+                      depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this)."""
+        out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
+        h = out[torch.arange(out.shape[0], device=out.device), c.last]
+        tokens = []
+        for j in range(depth):
+            picks = self.model.compute_logits(h).argmax(-1)
+            tokens.append(picks)
+            if j + 1 < depth:
+                h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
+        drafts = torch.stack(tokens, dim=1)
+        hidden = self.model(torch.cat([c.primary, drafts], dim=1), c.verify, self.cache)
+        logits = self.model.compute_logits(hidden)
+        target = logits.argmax(-1)  # ties to the lowest index, as verify_greedy
+        leading = (target[:, :depth] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
+        accepted = torch.minimum(leading, c.depths)
+        return hidden, logits, torch.cat([drafts, accepted, target.gather(1, accepted)], dim=1)
 
 
 def make_state_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> RecurrentStateCache:
