@@ -344,6 +344,10 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128) -> dict:
     out["hyper_over_serial"] = hyper[0] / serial[0]
     out["hyper_byte_identical"] = all(a.text == b.text and a.token_ids == b.token_ids
                                       for a, b in zip(serial[1], hyper[1]))
+    # where a request's wall time goes: time to first token, then decoding alone
+    for name, (_, results) in (("serial", serial), ("hyper", hyper)):
+        out[f"{name}_mean_ttft_s"] = sum(r.stats["ttft_s"] for r in results) / len(results)
+        out[f"{name}_mean_decode_tok_s"] = sum(r.stats["decode_tok_s"] for r in results) / len(results)
     for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
         for streams in (1, 2, 4, 8):
             elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode), depth)
