@@ -1,13 +1,29 @@
 """Triton paged attention for short query chunks (decode, MTP draft and verify: 1..8 tokens).
 
-One program per (row, kv head) holds all of the row's query tokens times the kv head's query
-heads as the M dimension of its tiles, walks the row's keys in chunks of BLOCK_N slots through
-the block table (reading only slots up to the row's last query position), and keeps an online
-softmax. Causality inside the chunk comes from each query's own position. Prefill (long query
-chunks) stays on the reference path.
+One program per (row, kv head, split) holds all of the row's query tokens times the kv head's
+query heads as the M dimension of its tiles, walks its share of the row's keys in chunks of
+BLOCK_N slots through the block table (reading only slots up to the row's last query position),
+and keeps an online softmax. Causality inside the chunk comes from each query's own position.
+Prefill (long query chunks) stays on the reference path.
+
+Split-KV ("flash-decoding"): rows * kv_heads programs leave most of the GPU idle at small
+batches (8 programs for one Qwen3-8B row on 132 SMs), so the row's chunks are cut into SPLITS
+contiguous shares, one program each. A split writes its partial (running max m, sum l,
+unnormalised acc, fp32) to a workspace and a second kernel merges the partials per (row, query
+token, head). The row's length is read on the device, so each split finds its share at run time
+and a CUDA graph replays for any length; a split past the row's end writes a neutral partial
+(m = -inf, l = 0; its acc is never read). SPLITS depends on shapes only (``choose_splits``):
+enough for about PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS and one per chunk of the
+block table, 1 once rows * kv_heads alone reaches that. With SPLITS = 1 the kernel writes the
+output directly, as before the split existed. The cost of a fixed SPLITS: on an H200, long
+contexts run several times faster (one Qwen3-8B row, 4096 keys: 129 -> 13 us per call), short
+ones at large batches somewhat slower (16 rows, 4 queries, 128 keys: 8 -> about 10 us), since
+empty splits and the merge still run.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,26 +33,49 @@ try:
 except ImportError:  # CPU-only installs run the reference path
     triton = None
 
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 4  # long contexts ran fastest at about 4 programs per SM on an H200 (benchmarks/check_kernels.py)
+CPU_SMS = 132  # the interpreter has no SM count; use an H200's so CPU tests choose as the GPU does
+
 
 def available() -> bool:
     return triton is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_block_n(page: int) -> int:
+    return max(16, min(64, page * 4))
+
+
+def choose_splits(rows: int, kv_heads: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """SPLITS for a launch, from shapes only (a captured graph replays it for every length):
+    about PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS and one per chunk of the table."""
+    programs_wanted = PROGRAMS_PER_SM * _sm_count(device)
+    return max(1, min(MAX_SPLITS, programs_wanted // (rows * kv_heads), triton.cdiv(max_keys, block_n)))
+
+
 if triton is not None:
 
     @triton.jit
-    def _attend(q, qpos, last, start, k_ptr, v_ptr, tables_ptr, row, kvh, d, m_i, l_i, acc,
+    def _attend(q, qpos, hi, start, k_ptr, v_ptr, tables_ptr, row, kvh, d, m_i, l_i, acc,
                 sk_b, sk_s, sk_h, st_r, key_start, scale, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr):
-        """One chunk of BLOCK_N key slots: gather through the block table, online softmax update."""
+        """One chunk of BLOCK_N key slots (those past ``hi`` masked): gather through the block
+        table, online softmax update."""
         kpos = start + tl.arange(0, BLOCK_N)
-        in_range = kpos <= last
+        in_range = kpos <= hi
         block = tl.load(tables_ptr + row * st_r + kpos // PAGE, mask=in_range, other=0)
         base = block * sk_b + (kpos % PAGE) * sk_s + kvh * sk_h
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
         v = tl.load(v_ptr + base[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= key_start)
+        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= key_start) & in_range[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -48,64 +87,118 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, pos_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, pos_ptr, ml_ptr, acc_ptr,
         sq_r, sq_t, sq_h, sk_b, sk_s, sk_h, so_r, so_t, so_h, st_r, sp_r,
         q_len, key_start, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        M_PAD: tl.constexpr, MAX_KEYS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-        DYNAMIC_BOUND: tl.constexpr,
+        M_PAD: tl.constexpr, LOOP_CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+        DYNAMIC_BOUND: tl.constexpr, PARTIAL: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = tl.num_programs(2)
         m = tl.arange(0, M_PAD)
         tok = m // GROUP
         head = kvh * GROUP + m % GROUP
         valid_m = tok < q_len
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + row * sq_r + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
-                    mask=valid_m[:, None], other=0.0)
-        qpos = tl.load(pos_ptr + row * sp_r + tok, mask=valid_m, other=-1)
         last = tl.load(pos_ptr + row * sp_r + q_len - 1)
+        # this split's contiguous share of the row's chunks, from the length in memory
+        chunks = (last + BLOCK_N) // BLOCK_N
+        per_split = (chunks + splits - 1) // splits
+        first = split * per_split
+        stop = tl.minimum(first + per_split, chunks)
+        hi = tl.minimum(last, stop * BLOCK_N - 1)
+        q = tl.load(q_ptr + row * sq_r + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                    mask=valid_m[:, None] & (first < stop), other=0.0)
+        qpos = tl.load(pos_ptr + row * sp_r + tok, mask=valid_m, other=-1)
         m_i = tl.full([M_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([M_PAD], tl.float32)
         acc = tl.zeros([M_PAD, HEAD_DIM], tl.float32)
-        # compiled: stop at the row's own length (read from memory, so a CUDA graph replays
-        # correctly for any length); the CPU interpreter needs a compile-time bound instead
+        # compiled: loop to the share's own end (a CUDA graph replays correctly for any length);
+        # the CPU interpreter needs a compile-time trip count, chunks past the share masked by hi
         if DYNAMIC_BOUND:
-            for start in range(0, last + 1, BLOCK_N):
-                m_i, l_i, acc = _attend(q, qpos, last, start, k_ptr, v_ptr, tables_ptr, row, kvh, d, m_i, l_i, acc,
-                                        sk_b, sk_s, sk_h, st_r, key_start, scale, PAGE, BLOCK_N, PRECISION)
+            for c in range(first, stop):
+                m_i, l_i, acc = _attend(q, qpos, hi, c * BLOCK_N, k_ptr, v_ptr, tables_ptr, row, kvh, d, m_i, l_i,
+                                        acc, sk_b, sk_s, sk_h, st_r, key_start, scale, PAGE, BLOCK_N, PRECISION)
         else:
-            for start in range(0, MAX_KEYS, BLOCK_N):
-                m_i, l_i, acc = _attend(q, qpos, last, start, k_ptr, v_ptr, tables_ptr, row, kvh, d, m_i, l_i, acc,
-                                        sk_b, sk_s, sk_h, st_r, key_start, scale, PAGE, BLOCK_N, PRECISION)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + row * so_r + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None])
+            for i in range(0, LOOP_CHUNKS):
+                m_i, l_i, acc = _attend(q, qpos, hi, (first + i) * BLOCK_N, k_ptr, v_ptr, tables_ptr, row, kvh, d,
+                                        m_i, l_i, acc, sk_b, sk_s, sk_h, st_r, key_start, scale, PAGE, BLOCK_N,
+                                        PRECISION)
+        if PARTIAL:
+            # workspace rows: (row, kv head, split, m) with m < q_len * GROUP, the valid query rows
+            slot = ((row * tl.num_programs(1) + kvh) * splits + split) * (q_len * GROUP) + m
+            tl.store(ml_ptr + 2 * slot, m_i, mask=valid_m)
+            tl.store(ml_ptr + 2 * slot + 1, l_i, mask=valid_m)
+            # an empty share's acc is never read (its m is -inf): skip the write
+            tl.store(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=valid_m[:, None] & (first < stop))
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + row * so_r + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(ml_ptr, acc_ptr, out_ptr, so_r, so_t, so_h, kv_heads, q_len,
+                             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr,
+                             HEAD_DIM: tl.constexpr):
+        """One (row, query token, head): rescale the partials to their common max and normalise
+        (a query with no allowed key anywhere gets 0)."""
+        row = tl.program_id(0)
+        tok = tl.program_id(1)
+        head = tl.program_id(2)
+        s = tl.arange(0, SPLITS_PAD)
+        valid_s = s < SPLITS
+        d = tl.arange(0, HEAD_DIM)
+        slot = ((row * kv_heads + head // GROUP) * SPLITS + s) * (q_len * GROUP) + tok * GROUP + head % GROUP
+        m = tl.load(ml_ptr + 2 * slot, mask=valid_s, other=float("-inf"))
+        l_s = tl.load(ml_ptr + 2 * slot + 1, mask=valid_s, other=0.0)
+        acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=(m > float("-inf"))[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+        l_sum = tl.sum(w * l_s, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+        tl.store(out_ptr + row * so_r + tok * so_t + head * so_h + d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, key_start: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Same contract as ``engine.attention.paged_attention`` for q_len <= 8.
 
     q: [rows, q_len, heads, head_dim]; pools: [blocks, page, kv_heads, head_dim];
-    positions: [rows, q_len] long; block_tables: [rows, blocks] long."""
+    positions: [rows, q_len] long; block_tables: [rows, blocks] long.
+    splits: key shares per (row, kv head), None for ``choose_splits``; block_n: key slots per
+    chunk, None for up to four pages (64 slots)."""
     rows, q_len, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     group = heads // kv_heads
-    m_pad = max(16, triton.next_power_of_2(q_len * group))
+    max_keys = block_tables.shape[1] * page
+    block_n = block_n or default_block_n(page)
+    if splits is None:
+        splits = choose_splits(rows, kv_heads, max_keys, block_n, q.device)
     q = q.contiguous()
     out = torch.empty_like(q)
     positions = positions.contiguous()
     block_tables = block_tables.contiguous()
-    _paged_attention_kernel[(rows, kv_heads)](
-        q, k_pool, v_pool, out, block_tables, positions,
+    ml = acc = out  # the unsplit kernel writes no partials
+    if splits > 1:  # partials (m, l interleaved; acc) of the valid query rows
+        ml = torch.empty(rows, kv_heads, splits, q_len * group, 2, device=q.device, dtype=torch.float32)
+        acc = torch.empty(rows, kv_heads, splits, q_len * group, head_dim, device=q.device, dtype=torch.float32)
+    _paged_attention_kernel[(rows, kv_heads, splits)](
+        q, k_pool, v_pool, out, block_tables, positions, ml, acc,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), block_tables.stride(0), positions.stride(0),
         q_len, key_start, scale,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=m_pad, BLOCK_N=max(16, min(64, page * 4)),
-        DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MAX_KEYS=0 if q.is_cuda else block_tables.shape[1] * page,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=max(16, triton.next_power_of_2(q_len * group)),
+        BLOCK_N=block_n, DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        LOOP_CHUNKS=0 if q.is_cuda else triton.cdiv(triton.cdiv(max_keys, block_n), splits), PARTIAL=splits > 1,
     )
+    if splits > 1:
+        _merge_splits_kernel[(rows, q_len, heads)](
+            ml, acc, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, q_len,
+            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), GROUP=group, HEAD_DIM=head_dim,
+            num_warps=1,  # tiny programs: one warp reduces over the splits without shared memory (2-3x faster)
+        )
     return out
