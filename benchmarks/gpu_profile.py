@@ -2,10 +2,11 @@
 trunk step, batch-1 matmul bandwidth per weight shape, and host overhead around a replay.
 
     PYTHONPATH=. python benchmarks/gpu_profile.py --out profile.json [--shapes qwen3-8b,smollm2-135m]
-        [--gemv1-sweep qwen3-8b,smollm2-135m] [--no-steps]
+        [--gemv-sweep smollm2-135m,qwen3-1.7b,qwen3-8b [--gemv-rows 1,2,3,4,8]] [--no-steps]
 
-Prints a table per shape; the JSON holds every number. ``--gemv1-sweep`` times the one-row
-GEMV (mtplx/kernels/gemv.py) over a grid of tile configs against what it replaces.
+Prints a table per shape; the JSON holds every number. ``--gemv-sweep`` times the GEMV
+(mtplx/kernels/gemv.py) for each row count over a grid of tile configs against what it
+replaces, and prints the best config per shape class and row count (``gemv.config_for``).
 """
 
 from __future__ import annotations
@@ -73,70 +74,111 @@ def gemv_bandwidth(device, shapes: dict[str, tuple[int, int]], copies: int, rows
     return out
 
 
-def gemv1_sweep(device, name: str) -> dict:
-    """The one-row kernel with the prologue each projection gets in the decode block (norm
-    before qkv and gate/up, SiLU * up before down) over a grid of configs, against what it
-    replaces (cuBLAS plus the separate elementwise kernel), 36 weight copies in a CUDA graph."""
-    import itertools
+def gemv_grid(rows: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps) whose float32 accumulator (rows padded to a power of two x
+    the tile) takes 16..64 registers a thread: fewer leave loads too small to fill the memory
+    pipe, more cut the programs resident per multiprocessor or spill."""
+    m = 1 << (rows - 1).bit_length()
+    return [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)
+            if 16 <= m * bn * bk // (32 * w) <= 64]
+
+
+def gemv_sweep(device, name: str, rows_list: list[int]) -> dict:
+    """The GEMV for ``rows`` input rows with the prologue each projection gets in the decode block
+    (norm before qkv and gate/up, SiLU * up before down) over ``gemv_grid``, against what it
+    replaces (cuBLAS plus the separate elementwise kernel), 36 weight copies in a CUDA graph.
+    Every config is checked against the baseline's output first. Returns {proj: {rows: entry}}
+    with every config's time."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from mtplx.kernels import fused
     from mtplx.kernels.gemv import _launch
 
-    grid = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 4)))
     out = {}
     for proj, (n_out, n_in) in projection_shapes(name).items():
         k = 36 if n_out * n_in * 2 * 36 < 24e9 else 1
         ws = [torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(k)]
         reps = max(1, 36 // k)
         prologue = {"qkv": 1, "gate_up": 1, "down": 2}.get(proj, 0)
-        x = torch.randn(1, n_in * (2 if prologue == 2 else 1), device=device, dtype=torch.bfloat16)
-        delta = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
         nw = torch.randn(n_in, device=device, dtype=torch.bfloat16)
-        total = torch.empty_like(delta)
+        out[proj] = {}
+        for rows in rows_list:
+            x = torch.randn(rows, n_in * (2 if prologue == 2 else 1), device=device, dtype=torch.bfloat16)
+            delta = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
+            total = torch.empty_like(delta)
 
-        def ours(w, cfg):
-            return _launch(x, w, None, n_in, prologue, delta=delta if prologue == 1 else None,
-                           norm_weight=nw if prologue == 1 else None, total=total, eps=1e-6, config=cfg)
+            def ours(w, cfg, x=x, delta=delta, total=total):
+                return _launch(x, w, None, n_in, prologue, delta=delta if prologue == 1 else None,
+                               norm_weight=nw if prologue == 1 else None, total=total, eps=1e-6, config=cfg)
 
-        def theirs(w):
-            if prologue == 1:
-                return F.linear(fused.rms_norm(x, nw, 1e-6, False, delta)[1], w)
-            if prologue == 2:
-                return F.linear(fused.silu_mul(x), w)
-            return F.linear(x, w)
+            def theirs(w, x=x, delta=delta):
+                if prologue == 1:
+                    return F.linear(fused.rms_norm(x, nw, 1e-6, False, delta)[1], w)
+                if prologue == 2:
+                    return F.linear(fused.silu_mul(x), w)
+                return F.linear(x, w)
 
-        def graph_us(fn):
-            fn(ws[0])
+            def graph_us(fn):
+                fn(ws[0])
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(reps):
+                        for w in ws:
+                            fn(w)
+                return timed(g.replay, repeats=7) / (reps * k) * 1e6
+
+            grid = gemv_grid(rows)
+            with ThreadPoolExecutor(16) as pool:  # compile the grid on several threads (minutes serially)
+                list(pool.map(lambda cfg: ours(ws[0], cfg), grid))
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    for w in ws:
-                        fn(w)
-            return timed(g.replay, repeats=7) / (reps * k) * 1e6
-
-        ref = theirs(ws[0]).float()
-        entry = {"shape": [n_out, n_in], "prologue": prologue, "baseline_us": graph_us(theirs)}
-        best = None
-        for cfg in grid:
-            try:
+            ref = theirs(ws[0]).float()
+            times = {}
+            for cfg in grid:
+                total.fill_(float("nan"))
                 got = ours(ws[0], cfg).float()
-            except Exception as e:
-                if "OutOfResources" not in type(e).__name__:
-                    raise
-                continue
-            err = float((got - ref).norm() / ref.norm())
-            if err > 1e-2:
-                raise SystemExit(f"FAIL: gemv1 {proj} config {cfg}: rel err {err}")
-            t = graph_us(lambda w, cfg=cfg: ours(w, cfg))
-            if best is None or t < best[0]:
-                best = (t, cfg)
-        entry.update(ours_us=best[0], config=list(best[1]))
-        out[proj] = entry
-        print(f"  one-row {name} {proj:8s} (prologue {prologue}): cuBLAS+elementwise {entry['baseline_us']:7.1f} us"
-              f"  ours {best[0]:7.1f} us {best[1]}", flush=True)
+                err = float((got - ref).norm() / ref.norm())
+                if not err <= 1e-2 or (prologue == 1 and not torch.equal(total, fused.rms_norm(x, nw, 1e-6, False,
+                                                                                                 delta)[0])):
+                    raise SystemExit(f"FAIL: gemv {name} {proj} rows {rows} config {cfg}: rel err {err}")
+                times[cfg] = graph_us(lambda w, cfg=cfg: ours(w, cfg))
+            best = min(times, key=times.get)
+            entry = {"shape": [n_out, n_in], "prologue": prologue, "baseline_us": graph_us(theirs),
+                     "ours_us": times[best], "config": list(best),
+                     "configs": {",".join(map(str, c)): t for c, t in times.items()}}
+            out[proj][rows] = entry
+            print(f"  {name} {proj:8s} rows {rows} (prologue {prologue}): cuBLAS+elementwise "
+                  f"{entry['baseline_us']:7.1f} us  ours {times[best]:7.1f} us {best}", flush=True)
         ws = None
         torch.cuda.empty_cache()
+    return out
+
+
+def best_per_class(sweeps: dict) -> dict:
+    """The config that serves each (shape class of ``gemv.config_for``, rows) best: the least
+    sum over the class's projections of time / that projection's best time."""
+    from mtplx.kernels.gemv import SMALL_WEIGHT
+
+    def shape_class(n, k, rows):
+        if rows == 1:
+            return "lm_head" if n >= 65536 else "small" if n * k <= SMALL_WEIGHT else "down" if k > n else "other"
+        return "large" if n * k > SMALL_WEIGHT else "small_wide" if n > k else "small"  # large: cuBLAS (usable)
+
+    groups = defaultdict(list)
+    for name, projs in sweeps.items():
+        for proj, by_rows in projs.items():
+            for rows, e in by_rows.items():
+                groups[(shape_class(*e["shape"], rows), rows)].append((f"{name}/{proj}", e))
+    out = {}
+    for (cls, rows), members in sorted(groups.items()):
+        common = set.intersection(*(set(e["configs"]) for _, e in members))
+        score = {c: sum(e["configs"][c] / e["ours_us"] for _, e in members) / len(members) for c in common}
+        best = min(score, key=score.get)
+        speedups = {m: round(e["baseline_us"] / e["configs"][best], 2) for m, e in members}
+        out[f"{cls}/rows{rows}"] = {"config": best, "slowdown_vs_each_best": round(score[best], 3),
+                                    "speedup_vs_cublas": speedups}
+        print(f"  {cls:8s} rows {rows}: ({best})  {score[best]:.3f}x each projection's best;"
+              f"  speed-up over cuBLAS+elementwise {speedups}", flush=True)
     return out
 
 
@@ -208,15 +250,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="qwen3-8b,smollm2-135m")
-    ap.add_argument("--gemv1-sweep", default="", help="shapes to sweep the one-row GEMV's configs on")
+    ap.add_argument("--gemv-sweep", default="", help="shapes to sweep the GEMV's configs on (comma-separated)")
+    ap.add_argument("--gemv-rows", default="2,3,4,8", help="input row counts for --gemv-sweep")
     ap.add_argument("--no-steps", action="store_true", help="skip the step profiles")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "copy_bandwidth_GBs": copy_bandwidth(device) / 1e9, "shapes": {}}
     print(f"copy bandwidth {report['copy_bandwidth_GBs']:.0f} GB/s", flush=True)
-    if args.gemv1_sweep:
-        report["gemv1_sweep"] = {n: gemv1_sweep(device, n) for n in args.gemv1_sweep.split(",")}
+    if args.gemv_sweep:
+        rows = [int(r) for r in args.gemv_rows.split(",")]
+        report["gemv_sweep"] = {n: gemv_sweep(device, n, rows) for n in args.gemv_sweep.split(",")}
+        report["gemv_best_per_class"] = best_per_class(report["gemv_sweep"])
     for name in [n for n in args.shapes.split(",") if n and not args.no_steps]:
         cfg = SHAPES[name]
         mats = projection_shapes(name)

@@ -241,16 +241,21 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
     def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:
-        """One row on the GPU with fused projections: the block below applies."""
+        """Fused projections on the GPU, and few enough token rows (rows x q_len) that the GEMV
+        takes every one of them (one row; up to ``gemv.MAX_ROWS`` for small weights): the block
+        below applies."""
         attn, mlp = self.self_attn, self.mlp
         return (type(attn) is Attention and type(mlp) is MLP and hasattr(attn, "qkv_weight")
                 and hasattr(mlp, "gate_up_weight") and not self.input_layernorm.zero_centered
-                and isinstance(rotary, BoundRotary) and gemv.usable(x, attn.qkv_weight))
+                and isinstance(rotary, BoundRotary)
+                and all(gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
+                                                    mlp.down_proj.weight)))
 
     def _forward_decode(self, x, delta, rotary, meta, k_pool, v_pool):
-        """``forward_chain`` for one-row forwards (batch-1 AR steps, drafts): the o and down
-        projections through the one-row GEMV (SiLU * up as the down projection's prologue),
-        each norm the prologue of the matmul after it where that pays (kernels/gemv.py)."""
+        """``forward_chain`` for forwards of a few token rows (AR steps of a few sequences,
+        verifies of 1 + D tokens, drafts): the o and down projections through the GEMV (SiLU *
+        up as the down projection's prologue), each norm the prologue of the matmul after it
+        where that pays (kernels/gemv.py)."""
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if gemv.prologue_pays(attn.qkv_weight):
