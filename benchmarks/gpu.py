@@ -221,11 +221,13 @@ def check_against_reference(engine: Engine) -> dict:
     return {"fast_vs_fp32_rel_err": fast, "reference_bf16_vs_fp32_rel_err": ref}
 
 
-def check_cycle_graph(engine: Engine) -> dict:
+def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
     """Fail loudly unless the whole-cycle CUDA graph (greedy MTP) computes what the eager
     ``ModelRunner.greedy_cycle`` computes from the same state: 1 and 3 rows, depths 1-3, after a
     real first cycle (so the catch-up is a cycle's, not a prompt's). Drafts may differ only
-    where bf16 rounding flips a near-tie (counted, and bounded)."""
+    where bf16 rounding flips a near-tie (counted, and bounded): the graph pads rows to their
+    bucket, and cuBLAS rounds 3 rows and 4 differently. A flipped draft changes the verify's
+    input, so the verify outputs are compared only where every draft agreed."""
     gen, runner = engine.generator, engine.runner
     worst, flips, drafted = 0.0, 0, 0
     g = torch.Generator().manual_seed(int(time.time()))
@@ -246,15 +248,19 @@ def check_cycle_graph(engine: Engine) -> dict:
                     width - s.hidden_backlog.shape[0], -1)]) for s in seqs])
                 fast = [t.clone() for t in runner.greedy_cycle(seqs, backlog, depth)]
                 ref = ModelRunner.greedy_cycle(runner, seqs, backlog, depth)
-            for a, b in zip(fast[:2], ref[:2]):
-                worst = max(worst, float((a.float() - b.float()).norm() / b.float().norm()))
+            same = (fast[2][:, :depth] == ref[2][:, :depth]).all(dim=1)
+            errs = [float((a[same].float() - b[same].float()).norm() / b[same].float().norm()) if same.any()
+                    else 0.0 for a, b in zip(fast[:2], ref[:2])]
+            worst = max(worst, *errs)
             flips += int((fast[2][:, :depth] != ref[2][:, :depth]).sum())
+            print(f"    rows {rows} depth {depth}: hidden {errs[0]:.4f} logits {errs[1]:.4f} packed "
+                  f"{fast[2].tolist()} vs {ref[2].tolist()}", flush=True)
             drafted += rows * depth
             for s in seqs:
                 gen.release(s)
-    print(f"  whole-cycle graph vs eager cycle: worst relative error {worst:.4f}, drafts differing "
+    print(f"  whole-cycle graph vs eager cycle: worst relative error where drafts agree {worst:.4f}, drafts differing "
           f"{flips}/{drafted}", flush=True)
-    if worst > 0.05 or flips > drafted // 4:
+    if (worst > 0.05 or flips > drafted // 4) and not report_only:
         raise SystemExit(f"FAIL: the whole-cycle CUDA graph differs from the eager cycle: {worst}, {flips}")
     return {"cycle_graph_vs_eager_rel_err": worst, "cycle_graph_draft_flips": [flips, drafted]}
 
@@ -361,6 +367,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--hf-baseline", default="eager")
     ap.add_argument("--default-gguf", default=None)
+    ap.add_argument("--cycle-check-report-only", action="store_true",
+                    help="print the whole-cycle graph check's errors without failing (diagnosis)")
     ap.add_argument("--head", default=None, help="MTP head directory for the default model")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -371,7 +379,7 @@ def main() -> None:
     for name in [n for n in args.shapes.split(",") if n]:
         engine = random_engine(SHAPES[name], device)
         entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine),
-                 **check_cycle_graph(engine)}
+                 **check_cycle_graph(engine, report_only=args.cycle_check_report_only)}
         entry.update(step_costs(engine))
         entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
         entry["engine_build_s"] = engine.build_s
