@@ -87,3 +87,28 @@ def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, monkeypatch):
             engine.generator.mtp_cycle(seqs)
             assert transfers == ["tolist"]
             assert all(s.num_generated > b for s, b in zip(seqs, before))
+
+
+def test_every_greedy_cycle_fits_the_cycle_graph(monkeypatch):
+    """The CUDA-graph runner captures a greedy cycle with a catch-up of at most depth + 1 pairs;
+    the first cycle after a prompt feeds the head the rest beforehand, so no cycle (the first
+    included, several rows of different prompt lengths included) needs the eager path."""
+    engine, _ = tiny_engine("qwen3")
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    widths = []
+    original = engine.runner.greedy_cycle
+    monkeypatch.setattr(engine.runner, "greedy_cycle",
+                        lambda seqs, backlog, depth: widths.append((backlog.shape[1], depth)) or
+                        original(seqs, backlog, depth))
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, mode="ar", max_tokens=30)
+        assert engine.generate(prompt, mode="mtp", depth=3, max_tokens=30).token_ids == ar.token_ids
+    seqs = []
+    for prompt in PROMPTS:
+        seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=2, max_tokens=20))
+        engine.generator.admit(seq)
+        engine.generator.prefill(seq)
+        seqs.append(seq)
+    with torch.inference_mode():
+        engine.generator.mtp_cycle(seqs)
+    assert widths and all(width <= depth + 1 for width, depth in widths)

@@ -235,12 +235,28 @@ class Generator:
                 for seq in seqs:
                     self._row_work(seq, "draft", lambda: None, faults)
         self._before_forward(seqs)
+        self._head_pre_feed(seqs, depth + 1)
         width = max(s.trunk_len + 1 - s.head_len for s in seqs)
         backlog = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
         hidden, logits, packed = self.runner.greedy_cycle(seqs, backlog, depth)
         for s in seqs:
             s.head_len, s.hidden_backlog = s.trunk_len + 1, None
         return hidden, logits, packed.tolist()  # the cycle's host sync
+
+    def _head_pre_feed(self, seqs: list[Sequence], keep: int) -> None:
+        """Feed the head all but the last ``keep`` of each row's pending pairs (the first cycle
+        after a prompt has a prompt's worth), so the cycle's own catch-up fits its CUDA graph
+        instead of sending the whole cycle down the eager path. The head is causal, so the
+        cycle's drafts are the same as from one long catch-up."""
+        rows = [(s, s.tokens[s.head_len: s.trunk_len + 1 - keep]) for s in seqs if s.trunk_len + 1 - s.head_len > keep]
+        if not rows:
+            return
+        width = max(len(r) for _, r in rows)
+        hidden = torch.stack([_pad_rows(s.hidden_backlog[: len(r)], width) for s, r in rows])
+        self.runner.head_forward([s for s, _ in rows], hidden, [r for _, r in rows], [s.head_len for s, _ in rows])
+        for s, r in rows:
+            s.head_len += len(r)
+            s.hidden_backlog = s.hidden_backlog[len(r):]
 
     def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, host: list[list[int]],
                               faults: dict[int, BaseException]) -> tuple[list[list[int]], list]:
