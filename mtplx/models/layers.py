@@ -109,7 +109,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_weight"):
+        if self.is_fused:
             gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
             if fused.usable(gate_up):
                 return self.down_proj(fused.silu_mul(gate_up))
@@ -146,7 +146,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
-        if hasattr(self, "qkv_weight"):
+        if self.is_fused:
             q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -245,8 +245,8 @@ class DecoderLayer(nn.Module):
         takes every one of them (one row; up to ``gemv.MAX_ROWS`` for small weights): the block
         below applies."""
         attn, mlp = self.self_attn, self.mlp
-        return (type(attn) is Attention and type(mlp) is MLP and hasattr(attn, "qkv_weight")
-                and hasattr(mlp, "gate_up_weight") and not self.input_layernorm.zero_centered
+        return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
+                and not self.input_layernorm.zero_centered
                 and isinstance(rotary, BoundRotary)
                 and all(gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
                                                     mlp.down_proj.weight)))
