@@ -57,7 +57,8 @@ class _CycleGraph:
 
 
 class CudaGraphRunner(ModelRunner):
-    """A ModelRunner that replays CUDA graphs for forwards of <= 8 query tokens over <= 8 rows."""
+    """A ModelRunner that replays CUDA graphs for the shapes ``capture_all`` captured (forwards
+    of <= 8 query tokens over <= 8 rows, whole greedy cycles); other forwards run eagerly."""
 
     def __init__(self, *args, max_context: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,25 +70,23 @@ class CudaGraphRunner(ModelRunner):
     # -- public forwards (same contract as ModelRunner) -----------------------------------------
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-              keep_states: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._eligible(len(seqs), max(len(r) for r in token_rows)):
-            return super().trunk(seqs, token_rows, starts, keep_states, ids)
-        return self._replay("trunk", seqs, token_rows, starts, ids)
+              keep_states: bool = False) -> torch.Tensor:
+        g = self._captured("trunk", len(seqs), max(len(r) for r in token_rows))
+        if g is None:
+            return super().trunk(seqs, token_rows, starts, keep_states)
+        return self._replay(g, seqs, token_rows, starts)
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._eligible(len(seqs), max(len(r) for r in token_rows)):
-            return super().head_forward(seqs, hidden, token_rows, starts, ids)
-        return self._replay("head", seqs, token_rows, starts, ids, hidden)
+                     starts: list[int]) -> torch.Tensor:
+        g = self._captured("head", len(seqs), max(len(r) for r in token_rows))
+        if g is None:
+            return super().head_forward(seqs, hidden, token_rows, starts)
+        return self._replay(g, seqs, token_rows, starts, hidden)
 
-    def _replay(self, kind: str, seqs, token_rows, starts, ids: torch.Tensor | None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Fill the (kind, rows, q) graph's inputs, replay it; its output buffer [rows, q, H]."""
-        g = self._graph(kind, len(seqs), max(len(r) for r in token_rows))
+    def _replay(self, g: _Graph, seqs, token_rows, starts, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill the graph's inputs for these rows, replay it; its output buffer [rows, q, H]."""
         self._load(g, seqs, token_rows, starts)
-        if ids is not None:  # device to device, no host sync
-            g.ids[: len(seqs), : ids.shape[1]].copy_(ids)
         if hidden is not None:
             g.hidden_in[: len(seqs), : hidden.shape[1]].copy_(hidden)
         g.graph.replay()
@@ -96,16 +95,18 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
                      depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not (self.head is not None and self._eligible(len(seqs), depth + 1) and backlog.shape[1] <= depth + 1):
-            return super().greedy_cycle(seqs, backlog, depth)  # e.g. the first cycle after a prompt
-        g = self._cycle_graph(len(seqs), depth)
+        g = self._captured("cycle", len(seqs), depth)
+        if g is None or backlog.shape[1] > depth + 1:
+            return super().greedy_cycle(seqs, backlog, depth)  # over 8 rows, or a catch-up not pre-fed
         self._load_cycle(g, seqs, depth)
         g.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         g.graph.replay()
         return tuple(t[: len(seqs)] for t in g.out)
 
     def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
-        """Capture the graphs a server will need up front (start-up, not first request)."""
+        """Capture the graphs a server will need, at start-up. Only these are ever replayed:
+        other shapes (a depth above those captured, a pre-feed of a few pairs) run eagerly
+        rather than stall a request on a capture."""
         depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
         for r in rows:
             self._graph("trunk", r, 1)
@@ -120,8 +121,12 @@ class CudaGraphRunner(ModelRunner):
         return len(self.graphs)
 
     # -- internals -------------------------------------------------------------------------
-    def _eligible(self, rows: int, q: int) -> bool:
-        return self.enabled and rows <= ROW_BUCKETS[-1] and q <= MAX_GRAPH_QUERY
+    def _captured(self, kind: str, rows: int, q: int):
+        """The captured graph for ``kind`` ("trunk", "head": q query tokens; "cycle": depth q)
+        over this many rows, or None."""
+        if not self.enabled or rows > ROW_BUCKETS[-1]:
+            return None
+        return self.graphs.get((kind, _bucket(rows), q))
 
     def _load(self, g: _Graph, seqs, token_rows, starts) -> None:
         """Fill the graph's static inputs for these rows with two host-to-device copies (ids,
@@ -153,7 +158,7 @@ class CudaGraphRunner(ModelRunner):
             g.hidden_in.zero_()
 
     def _graph(self, kind: str, rows: int, q: int) -> _Graph:
-        R = next(b for b in ROW_BUCKETS if b >= rows)
+        R = _bucket(rows)
         key = (kind, R, q)
         if key not in self.graphs:
             self.graphs[key] = self._capture(kind, R, q)
@@ -195,7 +200,7 @@ class CudaGraphRunner(ModelRunner):
 
     # -- whole greedy MTP cycles -----------------------------------------------------------
     def _cycle_graph(self, rows: int, depth: int) -> _CycleGraph:
-        R = next(b for b in ROW_BUCKETS if b >= rows)
+        R = _bucket(rows)
         key = ("cycle", R, depth)
         if key not in self.graphs:
             self.graphs[key] = self._capture_cycle(R, depth)
@@ -266,3 +271,7 @@ class CudaGraphRunner(ModelRunner):
         g.ints.copy_(g.staging[:n], non_blocking=True)
         g.tables[:, :width].copy_(g.staging[n: n + R * width].view(R, width), non_blocking=True)
         g.copied.record()
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if b >= rows)

@@ -156,13 +156,11 @@ class ModelRunner:
     # -- forwards -----------------------------------------------------------------------
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-              keep_states: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
+              keep_states: bool = False) -> torch.Tensor:
         """Feed token_rows[r] at sequence indices starts[r]... Returns hidden [rows, q, H].
 
         keep_states: a verify forward; the recurrent state (hybrid models) is then cut back to
-        the accepted tokens by ``commit_state``.
-        ids: [rows, q] token ids already on the device (drafts that never went to the host), in
-        place of token_rows' values; token_rows then only give each row's length."""
+        the accepted tokens by ``commit_state``."""
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
         if keep_states and self.states is not None:
@@ -172,18 +170,16 @@ class ModelRunner:
                 meta.capture = True
             else:
                 self._pending.snapshot = self.states.snapshot(meta.state_slots)
-        return self.model(ids if ids is not None else self._pad(token_rows, max(lens)), meta, self.cache)
+        return self.model(self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
+                     starts: list[int]) -> torch.Tensor:
         """MTP head over pairs (hidden[r, i], token_rows[r][i]); the pair's entry goes to the
-        token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H].
-        ids: as in ``trunk``."""
+        token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H]."""
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
-        return self.head(self.model, hidden, ids if ids is not None else self._pad(token_rows, max(lens)), meta,
-                         self.cache)
+        return self.head(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
