@@ -112,3 +112,42 @@ def test_every_greedy_cycle_fits_the_cycle_graph(monkeypatch):
     with torch.inference_mode():
         engine.generator.mtp_cycle(seqs)
     assert widths and all(width <= depth + 1 for width, depth in widths)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
+    """What the CUDA cycle graph replays, run eagerly on the CPU: ``cycle_forward`` over the
+    graph's static buffers (rows padded to the graph's bucket, catch-up padded to depth + 1),
+    filled by ``CycleBuffers.values``, computes what ``ModelRunner.greedy_cycle`` computes."""
+    from mtplx.engine.cuda_graphs import CycleBuffers, ROW_BUCKETS
+
+    engine, _ = tiny_engine("qwen3")
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    gen, runner = engine.generator, engine.runner
+    seqs = []
+    for prompt in PROMPTS[:rows]:
+        seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=depth, max_tokens=40))
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    g = torch.Generator().manual_seed(depth * 10 + rows)
+    with torch.inference_mode():
+        gen.mtp_cycle(seqs)  # past the first cycle
+        # catch-ups of different widths up to depth + 1, as after partial and full acceptance:
+        # step each row's head back (its entries are rewritten) with hidden states to feed
+        widths = [depth + 1, 1, min(2, depth + 1)][:rows]
+        for s, w in zip(seqs, widths):
+            s.head_len = s.trunk_len + 1 - w
+        width = max(widths)
+        backlog = torch.randn(rows, width, engine.config.hidden_size, generator=g)
+        bucket = next(b for b in ROW_BUCKETS if b >= rows)
+        buffers = CycleBuffers(runner, bucket, depth, table_width=engine.max_context // runner.block_size)
+        values, used = buffers.values(seqs)
+        buffers.fill(torch.tensor(values), used)
+        buffers.backlog[:rows, :width] = backlog
+        got = runner.cycle_forward(buffers.inputs, buffers.backlog, depth)
+        ref = runner.greedy_cycle(seqs, backlog, depth)
+    assert got[2][:rows].tolist() == ref[2].tolist()
+    for a, b in zip(got[:2], ref[:2]):
+        assert (a[:rows] - b).abs().max() <= 1e-4

@@ -41,19 +41,85 @@ class _Graph:
     copied: torch.cuda.Event  # recorded after the copies out of ``staging``
 
 
+class CycleBuffers:
+    """The static inputs of a whole greedy MTP cycle over R rows at one depth (what the cycle
+    graph reads), the catch-up padded to depth + 1 pairs, and how to fill them for a batch of
+    sequences. Every integer input is a view of ``ints``, so one copy fills them all (plus one
+    for the block-table columns in use). Nothing here is CUDA-specific: CPU tests run
+    ``cycle_forward`` over these buffers to check the layout against the eager cycle."""
+
+    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int):
+        dev, W = runner.device, depth + 1
+        self.runner, self.depth = runner, depth
+        widths = {"catch_up_ids": W, "catch_up_pos": W, "catch_up_slots": W, "last": 1,
+                  "draft_pos": depth - 1, "draft_slots": depth - 1, "primary": 1,
+                  "verify_pos": W, "verify_slots": W, "depths": 1}
+        self.ints = torch.zeros(rows * sum(widths.values()), dtype=torch.long, device=dev)
+        self.fields, at = {}, 0  # name -> [rows, n] view of ints, in the order ``values`` fills them
+        for name, n in widths.items():
+            self.fields[name] = self.ints[at: at + rows * n].view(rows, n)
+            at += rows * n
+        for name in ("catch_up_slots", "draft_slots", "verify_slots"):
+            self.fields[name].fill_(runner.cache.scratch_slot)
+        self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
+        self.backlog = torch.zeros(rows, W, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
+        f = self.fields
+        meta = lambda pos, slots: AttentionMetadata(pos, slots, self.tables)  # noqa: E731
+        self.inputs = CycleInputs(
+            catch_up_ids=f["catch_up_ids"], catch_up=meta(f["catch_up_pos"], f["catch_up_slots"]),
+            last=f["last"][:, 0],
+            draft_metas=[meta(f["draft_pos"][:, j: j + 1], f["draft_slots"][:, j: j + 1]) for j in range(depth - 1)],
+            primary=f["primary"], verify=meta(f["verify_pos"], f["verify_slots"]), depths=f["depths"])
+
+    def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
+        """(every field's values for these rows, padding rows included, then the block-table
+        columns in use, row by row; that column count). Takes the blocks the cycle writes."""
+        runner, depth = self.runner, self.depth
+        R, W = self.tables.shape[0], depth + 1
+        cols: dict[str, list[int]] = {name: [] for name in self.fields}
+        tables = []
+        for seq in seqs:
+            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1]
+            _, pos, slots = runner.row_layout(seq, seq.head_len, len(catch_up), W)
+            cols["catch_up_ids"] += catch_up + [catch_up[-1]] * (W - len(catch_up))
+            cols["catch_up_pos"] += pos
+            cols["catch_up_slots"] += slots
+            cols["last"].append(len(catch_up) - 1)
+            for j in range(depth - 1):
+                _, pos, slots = runner.row_layout(seq, seq.trunk_len + 1 + j, 1, 1)
+                cols["draft_pos"] += pos
+                cols["draft_slots"] += slots
+            cols["primary"].append(seq.tokens[seq.trunk_len])
+            table, pos, slots = runner.row_layout(seq, seq.trunk_len, 1 + seq.depth, W)
+            cols["verify_pos"] += pos
+            cols["verify_slots"] += slots
+            cols["depths"].append(seq.depth)
+            tables.append(table)
+        pad = R - len(seqs)
+        values = []
+        for name, view in self.fields.items():
+            filler = runner.cache.scratch_slot if name.endswith("slots") else 0
+            values += cols[name] + [filler] * (pad * view.shape[1])
+        width = max(len(t) for t in tables)
+        for t in tables:
+            values += t + [runner.cache.scratch_block] * (width - len(t))
+        values += [runner.cache.scratch_block] * (pad * width)
+        return values, width
+
+    def fill(self, source: torch.Tensor, width: int) -> None:
+        """Copy ``values``' output (as a long tensor, e.g. pinned staging) into the buffers."""
+        n, R = self.ints.numel(), self.tables.shape[0]
+        self.ints.copy_(source[:n], non_blocking=True)
+        self.tables[:, :width].copy_(source[n: n + R * width].view(R, width), non_blocking=True)
+
+
 @dataclass
 class _CycleGraph:
-    """A whole greedy MTP cycle (``ModelRunner.cycle_forward``) over R rows at one depth, its
-    catch-up padded to depth + 1 pairs. Every integer input lives in ``ints`` (one copy in)."""
-
     graph: torch.cuda.CUDAGraph
-    fields: dict              # name -> [R, n] view of ints, in the order they are filled
-    ints: torch.Tensor        # the flat long buffer behind the fields
-    tables: torch.Tensor      # [R, W] long
-    backlog: torch.Tensor     # [R, depth + 1, H]
+    buffers: CycleBuffers
     out: tuple                # (hidden, logits, packed)
-    staging: torch.Tensor
-    copied: torch.cuda.Event
+    staging: torch.Tensor     # pinned host memory the inputs are copied through
+    copied: torch.cuda.Event  # recorded after the copies out of ``staging``
 
 
 class CudaGraphRunner(ModelRunner):
@@ -98,8 +164,12 @@ class CudaGraphRunner(ModelRunner):
         g = self._captured("cycle", len(seqs), depth)
         if g is None or backlog.shape[1] > depth + 1:
             return super().greedy_cycle(seqs, backlog, depth)  # over 8 rows, or a catch-up not pre-fed
-        self._load_cycle(g, seqs, depth)
-        g.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        values, width = g.buffers.values(seqs)
+        g.copied.synchronize()  # the previous cycle's copies out of the staging buffer are done
+        g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
+        g.buffers.fill(g.staging, width)
+        g.copied.record()
+        g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         g.graph.replay()
         return tuple(t[: len(seqs)] for t in g.out)
 
@@ -207,71 +277,12 @@ class CudaGraphRunner(ModelRunner):
         return self.graphs[key]
 
     def _capture_cycle(self, R: int, depth: int) -> _CycleGraph:
-        dev, H, W = self.device, self.model.config.hidden_size, depth + 1
-        widths = {"catch_up_ids": W, "catch_up_pos": W, "catch_up_slots": W, "last": 1,
-                  "draft_pos": depth - 1, "draft_slots": depth - 1, "primary": 1,
-                  "verify_pos": W, "verify_slots": W, "depths": 1}
-        ints = torch.zeros(R * sum(widths.values()), dtype=torch.long, device=dev)
-        fields, at = {}, 0
-        for name, n in widths.items():
-            fields[name] = ints[at: at + R * n].view(R, n)
-            at += R * n
-        for name in ("catch_up_slots", "draft_slots", "verify_slots"):
-            fields[name].fill_(self.cache.scratch_slot)
-        tables = torch.full((R, self.table_width), self.cache.scratch_block, dtype=torch.long, device=dev)
-        meta = lambda pos, slots: AttentionMetadata(pos, slots, tables)  # noqa: E731
-        inputs = CycleInputs(
-            catch_up_ids=fields["catch_up_ids"], catch_up=meta(fields["catch_up_pos"], fields["catch_up_slots"]),
-            last=fields["last"][:, 0],
-            draft_metas=[meta(fields["draft_pos"][:, j: j + 1], fields["draft_slots"][:, j: j + 1])
-                         for j in range(depth - 1)],
-            primary=fields["primary"], verify=meta(fields["verify_pos"], fields["verify_slots"]),
-            depths=fields["depths"])
-        backlog = torch.zeros(R, W, H, dtype=self.dtype, device=dev)
-        graph, out = self._capture_forward(lambda: self.cycle_forward(inputs, backlog, depth))
-        staging = torch.empty(ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
+        buffers = CycleBuffers(self, R, depth, self.table_width)
+        graph, out = self._capture_forward(lambda: self.cycle_forward(buffers.inputs, buffers.backlog, depth))
+        staging = torch.empty(buffers.ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _CycleGraph(graph, fields, ints, tables, backlog, out, staging, copied)
-
-    def _load_cycle(self, g: _CycleGraph, seqs: list[Sequence], depth: int) -> None:
-        """Fill a cycle graph's integer inputs (two host-to-device copies, as ``_load``)."""
-        R, W = g.tables.shape[0], depth + 1
-        cols: dict[str, list[int]] = {name: [] for name in g.fields}
-        tables = []
-        for seq in seqs:
-            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1]
-            _, pos, slots = self.row_layout(seq, seq.head_len, len(catch_up), W)
-            cols["catch_up_ids"] += catch_up + [catch_up[-1]] * (W - len(catch_up))
-            cols["catch_up_pos"] += pos
-            cols["catch_up_slots"] += slots
-            cols["last"].append(len(catch_up) - 1)
-            for j in range(depth - 1):
-                _, pos, slots = self.row_layout(seq, seq.trunk_len + 1 + j, 1, 1)
-                cols["draft_pos"] += pos
-                cols["draft_slots"] += slots
-            cols["primary"].append(seq.tokens[seq.trunk_len])
-            table, pos, slots = self.row_layout(seq, seq.trunk_len, 1 + seq.depth, W)
-            cols["verify_pos"] += pos
-            cols["verify_slots"] += slots
-            cols["depths"].append(seq.depth)
-            tables.append(table)
-        pad = R - len(seqs)
-        values = []
-        for name, view in g.fields.items():
-            filler = self.cache.scratch_slot if name.endswith("slots") else 0
-            values += cols[name] + [filler] * (pad * view.shape[1])
-        width = max(len(t) for t in tables)
-        for t in tables:
-            values += t + [self.cache.scratch_block] * (width - len(t))
-        values += [self.cache.scratch_block] * (pad * width)
-        n = g.ints.numel()
-        g.copied.synchronize()
-        g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
-        g.ints.copy_(g.staging[:n], non_blocking=True)
-        g.tables[:, :width].copy_(g.staging[n: n + R * width].view(R, width), non_blocking=True)
-        g.copied.record()
-
+        return _CycleGraph(graph, buffers, out, staging, copied)
 
 def _bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
