@@ -151,3 +151,35 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
     assert got[2][:rows].tolist() == ref[2].tolist()
     for a, b in zip(got[:2], ref[:2]):
         assert (a[:rows] - b).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("policy", ["greedy", "mirror"])
+def test_rows_of_different_depths_never_write_past_their_own_depth(policy, monkeypatch):
+    """In a batch of MTP rows of different depths, the head steps past a row's own depth are
+    placeholders: they must not write KV (or take blocks) beyond that row's own cycle, or a
+    shallow row near the end of the context would ask for blocks past it (on the GPU, past its
+    graph's block table). Outputs stay those of each row alone."""
+    engine, _ = tiny_engine("qwen3")
+    gen = engine.generator
+    asked = []
+    ensure = engine.runner.blocks.ensure_capacity
+    monkeypatch.setattr(engine.runner.blocks, "ensure_capacity",
+                        lambda seq_id, n: asked.append(n) or ensure(seq_id, n))
+    temperature = 0.0 if policy == "greedy" else 1.0
+    rows = [(1, [3 + i % 80 for i in range(240)]), (8, [5 + i % 70 for i in range(100)])]
+    alone = [engine.generate(p, mode="mtp", depth=d, max_tokens=engine.max_context - len(p) - 1, seed=7,
+                             temperature=temperature, draft_policy=policy).token_ids for d, p in rows]
+    asked.clear()
+    seqs = []
+    for depth, prompt in rows:
+        seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=depth, seed=7,
+                                                      temperature=temperature, draft_policy=policy,
+                                                      max_tokens=engine.max_context - len(prompt) - 1))
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            engine.step([s for s in seqs if not s.finished])
+    assert max(asked) <= engine.max_context
+    assert [s.generated for s in seqs] == alone

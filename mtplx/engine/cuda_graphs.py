@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.runner import CycleInputs, ModelRunner
+from mtplx.engine.runner import CycleInputs, ModelRunner, draft_step, pad_row
 from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -86,7 +86,7 @@ class CycleBuffers:
             cols["catch_up_slots"] += slots
             cols["last"].append(len(catch_up) - 1)
             for j in range(depth - 1):
-                _, pos, slots = runner.row_layout(seq, seq.trunk_len + 1 + j, 1, 1)
+                _, pos, slots = runner.row_layout(seq, *draft_step(seq, j), 1)
                 cols["draft_pos"] += pos
                 cols["draft_slots"] += slots
             cols["primary"].append(seq.tokens[seq.trunk_len])
@@ -207,7 +207,7 @@ class CudaGraphRunner(ModelRunner):
         ids, pos, slots, tables = [], [], [], []
         for seq, row, start in zip(seqs, token_rows, starts):
             table, positions, row_slots = self.row_layout(seq, start, len(row), q)
-            ids += row + [row[-1]] * (q - len(row))
+            ids += pad_row(row, q)
             pos += positions
             slots += row_slots
             tables.append(table)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from mtplx.engine.runner import ModelRunner
+from mtplx.engine.runner import ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import verify_greedy, verify_sampled
@@ -231,9 +231,10 @@ class Generator:
         logits, host rows: drafts, accepted count, next token)."""
         depth = max(s.depth for s in seqs)
         if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
-            for _ in range(depth):
+            for j in range(depth):
                 for seq in seqs:
-                    self._row_work(seq, "draft", lambda: None, faults)
+                    if j < seq.depth:
+                        self._row_work(seq, "draft", lambda: None, faults)
         self._before_forward(seqs)
         self._head_pre_feed(seqs, depth + 1)
         width = max(s.trunk_len + 1 - s.head_len for s in seqs)
@@ -286,7 +287,10 @@ class Generator:
             logits = self.runner.logits(h)
             picks = []
             for r, seq in enumerate(seqs):
-                pick = self._row_work(seq, "draft", lambda: self._draft_token(seq, logits[r:r + 1], drafts[r]), faults)
+                pick = None
+                if j < seq.depth:  # past it, a placeholder: no sample, so the row's RNG runs as alone
+                    pick = self._row_work(seq, "draft", lambda: self._draft_token(seq, logits[r:r + 1], drafts[r]),
+                                          faults)
                 # a failed row drafts a placeholder (the argmax): the batch keeps its shape
                 picks.append(pick if pick is not None else (logits[r:r + 1].argmax(-1), None))
             # host sync, once per depth for all rows: the drafts feed the next head step
@@ -294,8 +298,9 @@ class Generator:
                 drafts[r].append(token)
                 probs[r].append(picks[r][1])
             if j + 1 < depth:
-                out = self.runner.head_forward(seqs, h[:, None], [[d[-1]] for d in drafts],
-                                               [s.trunk_len + 1 + j for s in seqs])
+                starts, counts = zip(*(draft_step(s, j) for s in seqs))
+                out = self.runner.head_forward(seqs, h[:, None], [d[-1:] * n for d, n in zip(drafts, counts)],
+                                               list(starts))
                 h = out[:, 0]
         return [d[: s.depth] for d, s in zip(drafts, seqs)], [p[: s.depth] for p, s in zip(probs, seqs)]
 

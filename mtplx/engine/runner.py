@@ -142,7 +142,8 @@ class ModelRunner:
 
     def row_layout(self, seq: Sequence, start: int, n: int, q: int) -> tuple[list[int], list[int], list[int]]:
         """(block table, positions, cache slots) of n new tokens at sequence index ``start``,
-        padded to q (padding repeats the last position and writes to the scratch slot)."""
+        padded to q (padding repeats the last position and writes to the scratch slot; n = 0:
+        a placeholder row at position start - 1 that writes nothing)."""
         bs = self.block_size
         self.blocks.ensure_capacity(seq.seq_id, start + n)
         table = self.blocks.block_table(seq.seq_id)
@@ -151,7 +152,7 @@ class ModelRunner:
         return table, pos + [start + n - 1] * (q - n), slots
 
     def _pad(self, rows: list[list[int]], q: int) -> torch.Tensor:
-        return torch.tensor([r + [r[-1]] * (q - len(r)) for r in rows], dtype=torch.long, device=self.device)
+        return torch.tensor([pad_row(r, q) for r in rows], dtype=torch.long, device=self.device)
 
     # -- forwards -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -204,8 +205,7 @@ class ModelRunner:
             catch_up_ids=self._pad(catch_up, width),
             catch_up=self.metadata(seqs, [s.head_len for s in seqs], [len(c) for c in catch_up]),
             last=as_tensor([len(c) - 1 for c in catch_up]),
-            draft_metas=[self.metadata(seqs, [s.trunk_len + 1 + j for s in seqs], [1] * len(seqs))
-                         for j in range(depth - 1)],
+            draft_metas=[self.metadata(seqs, *zip(*(draft_step(s, j) for s in seqs))) for j in range(depth - 1)],
             primary=as_tensor([[s.tokens[s.trunk_len]] for s in seqs]),
             verify=self.metadata(seqs, [s.trunk_len for s in seqs], [1 + s.depth for s in seqs]),
             depths=as_tensor([[s.depth] for s in seqs]))
@@ -228,6 +228,20 @@ class ModelRunner:
         leading = (target[:, :depth] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
         accepted = torch.minimum(leading, c.depths)
         return hidden, logits, torch.cat([drafts, accepted, target.gather(1, accepted)], dim=1)
+
+
+def draft_step(seq: Sequence, j: int) -> tuple[int, int]:
+    """(start, tokens) of a row's head step after draft j + 1 (it feeds that draft at
+    trunk_len + 1 + j). A step the row's own depth does not need (a batch drafts to its deepest
+    row) is a placeholder: no token, no KV written, no block taken past the row's own cycle."""
+    if j + 1 < seq.depth:
+        return seq.trunk_len + 1 + j, 1
+    return seq.trunk_len + 1, 0
+
+
+def pad_row(row: list[int], q: int) -> list[int]:
+    """Token ids padded to q by repeating the last (0 for a placeholder row)."""
+    return row + [row[-1] if row else 0] * (q - len(row))
 
 
 def make_state_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> RecurrentStateCache:
