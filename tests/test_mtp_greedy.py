@@ -119,7 +119,8 @@ def test_every_greedy_cycle_fits_the_cycle_graph(monkeypatch):
 def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
     """What the CUDA cycle graph replays, run eagerly on the CPU: ``cycle_forward`` over the
     graph's static buffers (rows padded to the graph's bucket, catch-up padded to depth + 1),
-    filled by ``CycleBuffers.values``, computes what ``ModelRunner.greedy_cycle`` computes."""
+    filled by ``CycleBuffers.values``, computes what ``ModelRunner.greedy_cycle`` computes, and
+    drafts what the step-by-step draft path drafts."""
     from mtplx.engine.cuda_graphs import CycleBuffers, ROW_BUCKETS
 
     engine, _ = tiny_engine("qwen3")
@@ -148,7 +149,11 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
         buffers.backlog[:rows, :width] = backlog
         got = runner.cycle_forward(buffers.inputs, buffers.backlog, depth)
         ref = runner.greedy_cycle(seqs, backlog, depth)
+        for s in seqs:  # the step-by-step draft path, written separately, drafts from the same pairs
+            s.hidden_backlog = backlog[seqs.index(s), : s.trunk_len + 1 - s.head_len]
+        step_by_step, _ = gen._draft(seqs, {})
     assert got[2][:rows].tolist() == ref[2].tolist()
+    assert got[2][:rows, :depth].tolist() == step_by_step
     for a, b in zip(got[:2], ref[:2]):
         assert (a[:rows] - b).abs().max() <= 1e-4
 

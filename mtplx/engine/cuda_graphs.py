@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.runner import CycleInputs, ModelRunner, draft_step, pad_row
+from mtplx.engine.runner import CYCLE_FIELDS, CycleInputs, ModelRunner, pad_row
 from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -55,55 +55,31 @@ class CycleBuffers:
                   "draft_pos": depth - 1, "draft_slots": depth - 1, "primary": 1,
                   "verify_pos": W, "verify_slots": W, "depths": 1}
         self.ints = torch.zeros(rows * sum(widths.values()), dtype=torch.long, device=dev)
-        self.fields, at = {}, 0  # name -> [rows, n] view of ints, in the order ``values`` fills them
-        for name, n in widths.items():
-            self.fields[name] = self.ints[at: at + rows * n].view(rows, n)
-            at += rows * n
+        self.fields, at = {}, 0  # name -> [rows, n] view of ints, in CYCLE_FIELDS order
+        for name in CYCLE_FIELDS:
+            self.fields[name] = self.ints[at: at + rows * widths[name]].view(rows, widths[name])
+            at += rows * widths[name]
         for name in ("catch_up_slots", "draft_slots", "verify_slots"):
             self.fields[name].fill_(runner.cache.scratch_slot)
         self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
         self.backlog = torch.zeros(rows, W, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
-        f = self.fields
-        meta = lambda pos, slots: AttentionMetadata(pos, slots, self.tables)  # noqa: E731
-        self.inputs = CycleInputs(
-            catch_up_ids=f["catch_up_ids"], catch_up=meta(f["catch_up_pos"], f["catch_up_slots"]),
-            last=f["last"][:, 0],
-            draft_metas=[meta(f["draft_pos"][:, j: j + 1], f["draft_slots"][:, j: j + 1]) for j in range(depth - 1)],
-            primary=f["primary"], verify=meta(f["verify_pos"], f["verify_slots"]), depths=f["depths"])
+        self.inputs = CycleInputs.from_fields(self.fields, self.tables)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
         columns in use, row by row; that column count). Takes the blocks the cycle writes."""
-        runner, depth = self.runner, self.depth
-        R, W = self.tables.shape[0], depth + 1
-        cols: dict[str, list[int]] = {name: [] for name in self.fields}
-        tables = []
-        for seq in seqs:
-            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1]
-            _, pos, slots = runner.row_layout(seq, seq.head_len, len(catch_up), W)
-            cols["catch_up_ids"] += catch_up + [catch_up[-1]] * (W - len(catch_up))
-            cols["catch_up_pos"] += pos
-            cols["catch_up_slots"] += slots
-            cols["last"].append(len(catch_up) - 1)
-            for j in range(depth - 1):
-                _, pos, slots = runner.row_layout(seq, *draft_step(seq, j), 1)
-                cols["draft_pos"] += pos
-                cols["draft_slots"] += slots
-            cols["primary"].append(seq.tokens[seq.trunk_len])
-            table, pos, slots = runner.row_layout(seq, seq.trunk_len, 1 + seq.depth, W)
-            cols["verify_pos"] += pos
-            cols["verify_slots"] += slots
-            cols["depths"].append(seq.depth)
-            tables.append(table)
-        pad = R - len(seqs)
+        scratch_slot, scratch_block = self.runner.cache.scratch_slot, self.runner.cache.scratch_block
+        fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
+        pad = self.tables.shape[0] - len(seqs)
         values = []
         for name, view in self.fields.items():
-            filler = runner.cache.scratch_slot if name.endswith("slots") else 0
-            values += cols[name] + [filler] * (pad * view.shape[1])
+            for row in fields[name]:
+                values += row
+            values += [scratch_slot if name.endswith("slots") else 0] * (pad * view.shape[1])
         width = max(len(t) for t in tables)
         for t in tables:
-            values += t + [runner.cache.scratch_block] * (width - len(t))
-        values += [runner.cache.scratch_block] * (pad * width)
+            values += t + [scratch_block] * (width - len(t))
+        values += [scratch_block] * (pad * width)
         return values, width
 
     def fill(self, source: torch.Tensor, width: int) -> None:

@@ -28,6 +28,11 @@ HYBRID_PREFIX_CACHE_REASON = (
     "hybrid linear-attention model: a cached KV prefix cannot restore the recurrent state at its end")
 
 
+# a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
+CYCLE_FIELDS = ("catch_up_ids", "catch_up_pos", "catch_up_slots", "last", "draft_pos", "draft_slots", "primary",
+                "verify_pos", "verify_slots", "depths")
+
+
 @dataclass
 class CycleInputs:
     """Device inputs of one greedy MTP cycle (``ModelRunner.greedy_cycle``) over R rows.
@@ -45,6 +50,17 @@ class CycleInputs:
     primary: torch.Tensor
     verify: AttentionMetadata
     depths: torch.Tensor
+
+    @classmethod
+    def from_fields(cls, f: dict[str, torch.Tensor], tables: torch.Tensor) -> "CycleInputs":
+        """From [R, n] long tensors named as ``ModelRunner.cycle_layout``'s fields, and the
+        rows' block tables."""
+        meta = lambda pos, slots: AttentionMetadata(pos, slots, tables)  # noqa: E731
+        return cls(catch_up_ids=f["catch_up_ids"], catch_up=meta(f["catch_up_pos"], f["catch_up_slots"]),
+                   last=f["last"][:, 0],
+                   draft_metas=[meta(f["draft_pos"][:, j: j + 1], f["draft_slots"][:, j: j + 1])
+                                for j in range(f["draft_pos"].shape[1])],
+                   primary=f["primary"], verify=meta(f["verify_pos"], f["verify_slots"]), depths=f["depths"])
 
 
 @dataclass
@@ -199,16 +215,32 @@ class ModelRunner:
         return self.cycle_forward(self.cycle_inputs(seqs, backlog.shape[1], depth), backlog, depth)
 
     def cycle_inputs(self, seqs: list[Sequence], width: int, depth: int) -> CycleInputs:
-        catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
+        fields, tables = self.cycle_layout(seqs, width, depth)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return CycleInputs(
-            catch_up_ids=self._pad(catch_up, width),
-            catch_up=self.metadata(seqs, [s.head_len for s in seqs], [len(c) for c in catch_up]),
-            last=as_tensor([len(c) - 1 for c in catch_up]),
-            draft_metas=[self.metadata(seqs, *zip(*(draft_step(s, j) for s in seqs))) for j in range(depth - 1)],
-            primary=as_tensor([[s.tokens[s.trunk_len]] for s in seqs]),
-            verify=self.metadata(seqs, [s.trunk_len for s in seqs], [1 + s.depth for s in seqs]),
-            depths=as_tensor([[s.depth] for s in seqs]))
+        used = max(len(t) for t in tables)
+        return CycleInputs.from_fields({name: as_tensor(rows) for name, rows in fields.items()},
+                                       as_tensor([t + [self.cache.scratch_block] * (used - len(t)) for t in tables]))
+
+    def cycle_layout(self, seqs: list[Sequence], width: int,
+                     depth: int) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
+        """A greedy cycle's integer inputs, per field a list of rows (the catch-up padded to
+        ``width`` pairs, the verify to depth + 1 tokens), and each row's block table. Takes
+        the blocks the cycle writes."""
+        fields: dict[str, list[list[int]]] = {name: [] for name in CYCLE_FIELDS}
+        tables = []
+        for seq in seqs:
+            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1]
+            _, pos, slots = self.row_layout(seq, seq.head_len, len(catch_up), width)
+            steps = [self.row_layout(seq, *draft_step(seq, j), 1)[1:] for j in range(depth - 1)]
+            table, verify_pos, verify_slots = self.row_layout(seq, seq.trunk_len, 1 + seq.depth, depth + 1)
+            row = {"catch_up_ids": pad_row(catch_up, width), "catch_up_pos": pos, "catch_up_slots": slots,
+                   "last": [len(catch_up) - 1], "draft_pos": [p[0] for p, _ in steps],
+                   "draft_slots": [sl[0] for _, sl in steps], "primary": [seq.tokens[seq.trunk_len]],
+                   "verify_pos": verify_pos, "verify_slots": verify_slots, "depths": [seq.depth]}
+            for name in CYCLE_FIELDS:
+                fields[name].append(row[name])
+            tables.append(table)
+        return fields, tables
 
     def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor,
                       depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
