@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from mtplx.engine.generator import stack_padded
 from mtplx.engine.llm_engine import Engine
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams
@@ -243,9 +244,7 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
                 seqs.append(seq)
             with torch.inference_mode():
                 gen.mtp_cycle(seqs)  # eager (a prompt-wide catch-up); leaves a cycle-sized backlog
-                width = max(s.trunk_len + 1 - s.head_len for s in seqs)
-                backlog = torch.stack([torch.cat([s.hidden_backlog, s.hidden_backlog[-1:].expand(
-                    width - s.hidden_backlog.shape[0], -1)]) for s in seqs])
+                backlog = stack_padded([s.hidden_backlog for s in seqs])
                 fast = [t.clone() for t in runner.greedy_cycle(seqs, backlog, depth)]
                 ref = ModelRunner.greedy_cycle(runner, seqs, backlog, depth)
             same = (fast[2][:, :depth] == ref[2][:, :depth]).all(dim=1)

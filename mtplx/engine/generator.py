@@ -215,8 +215,8 @@ class Generator:
         (the first draft's hidden state) -> [rows, H]."""
         catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
         width = max(len(t) for t in catch_up)
-        hidden = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
-        out = self.runner.head_forward(seqs, hidden, catch_up, [s.head_len for s in seqs])
+        out = self.runner.head_forward(seqs, stack_padded([s.hidden_backlog for s in seqs]), catch_up,
+                                       [s.head_len for s in seqs])
         for s in seqs:
             s.head_len, s.hidden_backlog = s.trunk_len + 1, None
         if all(len(t) == width for t in catch_up):
@@ -237,8 +237,7 @@ class Generator:
                         self._row_work(seq, "draft", lambda: None, faults)
         self._before_forward(seqs)
         self._head_pre_feed(seqs, depth + 1)
-        width = max(s.trunk_len + 1 - s.head_len for s in seqs)
-        backlog = torch.stack([_pad_rows(s.hidden_backlog, width) for s in seqs])
+        backlog = stack_padded([s.hidden_backlog for s in seqs])
         hidden, logits, packed = self.runner.greedy_cycle(seqs, backlog, depth)
         for s in seqs:
             s.head_len, s.hidden_backlog = s.trunk_len + 1, None
@@ -252,8 +251,7 @@ class Generator:
         rows = [(s, s.tokens[s.head_len: s.trunk_len + 1 - keep]) for s in seqs if s.trunk_len + 1 - s.head_len > keep]
         if not rows:
             return
-        width = max(len(r) for _, r in rows)
-        hidden = torch.stack([_pad_rows(s.hidden_backlog[: len(r)], width) for s, r in rows])
+        hidden = stack_padded([s.hidden_backlog[: len(r)] for s, r in rows])
         self.runner.head_forward([s for s, _ in rows], hidden, [r for _, r in rows], [s.head_len for s, _ in rows])
         for s, r in rows:
             s.head_len += len(r)
@@ -392,6 +390,8 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b])
 
 
-def _pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[n, H] -> [width, H], repeating the last row."""
-    return x if x.shape[0] == width else torch.cat([x, x[-1:].expand(width - x.shape[0], -1)])
+def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[n_r, H] per row -> [rows, max n_r, H], each row padded by repeating its last entry."""
+    width = max(x.shape[0] for x in rows)
+    return torch.stack([x if x.shape[0] == width else torch.cat([x, x[-1:].expand(width - x.shape[0], -1)])
+                        for x in rows])
