@@ -76,17 +76,12 @@ class CycleBuffers:
             for row in fields[name]:
                 values += row
             values += [scratch_slot if name.endswith("slots") else 0] * (pad * view.shape[1])
-        width = max(len(t) for t in tables)
-        for t in tables:
-            values += t + [scratch_block] * (width - len(t))
-        values += [scratch_block] * (pad * width)
-        return values, width
+        flat, width = _flat_tables(tables, self.tables.shape[0], scratch_block)
+        return values + flat, width
 
     def fill(self, source: torch.Tensor, width: int) -> None:
         """Copy ``values``' output (as a long tensor, e.g. pinned staging) into the buffers."""
-        n, R = self.ints.numel(), self.tables.shape[0]
-        self.ints.copy_(source[:n], non_blocking=True)
-        self.tables[:, :width].copy_(source[n: n + R * width].view(R, width), non_blocking=True)
+        _copy_in(source, self.ints, self.tables, width)
 
 
 @dataclass
@@ -141,9 +136,7 @@ class CudaGraphRunner(ModelRunner):
         if g is None or backlog.shape[1] > depth + 1:
             return super().greedy_cycle(seqs, backlog, depth)  # over 8 rows, or a catch-up not pre-fed
         values, width = g.buffers.values(seqs)
-        g.copied.synchronize()  # the previous cycle's copies out of the staging buffer are done
-        g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
-        g.buffers.fill(g.staging, width)
+        g.buffers.fill(_staged(g, values), width)
         g.copied.record()
         g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         g.graph.replay()
@@ -188,17 +181,9 @@ class CudaGraphRunner(ModelRunner):
             slots += row_slots
             tables.append(table)
         pad = (R - len(seqs)) * q
-        width = max(len(t) for t in tables)
-        flat_tables = []
-        for t in tables:
-            flat_tables += t + [self.cache.scratch_block] * (width - len(t))
-        flat_tables += [self.cache.scratch_block] * ((R - len(seqs)) * width)
+        flat_tables, width = _flat_tables(tables, R, self.cache.scratch_block)
         values = ids + [0] * pad + pos + [0] * pad + slots + [self.cache.scratch_slot] * pad + flat_tables
-        n = 3 * R * q
-        g.copied.synchronize()  # the previous step's copies out of the staging buffer are done
-        g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
-        g.rows_in.copy_(g.staging[:n], non_blocking=True)
-        g.tables[:, :width].copy_(g.staging[n: n + R * width].view(R, width), non_blocking=True)
+        _copy_in(_staged(g, values), g.rows_in, g.tables, width)
         g.copied.record()
         if g.hidden_in is not None:
             g.hidden_in.zero_()
@@ -259,6 +244,32 @@ class CudaGraphRunner(ModelRunner):
         copied = torch.cuda.Event()
         copied.record()
         return _CycleGraph(graph, buffers, out, staging, copied)
+
+def _flat_tables(tables: list[list[int]], rows: int, scratch_block: int) -> tuple[list[int], int]:
+    """Block tables padded with the scratch block to the widest and to ``rows`` rows, flattened
+    row by row; that width."""
+    width = max(len(t) for t in tables)
+    flat = []
+    for t in tables:
+        flat += t + [scratch_block] * (width - len(t))
+    return flat + [scratch_block] * ((rows - len(tables)) * width), width
+
+
+def _staged(g, values: list[int]) -> torch.Tensor:
+    """``values`` in the graph's pinned staging buffer, once the copies out of it that the last
+    replay made are done (record ``g.copied`` after the new ones)."""
+    g.copied.synchronize()
+    g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
+    return g.staging
+
+
+def _copy_in(source: torch.Tensor, ints: torch.Tensor, tables: torch.Tensor, width: int) -> None:
+    """The first ints.numel() values into ``ints``, the next rows * width into the first
+    ``width`` columns of ``tables`` (two copies, asynchronous from pinned memory)."""
+    n, rows = ints.numel(), tables.shape[0]
+    ints.copy_(source[:n], non_blocking=True)
+    tables[:, :width].copy_(source[n: n + rows * width].view(rows, width), non_blocking=True)
+
 
 def _bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
