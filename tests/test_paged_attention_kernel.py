@@ -107,3 +107,11 @@ def test_choose_splits_rule():
     assert kernel.choose_splits(1, 8, 4096, 32, cpu) == kernel.MAX_SPLITS
     assert kernel.choose_splits(8, 8, 4096, 32, cpu) == kernel.PROGRAMS_PER_SM * kernel.CPU_SMS // 64
     assert kernel.choose_splits(1, 8, 64, 32, cpu) == 2  # no more splits than chunks in the table
+
+
+def test_compile_variants_launches_every_tile_and_merge_bucket():
+    """Start-up compilation covers each query tile size (whole and partial output) and one
+    merge per power-of-two split bucket, for grouped-query shapes of two model families."""
+    for heads, kv_heads in ((9, 3), (32, 8)):  # SmolLM2-135M, Qwen3-8B: two tiles each for 1..8 queries
+        n = kernel.compile_variants(heads, kv_heads, 64, 16, torch.float32, torch.device(DEVICE))
+        assert n == 2 + (1 + len([2, 4, 8, 16, 32]))

@@ -74,6 +74,7 @@ class Engine:
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.default_mode = default_mode
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
+        self.runner.compile_kernels()
         if getattr(self.runner, "enabled", False):  # capture now: the first request runs as fast as the rest
             self.runner.capture_all(depths=tuple(range(1, max(3, self.default_depth) + 1)))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtplx.engine import attention
 from mtplx.engine.attention import AttentionMetadata
 from mtplx.engine.block_manager import BlockManager
 from mtplx.engine.kv_cache import PagedKVCache
@@ -98,6 +99,17 @@ class ModelRunner:
         self._pending: _PendingVerify | None = None
 
     # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
+    def compile_kernels(self) -> int:
+        """On CUDA, compile at start-up the attention kernel variants forwards can launch, so
+        no request waits on a compile (graph captures compile only their own shapes; a pre-feed
+        of a few pairs, a hybrid model or an eager runner launch others). Returns the launches."""
+        if self.device.type != "cuda" or not (attention.KERNELS_ENABLED and attention.triton_kernel.available()):
+            return 0
+        cfg = self.model.config
+        return attention.triton_kernel.compile_variants(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.dtype,
+            self.device, max_query=attention.MAX_KERNEL_QUERY)
+
     def allocate_state(self, seq: Sequence) -> None:
         """Give an admitted sequence a zeroed recurrent-state slot."""
         if self.states is not None and seq.state_slot is None:

@@ -85,7 +85,9 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         return m_new, l_i, acc
 
-    @triton.jit
+    # Lengths, offsets and the table width vary per call: left unspecialised, so a launch never
+    # compiles a new variant just because a length became 1 or a multiple of 16.
+    @triton.jit(do_not_specialize=["q_len", "key_start", "st_r", "sp_r"])
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, pos_ptr, ml_ptr, acc_ptr,
         sq_r, sq_t, sq_h, sk_b, sk_s, sk_h, so_r, so_t, so_h, st_r, sp_r,
@@ -139,19 +141,18 @@ if triton is not None:
             tl.store(out_ptr + row * so_r + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None])
 
-    @triton.jit
-    def _merge_splits_kernel(ml_ptr, acc_ptr, out_ptr, so_r, so_t, so_h, kv_heads, q_len,
-                             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr,
-                             HEAD_DIM: tl.constexpr):
+    @triton.jit(do_not_specialize=["q_len", "splits"])
+    def _merge_splits_kernel(ml_ptr, acc_ptr, out_ptr, so_r, so_t, so_h, kv_heads, q_len, splits,
+                             SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
         """One (row, query token, head): rescale the partials to their common max and normalise
         (a query with no allowed key anywhere gets 0)."""
         row = tl.program_id(0)
         tok = tl.program_id(1)
         head = tl.program_id(2)
         s = tl.arange(0, SPLITS_PAD)
-        valid_s = s < SPLITS
+        valid_s = s < splits
         d = tl.arange(0, HEAD_DIM)
-        slot = ((row * kv_heads + head // GROUP) * SPLITS + s) * (q_len * GROUP) + tok * GROUP + head % GROUP
+        slot = ((row * kv_heads + head // GROUP) * splits + s) * (q_len * GROUP) + tok * GROUP + head % GROUP
         m = tl.load(ml_ptr + 2 * slot, mask=valid_s, other=float("-inf"))
         l_s = tl.load(ml_ptr + 2 * slot + 1, mask=valid_s, other=0.0)
         acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=(m > float("-inf"))[:, None], other=0.0)
@@ -197,8 +198,31 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     )
     if splits > 1:
         _merge_splits_kernel[(rows, q_len, heads)](
-            ml, acc, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, q_len,
-            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), GROUP=group, HEAD_DIM=head_dim,
+            ml, acc, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, q_len, splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), GROUP=group, HEAD_DIM=head_dim,
             num_warps=1,  # tiny programs: one warp reduces over the splits without shared memory (2-3x faster)
         )
     return out
+
+
+def compile_variants(heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                     device: torch.device, max_query: int = 8) -> int:
+    """Compile every variant of the two kernels that calls with these shapes can launch, so no
+    request pays for a compile (about a second each the first time, then Triton's disk cache):
+    one per query tile size (M_PAD, from 1..max_query tokens) with whole or partial output, and
+    one merge per power-of-two bucket of split counts. Returns the number of launches."""
+    group = heads // kv_heads
+    block_n = default_block_n(page)
+    blocks = MAX_SPLITS * block_n // page
+    k_pool = torch.zeros(blocks + 1, page, kv_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.arange(1, blocks + 1, device=device)[None]
+    tiles = {max(16, triton.next_power_of_2(q * group)): q for q in range(1, max_query + 1)}  # the longest per tile
+    splits_buckets = [1] + [2 ** i + 1 for i in range(MAX_SPLITS.bit_length() - 1)]  # 1, then one per pad
+    launches = 0
+    for q_len in tiles.values():
+        q = torch.zeros(1, q_len, heads, head_dim, dtype=dtype, device=device)
+        positions = torch.arange(blocks * page - q_len, blocks * page, device=device)[None]
+        for splits in (splits_buckets if q_len == max_query else (1, 2)):
+            paged_attention_triton(q, k_pool, k_pool, positions, tables, 1, 1.0, splits=min(splits, MAX_SPLITS))
+            launches += 1
+    return launches
