@@ -82,8 +82,10 @@ def repeat_head(model) -> "torch.nn.Module":
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, h:] = torch.eye(h)
+        # the hidden state comes in final-normed: unit norms keep it the trunk's own up to a
+        # scale, so the head's logits are the trunk's and its draft repeats the token fed
         for p in (head.pre_fc_norm_hidden.weight, head.norm.weight):
-            p.copy_(model.model.norm.weight)
+            p.fill_(1.0)
         layer = head.layers[0]
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
