@@ -81,9 +81,12 @@ def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int 
 def summarize(runs: list[dict], config: Config) -> dict:
     tokens = sum(r["tokens"] - 1 for r in runs)  # tokens after the first one
     decode_s = sum(r["decode_s"] for r in runs)
+    per_run = [(r["tokens"] - 1) / r["decode_s"] for r in runs if r["decode_s"]]
     out = {"mode": config.mode, "depth": config.depth, "tok_s": tokens / decode_s if decode_s else 0.0,
            "generated_tokens": sum(r["tokens"] for r in runs),
-           "median_ttft_s": statistics.median(r["ttft_s"] for r in runs)}
+           "median_ttft_s": statistics.median(r["ttft_s"] for r in runs),
+           # one slow run (a compile, another job) drags tok_s down: the spread shows it
+           "run_tok_s_min_median": [min(per_run), statistics.median(per_run)] if per_run else None}
     if config.mode == "mtp":
         calls = sum(r["verify_calls"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
