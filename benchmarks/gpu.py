@@ -230,6 +230,7 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
     bucket, and cuBLAS rounds 3 rows and 4 differently. A flipped draft changes the verify's
     input, so the verify outputs are compared only where every draft agreed."""
     gen, runner = engine.generator, engine.runner
+    runner.chain_cycles = False  # each cycle from the host's state, to compare with the eager one
     worst, flips, drafted = 0.0, 0, 0
     g = torch.Generator().manual_seed(int(time.time()))
     for rows in (1, 3):
@@ -257,11 +258,54 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
             drafted += rows * depth
             for s in seqs:
                 gen.release(s)
+    runner.chain_cycles = True
     print(f"  whole-cycle graph vs eager cycle: worst relative error where drafts agree {worst:.4f}, drafts differing "
           f"{flips}/{drafted}", flush=True)
     if (worst > 0.05 or flips > drafted // 4) and not report_only:
         raise SystemExit(f"FAIL: the whole-cycle CUDA graph differs from the eager cycle: {worst}, {flips}")
     return {"cycle_graph_vs_eager_rel_err": worst, "cycle_graph_draft_flips": [flips, drafted]}
+
+
+def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens: int) -> list[list[int]]:
+    """Greedy MTP decoding of rows in one batch, row i to max_tokens - 11 i (rows end apart)."""
+    gen = engine.generator
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=depth, max_tokens=max_tokens - 11 * i,
+                                                      ignore_eos=True))
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            engine.step([s for s in seqs if not s.finished])
+    for s in seqs:
+        gen.release(s)
+    return [s.generated for s in seqs]
+
+
+def check_chain(engine: Engine, report_only: bool = False) -> dict:
+    """Fail loudly unless chained cycles (each cycle's inputs written by the last one's graph,
+    the host one cycle behind) decode exactly the tokens of cycles started from the host's
+    state: the same graph on the same integers. 1 and 3 rows, depths 1-3, random prompts
+    shorter than a block (no prefix-cache hit between the two runs)."""
+    runner = engine.runner
+    g = torch.Generator().manual_seed(int(time.time()) + 1)
+    mismatched, rows_checked = 0, 0
+    for rows in (1, 3):
+        for depth in (1, 2, 3):
+            prompts = [torch.randint(0, engine.config.vocab_size, (12,), generator=g).tolist() for _ in range(rows)]
+            out = {}
+            for chain in (False, True):
+                runner.chain_cycles = chain
+                out[chain] = decode_rows(engine, prompts, depth, 64)
+            mismatched += sum(a != b for a, b in zip(out[False], out[True]))
+            rows_checked += rows
+    runner.chain_cycles = True
+    print(f"  chained vs unchained cycles: {mismatched}/{rows_checked} rows decoded differently", flush=True)
+    if mismatched and not report_only:
+        raise SystemExit(f"FAIL: chained cycles decode differently from unchained ones in {mismatched} rows")
+    return {"chained_rows_differing": [mismatched, rows_checked]}
 
 
 def hf_baseline(shape: dict, device, modes) -> dict:
@@ -360,6 +404,60 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128) -> dict:
     return out
 
 
+def profile_decode(engine, max_tokens: int = 128) -> dict:
+    """Where one request's decode time goes, per configuration: wall time per cycle against GPU
+    kernel time per cycle (the rest is host time the GPU waited for), CUDA-graph launches and
+    eager kernel launches per cycle, the busiest host ops (torch.profiler), and the busiest
+    Python functions (cProfile, in a separate run: it slows the host)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once
+
+    prompt = [{"role": "user", "content": BENCH_PROMPTS[0]}]
+    out = {}
+    for config in configs_for(engine, (1, 2, 3)):
+        run_once(engine, prompt, config, 16)
+        plain = run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+        cycles = plain["verify_calls"] or plain["tokens"]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+        events = prof.key_averages()
+
+        def device_us(e):
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+        kernels = [e for e in events if device_us(e) > 0 and e.self_cpu_time_total == 0]
+        host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
+        graph_launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+        kernel_launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                     "cudaLaunchKernelExC"))
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+        prof_py.disable()
+        stats = pstats.Stats(prof_py)
+        py = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+        out[config.label] = {
+            "tokens": plain["tokens"], "cycles": cycles,
+            "wall_ms_per_cycle": plain["decode_s"] * 1e3 / cycles,
+            "gpu_kernel_ms_per_cycle": sum(device_us(e) for e in kernels) / 1e3 / cycles,
+            "graph_launches_per_cycle": graph_launches / cycles,
+            "eager_kernel_launches_per_cycle": kernel_launches / cycles,
+            "top_kernels": [[e.key[:80], e.count, round(device_us(e) / cycles, 1)]
+                            for e in sorted(kernels, key=lambda e: -device_us(e))[:12]],
+            "top_host_ops_us_per_cycle": [[e.key[:80], e.count, round(e.self_cpu_time_total / cycles, 1)]
+                                          for e in host],
+            "top_python_tottime_us_per_cycle": [[f"{k[0].split('mtplx/')[-1]}:{k[1]}:{k[2]}", v[1],
+                                                 round(v[2] * 1e6 / cycles, 1)] for k, v in py],
+        }
+        print("profile", config.label, json.dumps({k: v for k, v in out[config.label].items()
+                                                   if not k.startswith("top")}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -369,6 +467,8 @@ def main() -> None:
     ap.add_argument("--cycle-check-report-only", action="store_true",
                     help="print the whole-cycle graph check's errors without failing (diagnosis)")
     ap.add_argument("--head", default=None, help="MTP head directory for the default model")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the default model's decode per configuration (host vs GPU time)")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
@@ -378,7 +478,8 @@ def main() -> None:
     for name in [n for n in args.shapes.split(",") if n]:
         engine = random_engine(SHAPES[name], device)
         entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine),
-                 **check_cycle_graph(engine, report_only=args.cycle_check_report_only)}
+                 **check_cycle_graph(engine, report_only=args.cycle_check_report_only),
+                 **check_chain(engine, report_only=args.cycle_check_report_only)}
         entry.update(step_costs(engine))
         entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
         entry["engine_build_s"] = engine.build_s
@@ -399,11 +500,17 @@ def main() -> None:
         engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16", head=args.head)
         report["default_model"] = measure(engine, max_tokens=128, repeats=2)
         print(render_table(report["default_model"]), flush=True)
+        engine.runner.chain_cycles = False  # the same, each cycle started from the host's state
+        report["default_model"]["unchained"] = measure(engine, max_tokens=128, repeats=2)
+        engine.runner.chain_cycles = True
+        print("unchained cycles:\n" + render_table(report["default_model"]["unchained"]), flush=True)
         configs = report["default_model"]["configs"]
         best = max((c for c in configs if c != "ar"), key=lambda c: configs[c]["tok_s"])
         depth = configs[best].get("depth") or 2
         report["default_model"]["scheduler_modes"] = scheduler_modes(engine, depth)
         print(json.dumps(report["default_model"]["scheduler_modes"]), flush=True)
+        if args.profile:
+            report["default_model"]["profile"] = profile_decode(engine)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

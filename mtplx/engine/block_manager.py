@@ -106,13 +106,15 @@ class BlockManager:
         self.prefix_hits_tokens += cached
         return cached
 
-    def ensure_capacity(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Grow the block table to cover num_tokens slots (e.g. drafts written before commit)."""
+    def ensure_capacity(self, seq_id: SeqId, num_tokens: int) -> int:
+        """Grow the block table to cover num_tokens slots (e.g. drafts written before commit).
+        Returns the number of blocks added."""
         seq = self._seq(seq_id)
         need = self._blocks_for(num_tokens) - len(seq.table)
         if need > self.num_free_blocks:
             raise OutOfBlocks(need, self.num_free_blocks, self.num_blocks)
         seq.table.extend(self._take_block() for _ in range(need))
+        return max(0, need)
 
     def commit(self, seq_id: SeqId, token_ids: list[int]) -> None:
         """token_ids: every token of the sequence whose KV is written (prompt + generated).

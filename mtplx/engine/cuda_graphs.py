@@ -83,6 +83,16 @@ class CycleBuffers:
         """Copy ``values``' output (as a long tensor, e.g. pinned staging) into the buffers."""
         _copy_in(source, self.ints, self.tables, width)
 
+    def set_tables(self, tables: list[list[int]], staging: torch.Tensor | None = None) -> None:
+        """Copy the rows' block tables in (through pinned ``staging`` where given), leaving
+        the other inputs as they are (a chained cycle wrote them)."""
+        flat, width = _flat_tables(tables, self.tables.shape[0], self.runner.cache.scratch_block)
+        source = torch.tensor(flat, dtype=torch.long)
+        if staging is not None:
+            staging[: len(flat)].copy_(source)
+            source = staging[: len(flat)]
+        self.tables[:, :width].copy_(source.view(-1, width), non_blocking=True)
+
 
 @dataclass
 class _CycleGraph:
@@ -91,6 +101,9 @@ class _CycleGraph:
     out: tuple                # (hidden, logits, packed)
     staging: torch.Tensor     # pinned host memory the inputs are copied through
     copied: torch.cuda.Event  # recorded after the copies out of ``staging``
+    outcomes: list            # two pinned [R, depth + 2] host copies of ``packed``, used in turn by
+    done: list                # chained cycles (one in flight while the other is read); their events
+    turn: int = 0
 
 
 class CudaGraphRunner(ModelRunner):
@@ -141,6 +154,44 @@ class CudaGraphRunner(ModelRunner):
         g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         g.graph.replay()
         return tuple(t[: len(seqs)] for t in g.out)
+
+    # -- chained greedy cycles (ModelRunner.start_cycle / next_cycle) --------------------------
+    chain_cycles = True  # benchmarks switch it off to compare
+
+    @property
+    def max_row_slots(self) -> int:
+        return self.table_width * self.block_size
+
+    def can_chain(self, rows: int, depth: int) -> bool:
+        return self.chain_cycles and self._captured("cycle", rows, depth) is not None
+
+    def cycle_buffers(self, rows: int, depth: int) -> CycleBuffers:
+        return self._captured("cycle", rows, depth).buffers
+
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int):
+        g = self._captured("cycle", len(seqs), depth)
+        values, width = g.buffers.values(seqs)
+        g.buffers.fill(_staged(g, values), width)
+        g.copied.record()
+        g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        return self._run_chained(g.buffers, seqs, depth)
+
+    def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
+        g = self._captured("cycle", rows, depth)
+        g.copied.synchronize()  # the staging buffer's last copies are done (they preceded a finished cycle)
+        g.buffers.set_tables(tables, g.staging)
+        g.copied.record()
+
+    def _run_chained(self, b: CycleBuffers, seqs: list[Sequence], depth: int):
+        from mtplx.engine.runner import CycleLaunch
+
+        g = self._captured("cycle", len(seqs), depth)
+        g.graph.replay()
+        host, done = g.outcomes[g.turn], g.done[g.turn]
+        g.turn ^= 1
+        host.copy_(g.out[2], non_blocking=True)
+        done.record()
+        return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
 
     def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
         """Capture the graphs a server will need, at start-up. Only these are ever replayed:
@@ -239,11 +290,12 @@ class CudaGraphRunner(ModelRunner):
 
     def _capture_cycle(self, R: int, depth: int) -> _CycleGraph:
         buffers = CycleBuffers(self, R, depth, self.table_width)
-        graph, out = self._capture_forward(lambda: self.cycle_forward(buffers.inputs, buffers.backlog, depth))
+        graph, out = self._capture_forward(lambda: self.cycle_and_advance(buffers, depth))
         staging = torch.empty(buffers.ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _CycleGraph(graph, buffers, out, staging, copied)
+        outcomes = [torch.zeros(R, depth + 2, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        return _CycleGraph(graph, buffers, out, staging, copied, outcomes, [torch.cuda.Event() for _ in range(2)])
 
 def _flat_tables(tables: list[list[int]], rows: int, scratch_block: int) -> tuple[list[int], int]:
     """Block tables padded with the scratch block to the widest and to ``rows`` rows, flattened

@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from mtplx.engine.runner import ModelRunner, draft_step
+from mtplx.engine.block_manager import OutOfBlocks
+from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import verify_greedy, verify_sampled
@@ -55,6 +56,10 @@ class Generator:
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = runner.model.config.vocab_size
         self.fault_hook: FaultHook | None = None  # FAULT_POINTS; None (no cost) unless injecting
+        # a chained greedy cycle still on the device (``_chained_cycle``), and rows released
+        # since it started (their outcome is dropped)
+        self._flight: CycleLaunch | None = None
+        self._released: set[int] = set()
 
     # -- lifecycle ----------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -87,7 +92,12 @@ class Generator:
             seq.counts = torch.zeros(self.vocab_size, dtype=torch.long, device=self.runner.device)
 
     def release(self, seq: Sequence) -> None:
-        """Return the sequence's blocks (committed full blocks stay in the prefix cache)."""
+        """Return the sequence's blocks (committed full blocks stay in the prefix cache). A
+        cycle in flight over the row still writes to them, ahead of any later use (one stream)."""
+        if self._flight is not None and any(s is seq for s in self._flight.seqs):
+            self._released.add(seq.seq_id)
+            if all(s.seq_id in self._released for s in self._flight.seqs):
+                self._flight, self._released = None, set()
         self.runner.blocks.free(seq.seq_id)
         self.runner.free_state(seq)
 
@@ -116,6 +126,11 @@ class Generator:
     def ar_step(self, seqs: list[Sequence]) -> None:
         """One autoregressive token for each row. Raises SequenceFault after the step if some
         rows' own work failed."""
+        if self._flight is not None:
+            self.drain()
+            seqs = [s for s in seqs if not s.finished]
+            if not seqs:
+                return
         self._before_forward(seqs)
         hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
         faults: dict[int, BaseException] = {}
@@ -136,12 +151,21 @@ class Generator:
         """Draft, verify, accept and commit one cycle for each row. Raises SequenceFault after
         the cycle if some rows' own work failed (a failed row keeps its place in the batched
         forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
+        if self._flight is not None:
+            if self._continues(seqs):
+                return self._chained_cycle(seqs)
+            self.drain()  # the rows changed: the cycle in flight is committed first
+            seqs = [s for s in seqs if not s.finished]
+            if not seqs:
+                return
         faults: dict[int, BaseException] = {}
         t0 = time.perf_counter()
         # argmax drafts stay on the device: the cycle syncs with the host once (not for hybrid
         # models: re-feeding accepted tokens to their recurrent state needs them on the host)
         on_device = self.runner.states is None and all(
             s.counts is None and (s.params.greedy or s.draft_policy == "greedy") for s in seqs)
+        if on_device and self._chainable(seqs) and self._start_chain(seqs):
+            return
         if on_device:
             t1 = t0  # one fused draft + verify: its time (launch and wait) counts as verify_s
             hidden, logits, host = self._greedy_cycle(seqs, faults)
@@ -159,17 +183,7 @@ class Generator:
                 seq, logits[r, : len(drafts[r]) + 1], drafts[r], draft_probs[r]), drafts, faults)
         t3 = time.perf_counter()
         self.runner.commit_state(seqs, [accepted + 1 for accepted, _ in outcomes])
-        for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
-            if seq.seq_id in faults:
-                continue
-            try:
-                seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
-                seq.hidden_backlog = hidden[r, : accepted + 1]
-                seq.trunk_len += accepted + 1
-                self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
-                self._commit(seq, drafts[r][:accepted] + [token])
-            except Exception as exc:
-                faults[seq.seq_id] = exc
+        self._commit_cycle(seqs, drafts, outcomes, hidden, faults)
         t4 = time.perf_counter()
         for seq in seqs:
             st = seq.stats
@@ -177,6 +191,104 @@ class Generator:
             st.verify_s += t2 - t1
             st.accept_s += t3 - t2
             st.commit_s += t4 - t3
+        if faults:
+            raise SequenceFault(faults)
+
+    def _commit_cycle(self, seqs: list[Sequence], drafts: list[list[int]], outcomes: list,
+                      hidden: torch.Tensor | None, faults: dict[int, BaseException]) -> None:
+        """Commit each row's accepted drafts and next token. hidden None: a chained cycle is
+        already running from this outcome on the device (it holds the head's backlog and the
+        blocks past the row's length)."""
+        for r, (seq, (accepted, token)) in enumerate(zip(seqs, outcomes)):
+            if seq.seq_id in faults:
+                continue
+            try:
+                seq.stats.record_cycle(len(drafts[r]), accepted, full=accepted == len(drafts[r]))
+                seq.hidden_backlog = hidden[r, : accepted + 1] if hidden is not None else None
+                seq.trunk_len += accepted + 1
+                if hidden is not None:
+                    self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
+                self._commit(seq, drafts[r][:accepted] + [token])
+            except Exception as exc:
+                faults[seq.seq_id] = exc
+
+    # -- chained greedy cycles ------------------------------------------------------------
+    # Greedy rows whose whole cycle runs on the device: each call starts the next cycle (its
+    # inputs written on the device by the last one) before it reads the last one's outcome, so
+    # the host's work on a cycle (commit, detokenizing, streaming, the caller's own) overlaps
+    # the device's work on the next. The host is one cycle behind the device: a row that ends
+    # leaves one cycle in flight, dropped (its writes land past the row's committed length).
+    def _chainable(self, seqs: list[Sequence]) -> bool:
+        depth = max(s.depth for s in seqs)
+        return (self.fault_hook is None and all(s.params.greedy and s.counts is None for s in seqs)
+                and self.runner.can_chain(len(seqs), depth))
+
+    def _continues(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` are the rows of the cycle in flight, all still live."""
+        flight = self._flight
+        return (len(seqs) == len(flight.seqs) and all(a is b for a, b in zip(seqs, flight.seqs))
+                and not self._released and not any(s.finished for s in seqs) and self.fault_hook is None)
+
+    def _start_chain(self, seqs: list[Sequence]) -> bool:
+        """The first cycle from the host's state, then the chain (``_chained_cycle``). False
+        (nothing done) where the rows cannot take the chain's blocks: the context's end or a
+        full pool (an unchained cycle needs fewer)."""
+        depth = max(s.depth for s in seqs)
+        try:
+            if not self.runner.extend_tables(seqs, depth):
+                return False
+        except OutOfBlocks:
+            return False
+        self._head_pre_feed(seqs, depth + 1)
+        self._flight = self.runner.start_cycle(seqs, stack_padded([s.hidden_backlog for s in seqs]), depth)
+        for s in seqs:
+            s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        self._chained_cycle(seqs)
+        return True
+
+    def _chained_cycle(self, seqs: list[Sequence]) -> None:
+        """Start the next cycle on the device, then commit the one in flight. Where the rows
+        cannot take the next cycle's blocks (the context's end, a full pool), nothing new
+        starts and the commit is the chain's last."""
+        flight, depth = self._flight, self._flight.depth
+        t0 = time.perf_counter()
+        try:
+            following = self.runner.next_cycle(seqs, depth) if self.runner.extend_tables(seqs, depth) else None
+        except OutOfBlocks:
+            following = None
+        rows = flight.rows()
+        t1 = time.perf_counter()
+        self._flight = following
+        self._commit_launch(flight, seqs, rows, last=following is None)
+        t2 = time.perf_counter()
+        for seq in seqs:
+            seq.stats.verify_s += t1 - t0
+            seq.stats.commit_s += t2 - t1
+
+    def drain(self) -> None:
+        """Commit the cycle in flight (rows released or ended since it started are skipped),
+        so the host's state is the device's again."""
+        flight, released, self._flight, self._released = self._flight, self._released, None, set()
+        if flight is None:
+            return
+        rows = flight.rows()
+        keep = [r for r, s in enumerate(flight.seqs) if s.seq_id not in released and not s.finished]
+        self._commit_launch(flight, [flight.seqs[r] for r in keep], [rows[r] for r in keep], last=True,
+                            index=keep)
+
+    def _commit_launch(self, flight: CycleLaunch, seqs: list[Sequence], rows: list[list[int]], last: bool,
+                       index: list[int] | None = None) -> None:
+        """Commit a chained cycle's outcome for ``seqs`` (rows of ``flight`` at ``index``).
+        last: no cycle follows it on the device, so the rows keep its verify hidden states as
+        the head's backlog, and give back the blocks past their length."""
+        k = flight.depth
+        drafts = [row[: s.depth] for row, s in zip(rows, seqs)]
+        outcomes = [(row[k], row[k + 1]) for row in rows]
+        hidden = flight.hidden[index if index is not None else slice(None)] if last else None
+        faults: dict[int, BaseException] = {}
+        for s in seqs:  # the cycle caught the head up to its verify's first position
+            s.head_len = s.trunk_len + 1
+        self._commit_cycle(seqs, drafts, outcomes, hidden, faults)
         if faults:
             raise SequenceFault(faults)
 

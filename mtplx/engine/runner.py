@@ -92,6 +92,7 @@ class ModelRunner:
             head_dim=cfg.head_dim, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device,
         )
         self.states = make_state_cache(cfg, self.dtype, self.device) if cfg.is_hybrid else None
+        self._chain_buffers: dict[tuple[int, int], object] = {}  # eager chained cycles' inputs
         self.cache.states = self.states
         if state_commit not in STATE_COMMIT_MODES:
             raise ValueError(f"state_commit must be one of {', '.join(STATE_COMMIT_MODES)}, got {state_commit!r}")
@@ -254,6 +255,77 @@ class ModelRunner:
             tables.append(table)
         return fields, tables
 
+    # -- chained greedy cycles -----------------------------------------------------------------
+    # The generator starts a cycle from the host's state (``start_cycle``), then starts each
+    # next one before it reads the last one's outcome (``next_cycle``): the cycle's own tail
+    # (``advance_cycle``) wrote the next inputs on the device, so the host's work on one cycle's
+    # outcome overlaps the device's work on the next. Runners with CUDA graphs replay one
+    # graph per cycle; the eager form (``chain_cycles``, off by default) is what CPU tests run.
+    chain_cycles = False
+
+    def cycle_buffers(self, rows: int, depth: int):
+        """The static inputs chained cycles over these rows run from (CycleBuffers)."""
+        from mtplx.engine.cuda_graphs import CycleBuffers  # device-agnostic, despite the module
+
+        key = (rows, depth)
+        if key not in self._chain_buffers:
+            self._chain_buffers[key] = CycleBuffers(self, rows, depth, self.blocks.num_blocks)
+        return self._chain_buffers[key]
+
+    def lookahead(self, seq: Sequence, depth: int) -> int:
+        """KV slots a row's table must cover before a chained cycle starts: its committed
+        length plus three cycles' worth (one may be in flight, then the one starting, whose
+        tail computes the slots of the one after it from the table)."""
+        return seq.trunk_len + 3 * (depth + 1)
+
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int) -> CycleLaunch:
+        """A greedy cycle from the host's state (``greedy_cycle``'s contract; the catch-up at
+        most depth + 1 pairs), leaving the next cycle's inputs on the device. The rows' tables
+        must cover ``lookahead`` (``extend_tables``)."""
+        b = self.cycle_buffers(len(seqs), depth)
+        values, width = b.values(seqs)
+        b.fill(torch.tensor(values, dtype=torch.long), width)
+        b.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        return self._run_chained(b, seqs, depth)
+
+    def next_cycle(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
+        """The cycle after the last one started over these rows, from its device-side inputs.
+        As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``extend_tables``)."""
+        return self._run_chained(self.cycle_buffers(len(seqs), depth), seqs, depth)
+
+    def extend_tables(self, seqs: list[Sequence], depth: int) -> bool:
+        """Take the blocks the next chained cycle may write (``lookahead``) and copy the grown
+        tables in. False (nothing taken) where a row's lookahead passes the runner's slots per
+        row; OutOfBlocks where the pool runs dry."""
+        if any(self.lookahead(s, depth) > self.max_row_slots for s in seqs):
+            return False
+        grown = sum(self.blocks.ensure_capacity(s.seq_id, self.lookahead(s, depth)) for s in seqs)
+        if grown:
+            self._upload_tables(len(seqs), depth, [self.blocks.block_table(s.seq_id) for s in seqs])
+        return True
+
+    def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
+        self.cycle_buffers(rows, depth).set_tables(tables)
+
+    def can_chain(self, rows: int, depth: int) -> bool:
+        return self.chain_cycles
+
+    @property
+    def max_row_slots(self) -> int:
+        return self.blocks.num_blocks * self.block_size
+
+    def _run_chained(self, b, seqs: list[Sequence], depth: int) -> CycleLaunch:
+        hidden, _, packed = self.cycle_and_advance(b, depth)
+        return CycleLaunch(list(seqs), depth, hidden[: len(seqs)], packed.clone(), None)
+
+    def cycle_and_advance(self, b, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One cycle from CycleBuffers ``b``, then the next cycle's inputs written into them
+        (the work a chained cycle's CUDA graph captures)."""
+        hidden, logits, packed = self.cycle_forward(b.inputs, b.backlog, depth)
+        advance_cycle(b.fields, b.tables, packed, self.block_size, self.cache.scratch_slot)
+        b.backlog.copy_(hidden)
+        return hidden, logits, packed
+
     def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor,
                       depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this)."""
@@ -281,6 +353,61 @@ def draft_step(seq: Sequence, j: int) -> tuple[int, int]:
     if j + 1 < seq.depth:
         return seq.trunk_len + 1 + j, 1
     return seq.trunk_len + 1, 0
+
+
+def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed: torch.Tensor,
+                  block_size: int, scratch_slot: int) -> None:
+    """In place, with device ops only: the next greedy cycle's integer inputs from this one's
+    outcome (``packed``: drafts, accepted count a, next token), the values ``cycle_layout``
+    gives once the host has committed that outcome: the a accepted drafts and the next token
+    are the head's catch-up (a + 1 pairs from this cycle's first verify position + 1), the
+    next token the primary, the verify starts a + 1 further on. Rows whose verify writes the
+    scratch slot (a bucket's padding rows) keep their inputs. The block tables must already
+    cover the next cycle's positions (the caller takes the blocks)."""
+    depth = packed.shape[1] - 2
+    accepted, nxt = packed[:, depth: depth + 1], packed[:, depth + 1:]
+    f = fields
+    live = f["verify_slots"][:, :1] != scratch_slot
+
+    def slot_of(pos, real):
+        block = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
+        return torch.where(real, block * block_size + pos % block_size, scratch_slot)
+
+    start = f["verify_pos"][:, :1] + 1  # where this cycle's accepted tokens go: the catch-up's first pair
+    trunk = start + accepted            # the next verify's first position (the new trunk length)
+    i = torch.arange(depth + 1, device=packed.device)[None]
+    j = i[:, : depth - 1]
+    catch_up_pos = start + torch.minimum(i, accepted)
+    real_draft = j + 1 < f["depths"]
+    draft_pos = torch.where(real_draft, trunk + 1 + j, trunk)
+    verify_pos = trunk + torch.minimum(i, f["depths"])
+    new = {"catch_up_ids": torch.where(i < accepted, torch.cat([packed[:, :depth], nxt], dim=1), nxt),
+           "catch_up_pos": catch_up_pos, "catch_up_slots": slot_of(catch_up_pos, i <= accepted),
+           "last": accepted, "draft_pos": draft_pos, "draft_slots": slot_of(draft_pos, real_draft),
+           "primary": nxt, "verify_pos": verify_pos, "verify_slots": slot_of(verify_pos, i <= f["depths"])}
+    for name, value in new.items():
+        f[name].copy_(torch.where(live, value, f[name]))
+
+
+@dataclass
+class CycleLaunch:
+    """A greedy cycle started on the device: its outcome reaches the host by ``rows()``.
+
+    seqs: its rows; hidden: its verify hidden states [rows, depth + 1, H] (valid until the same
+    buffers run again); host/done: the packed outcome copied to host memory, and the event
+    after that copy."""
+
+    seqs: list[Sequence]
+    depth: int
+    hidden: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def rows(self) -> list[list[int]]:
+        """Per row: the drafts, the accepted count, the next token (waits for the device)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[: len(self.seqs)].tolist()
 
 
 def pad_row(row: list[int], q: int) -> list[int]:

@@ -1,0 +1,142 @@
+"""Chained greedy cycles: each cycle's tail writes the next cycle's inputs on the device, and
+the generator starts the next cycle before it reads the last one's outcome (one cycle behind).
+On the CPU the runner runs the same chain eagerly (``chain_cycles``); decoding must not change."""
+
+import pytest
+import torch
+
+from mtplx.engine.runner import CYCLE_FIELDS, CycleLaunch, advance_cycle
+from tests.tiny_models import repeat_head, tiny_engine
+
+PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 8, 9, 10, 11, 40], list(range(20, 39))]
+
+
+def chained_engine(head: str = "repeat"):
+    engine, _ = tiny_engine("qwen3")
+    if head == "repeat":  # drafts often accepted: partial and full acceptance both occur
+        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    return engine
+
+
+def start(engine, prompt, **kw):
+    seq = engine.new_sequence(engine.make_request(prompt, **kw))
+    engine.generator.admit(seq)
+    engine.generator.prefill(seq)
+    return seq
+
+
+@pytest.mark.parametrize("head", ["random", "repeat"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_chained_decoding_equals_unchained_and_ar(head, depth):
+    engine = chained_engine(head)
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, mode="ar", max_tokens=37)
+        engine.runner.chain_cycles = True
+        chained = engine.generate(prompt, mode="mtp", depth=depth, max_tokens=37)
+        engine.runner.chain_cycles = False
+        assert chained.token_ids == ar.token_ids, (prompt, depth)
+        assert chained.stats["verify_calls"] > 0
+        assert engine.runner.blocks.num_used_blocks == 0
+        engine.runner.blocks.check_invariants()
+
+
+def test_the_device_written_inputs_are_what_the_host_would_build():
+    """A cycle's tail (``advance_cycle``) writes the next cycle's inputs from its outcome: they
+    equal ``cycle_layout`` from the host's state once it has committed that outcome, for every
+    field and every accepted count (rows of depths 3, 1, 2 in a depth-3 batch; outcomes set
+    by hand, so rejection, partial and full acceptance all occur)."""
+    engine = chained_engine()
+    runner, gen = engine.runner, engine.generator
+    seqs = [start(engine, p, mode="mtp", depth=d, max_tokens=400) for p, d in zip(PROMPTS, (3, 1, 2))]
+    depth = 3
+    b = runner.cycle_buffers(len(seqs), depth)
+    g = torch.Generator().manual_seed(0)
+    for accepted in [(0, 0, 0), (3, 1, 2), (1, 0, 1), (2, 1, 0), (3, 0, 2), (0, 1, 1)]:
+        for s in seqs:  # the host's state as a cycle starts: the head caught up to the primary
+            s.head_len, s.hidden_backlog = s.trunk_len, torch.zeros(1, 64)
+        assert runner.extend_tables(seqs, depth)
+        values, width = b.values(seqs)
+        b.fill(torch.tensor(values), width)
+        drafts = torch.randint(1, 90, (len(seqs), depth), generator=g)
+        packed = torch.cat([drafts, torch.tensor(accepted)[:, None], torch.randint(1, 90, (len(seqs), 1),
+                                                                                  generator=g)], dim=1)
+        advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
+        launch = CycleLaunch(seqs, depth, torch.zeros(len(seqs), depth + 1, 64), packed, None)
+        gen._commit_launch(launch, seqs, packed.tolist(), last=False)
+        fields, tables = runner.cycle_layout(seqs, depth + 1, depth)
+        for name in CYCLE_FIELDS:
+            assert b.fields[name].tolist() == fields[name], (name, accepted)
+        for r, table in enumerate(tables):
+            assert b.tables[r, : len(table)].tolist() == table
+    for s in seqs:
+        gen.release(s)
+    runner.blocks.check_invariants()
+
+
+def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
+    """A batch decoding chained: rows of different depths and lengths end at different cycles,
+    one is released (cancelled) with a cycle in flight, and an AR step drains the chain; every
+    row that finishes decodes exactly as it does alone, and no block is left taken."""
+    engine = chained_engine()
+    alone = {i: engine.generate(p, mode="ar", max_tokens=n).token_ids
+             for i, (p, n) in enumerate(zip(PROMPTS, (9, 30, 17)))}
+    engine.runner.chain_cycles = True
+    seqs = [start(engine, p, mode="mtp", depth=d, max_tokens=n)
+            for p, d, n in zip(PROMPTS, (1, 3, 2), (9, 30, 17))]
+    extra = start(engine, [7, 7, 8], mode="mtp", depth=2, max_tokens=50)
+    with torch.inference_mode():
+        live = seqs + [extra]
+        steps = 0
+        while live:
+            engine.step(live)
+            steps += 1
+            if steps == 3:  # cancel one row while its next cycle is in flight
+                assert engine.generator._flight is not None
+                engine.generator.release(extra)
+                extra.finish_reason = "cancelled"
+            for s in live:
+                if s.finished and s is not extra:
+                    engine.generator.release(s)
+            live = [s for s in live if not s.finished]
+    for i, s in enumerate(seqs):
+        assert s.generated == alone[i], i
+    assert engine.generator._flight is None or all(s.finished for s in engine.generator._flight.seqs)
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
+def test_an_ar_step_commits_the_cycle_in_flight_first():
+    engine = chained_engine()
+    reference = engine.generate(PROMPTS[1], mode="ar", max_tokens=24).token_ids
+    engine.runner.chain_cycles = True
+    seq = start(engine, PROMPTS[1], mode="mtp", depth=2, max_tokens=24)
+    with torch.inference_mode():
+        engine.step([seq])
+        assert engine.generator._flight is not None
+        committed = seq.num_generated
+        engine.generator.ar_step([seq])  # the same row decoded AR from here on
+        assert engine.generator._flight is None and seq.num_generated > committed + 1
+        seq.mode = "ar"
+        while not seq.finished:
+            engine.step([seq])
+    assert seq.generated == reference
+    engine.generator.release(seq)
+    assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_a_chained_cycle_brings_values_to_the_host_once(monkeypatch):
+    engine = chained_engine()
+    engine.runner.chain_cycles = True
+    seqs = [start(engine, p, mode="mtp", depth=3, max_tokens=40) for p in PROMPTS[:2]]
+    transfers = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: transfers.append(_n) or _f(self))
+    with torch.inference_mode():
+        engine.generator.mtp_cycle(seqs)
+        for _ in range(4):
+            transfers.clear()
+            before = [s.num_generated for s in seqs]
+            engine.generator.mtp_cycle(seqs)
+            assert transfers == ["tolist"]
+            assert all(s.num_generated > b for s, b in zip(seqs, before))
