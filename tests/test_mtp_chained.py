@@ -1,6 +1,7 @@
 """Chained greedy cycles: each cycle's tail writes the next cycle's inputs on the device, and
 the generator starts the next cycle before it reads the last one's outcome (one cycle behind).
-On the CPU the runner runs the same chain eagerly (``chain_cycles``); decoding must not change."""
+Greedy AR steps chain the same way, as cycles of depth 0. On the CPU the runner runs the same
+chain eagerly (``chain_cycles``); decoding must not change."""
 
 import pytest
 import torch
@@ -38,6 +39,47 @@ def test_chained_decoding_equals_unchained_and_ar(head, depth):
         assert chained.stats["verify_calls"] > 0
         assert engine.runner.blocks.num_used_blocks == 0
         engine.runner.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_chained_ar_steps_equal_unchained_ones(rows):
+    """Greedy AR as chained depth-0 cycles: the same tokens as unchained steps (which equal
+    transformers' greedy decoding, tests/test_mtp_greedy.py), rows ending apart included."""
+    engine = chained_engine()
+    alone = [engine.generate(p, mode="ar", max_tokens=30 - 7 * i).token_ids for i, p in enumerate(PROMPTS[:rows])]
+    engine.runner.chain_cycles = True
+    seqs = [start(engine, p, mode="ar", max_tokens=30 - 7 * i) for i, p in enumerate(PROMPTS[:rows])]
+    chained_steps = 0
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            engine.step([s for s in seqs if not s.finished])
+            chained_steps += engine.generator._flight is not None
+    assert [s.generated for s in seqs] == alone
+    assert chained_steps > 10
+    for s in seqs:
+        engine.generator.release(s)
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
+def test_the_device_written_ar_inputs_are_what_the_host_would_build():
+    engine = chained_engine()
+    runner, gen = engine.runner, engine.generator
+    seqs = [start(engine, p, mode="ar", max_tokens=400) for p in PROMPTS]
+    b = runner.cycle_buffers(len(seqs), 0)
+    for step in range(6):
+        assert runner.extend_tables(seqs, 0)
+        values, width = b.values(seqs)
+        b.fill(torch.tensor(values), width)
+        packed = torch.tensor([[0, 11 + step + r] for r in range(len(seqs))])
+        advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
+        gen._commit_launch(CycleLaunch(seqs, 0, torch.zeros(len(seqs), 1, 64), packed, None), seqs,
+                           packed.tolist(), last=False)
+        fields, tables = runner.cycle_layout(seqs, 1, 0)
+        for name in CYCLE_FIELDS:
+            assert b.fields[name].tolist() == fields[name], name
+    for s in seqs:
+        gen.release(s)
 
 
 def test_the_device_written_inputs_are_what_the_host_would_build():
@@ -115,7 +157,8 @@ def test_an_ar_step_commits_the_cycle_in_flight_first():
         assert engine.generator._flight is not None
         committed = seq.num_generated
         engine.generator.ar_step([seq])  # the same row decoded AR from here on
-        assert engine.generator._flight is None and seq.num_generated > committed + 1
+        flight = engine.generator._flight
+        assert (flight is None or flight.depth == 0) and seq.num_generated > committed + 1
         seq.mode = "ar"
         while not seq.finished:
             engine.step([seq])

@@ -50,9 +50,10 @@ class CycleBuffers:
 
     def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int):
         dev, W = runner.device, depth + 1
+        C = W if depth else 0  # depth 0 (an AR step) has no head catch-up
         self.runner, self.depth = runner, depth
-        widths = {"catch_up_ids": W, "catch_up_pos": W, "catch_up_slots": W, "last": 1,
-                  "draft_pos": depth - 1, "draft_slots": depth - 1, "primary": 1,
+        widths = {"catch_up_ids": C, "catch_up_pos": C, "catch_up_slots": C, "last": 1,
+                  "draft_pos": max(depth - 1, 0), "draft_slots": max(depth - 1, 0), "primary": 1,
                   "verify_pos": W, "verify_slots": W, "depths": 1}
         self.ints = torch.zeros(rows * sum(widths.values()), dtype=torch.long, device=dev)
         self.fields, at = {}, 0  # name -> [rows, n] view of ints, in CYCLE_FIELDS order
@@ -62,7 +63,7 @@ class CycleBuffers:
         for name in ("catch_up_slots", "draft_slots", "verify_slots"):
             self.fields[name].fill_(runner.cache.scratch_slot)
         self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
-        self.backlog = torch.zeros(rows, W, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
+        self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
@@ -168,12 +169,13 @@ class CudaGraphRunner(ModelRunner):
     def cycle_buffers(self, rows: int, depth: int) -> CycleBuffers:
         return self._captured("cycle", rows, depth).buffers
 
-    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int):
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int):
         g = self._captured("cycle", len(seqs), depth)
         values, width = g.buffers.values(seqs)
         g.buffers.fill(_staged(g, values), width)
         g.copied.record()
-        g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        if depth:
+            g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         return self._run_chained(g.buffers, seqs, depth)
 
     def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
@@ -200,6 +202,7 @@ class CudaGraphRunner(ModelRunner):
         depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
         for r in rows:
             self._graph("trunk", r, 1)
+            self._cycle_graph(r, 0)  # a greedy AR step
             for d in depths:
                 self._graph("trunk", r, d + 1)
                 if self.head is not None:

@@ -127,10 +127,14 @@ class Generator:
         """One autoregressive token for each row. Raises SequenceFault after the step if some
         rows' own work failed."""
         if self._flight is not None:
+            if self._continues(seqs, 0):
+                return self._chained_cycle(seqs)
             self.drain()
             seqs = [s for s in seqs if not s.finished]
             if not seqs:
                 return
+        if self._chainable(seqs, 0) and self._start_chain(seqs, 0):
+            return
         self._before_forward(seqs)
         hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
         faults: dict[int, BaseException] = {}
@@ -152,7 +156,7 @@ class Generator:
         the cycle if some rows' own work failed (a failed row keeps its place in the batched
         forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
         if self._flight is not None:
-            if self._continues(seqs):
+            if self._continues(seqs, max(s.depth for s in seqs)):
                 return self._chained_cycle(seqs)
             self.drain()  # the rows changed: the cycle in flight is committed first
             seqs = [s for s in seqs if not s.finished]
@@ -164,7 +168,8 @@ class Generator:
         # models: re-feeding accepted tokens to their recurrent state needs them on the host)
         on_device = self.runner.states is None and all(
             s.counts is None and (s.params.greedy or s.draft_policy == "greedy") for s in seqs)
-        if on_device and self._chainable(seqs) and self._start_chain(seqs):
+        depth = max(s.depth for s in seqs)
+        if on_device and self._chainable(seqs, depth) and self._start_chain(seqs, depth):
             return
         if on_device:
             t1 = t0  # one fused draft + verify: its time (launch and wait) counts as verify_s
@@ -213,36 +218,39 @@ class Generator:
                 faults[seq.seq_id] = exc
 
     # -- chained greedy cycles ------------------------------------------------------------
-    # Greedy rows whose whole cycle runs on the device: each call starts the next cycle (its
-    # inputs written on the device by the last one) before it reads the last one's outcome, so
-    # the host's work on a cycle (commit, detokenizing, streaming, the caller's own) overlaps
-    # the device's work on the next. The host is one cycle behind the device: a row that ends
-    # leaves one cycle in flight, dropped (its writes land past the row's committed length).
-    def _chainable(self, seqs: list[Sequence]) -> bool:
-        depth = max(s.depth for s in seqs)
+    # Greedy rows whose whole cycle (or AR step: depth 0) runs on the device: each call starts
+    # the next cycle (its inputs written on the device by the last one) before it reads the
+    # last one's outcome, so the host's work on a cycle (commit, detokenizing, streaming, the
+    # caller's own) overlaps the device's work on the next. The host is one cycle behind the
+    # device: a row that ends leaves one cycle in flight, dropped (its writes land past the
+    # row's committed length).
+    def _chainable(self, seqs: list[Sequence], depth: int) -> bool:
         return (self.fault_hook is None and all(s.params.greedy and s.counts is None for s in seqs)
                 and self.runner.can_chain(len(seqs), depth))
 
-    def _continues(self, seqs: list[Sequence]) -> bool:
-        """Whether ``seqs`` are the rows of the cycle in flight, all still live."""
+    def _continues(self, seqs: list[Sequence], depth: int) -> bool:
+        """Whether ``seqs`` are the rows of the cycle in flight, all still live, at its depth."""
         flight = self._flight
-        return (len(seqs) == len(flight.seqs) and all(a is b for a, b in zip(seqs, flight.seqs))
+        return (flight.depth == depth and len(seqs) == len(flight.seqs)
+                and all(a is b for a, b in zip(seqs, flight.seqs))
                 and not self._released and not any(s.finished for s in seqs) and self.fault_hook is None)
 
-    def _start_chain(self, seqs: list[Sequence]) -> bool:
+    def _start_chain(self, seqs: list[Sequence], depth: int) -> bool:
         """The first cycle from the host's state, then the chain (``_chained_cycle``). False
         (nothing done) where the rows cannot take the chain's blocks: the context's end or a
         full pool (an unchained cycle needs fewer)."""
-        depth = max(s.depth for s in seqs)
         try:
             if not self.runner.extend_tables(seqs, depth):
                 return False
         except OutOfBlocks:
             return False
-        self._head_pre_feed(seqs, depth + 1)
-        self._flight = self.runner.start_cycle(seqs, stack_padded([s.hidden_backlog for s in seqs]), depth)
-        for s in seqs:
-            s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        if depth == 0:
+            self._flight = self.runner.start_cycle(seqs, None, 0)
+        else:
+            self._head_pre_feed(seqs, depth + 1)
+            self._flight = self.runner.start_cycle(seqs, stack_padded([s.hidden_backlog for s in seqs]), depth)
+            for s in seqs:
+                s.head_len, s.hidden_backlog = s.trunk_len + 1, None
         self._chained_cycle(seqs)
         return True
 
@@ -282,13 +290,23 @@ class Generator:
         last: no cycle follows it on the device, so the rows keep its verify hidden states as
         the head's backlog, and give back the blocks past their length."""
         k = flight.depth
-        drafts = [row[: s.depth] for row, s in zip(rows, seqs)]
-        outcomes = [(row[k], row[k + 1]) for row in rows]
-        hidden = flight.hidden[index if index is not None else slice(None)] if last else None
         faults: dict[int, BaseException] = {}
-        for s in seqs:  # the cycle caught the head up to its verify's first position
-            s.head_len = s.trunk_len + 1
-        self._commit_cycle(seqs, drafts, outcomes, hidden, faults)
+        if k == 0:  # AR steps
+            for seq, row in zip(seqs, rows):
+                try:
+                    seq.trunk_len += 1
+                    if last:
+                        self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
+                    self._commit(seq, [row[1]])
+                except Exception as exc:
+                    faults[seq.seq_id] = exc
+        else:
+            drafts = [row[: s.depth] for row, s in zip(rows, seqs)]
+            outcomes = [(row[k], row[k + 1]) for row in rows]
+            hidden = flight.hidden[index if index is not None else slice(None)] if last else None
+            for s in seqs:  # the cycle caught the head up to its verify's first position
+                s.head_len = s.trunk_len + 1
+            self._commit_cycle(seqs, drafts, outcomes, hidden, faults)
         if faults:
             raise SequenceFault(faults)
 

@@ -241,15 +241,17 @@ class ModelRunner:
         the blocks the cycle writes."""
         fields: dict[str, list[list[int]]] = {name: [] for name in CYCLE_FIELDS}
         tables = []
+        width = width if depth else 0
         for seq in seqs:
-            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1]
-            _, pos, slots = self.row_layout(seq, seq.head_len, len(catch_up), width)
+            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1] if depth else []  # depth 0: an AR step
+            _, pos, slots = self.row_layout(seq, seq.head_len, len(catch_up), width) if depth else (None, [], [])
             steps = [self.row_layout(seq, *draft_step(seq, j), 1)[1:] for j in range(depth - 1)]
-            table, verify_pos, verify_slots = self.row_layout(seq, seq.trunk_len, 1 + seq.depth, depth + 1)
+            own = min(seq.depth, depth)  # an MTP row stepped AR (depth 0) verifies one token
+            table, verify_pos, verify_slots = self.row_layout(seq, seq.trunk_len, 1 + own, depth + 1)
             row = {"catch_up_ids": pad_row(catch_up, width), "catch_up_pos": pos, "catch_up_slots": slots,
-                   "last": [len(catch_up) - 1], "draft_pos": [p[0] for p, _ in steps],
+                   "last": [max(len(catch_up) - 1, 0)], "draft_pos": [p[0] for p, _ in steps],
                    "draft_slots": [sl[0] for _, sl in steps], "primary": [seq.tokens[seq.trunk_len]],
-                   "verify_pos": verify_pos, "verify_slots": verify_slots, "depths": [seq.depth]}
+                   "verify_pos": verify_pos, "verify_slots": verify_slots, "depths": [own]}
             for name in CYCLE_FIELDS:
                 fields[name].append(row[name])
             tables.append(table)
@@ -278,14 +280,15 @@ class ModelRunner:
         tail computes the slots of the one after it from the table)."""
         return seq.trunk_len + 3 * (depth + 1)
 
-    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int) -> CycleLaunch:
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
         """A greedy cycle from the host's state (``greedy_cycle``'s contract; the catch-up at
         most depth + 1 pairs), leaving the next cycle's inputs on the device. The rows' tables
         must cover ``lookahead`` (``extend_tables``)."""
         b = self.cycle_buffers(len(seqs), depth)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values, dtype=torch.long), width)
-        b.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        if depth:
+            b.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         return self._run_chained(b, seqs, depth)
 
     def next_cycle(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
@@ -323,21 +326,24 @@ class ModelRunner:
         (the work a chained cycle's CUDA graph captures)."""
         hidden, logits, packed = self.cycle_forward(b.inputs, b.backlog, depth)
         advance_cycle(b.fields, b.tables, packed, self.block_size, self.cache.scratch_slot)
-        b.backlog.copy_(hidden)
+        if depth:
+            b.backlog.copy_(hidden)
         return hidden, logits, packed
 
     def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor,
                       depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this)."""
-        out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
-        h = out[torch.arange(out.shape[0], device=out.device), c.last]
+        """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this).
+        Depth 0 is a greedy AR step: no head work, the outcome (0, next token)."""
         tokens = []
+        if depth:
+            out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
+            h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
             picks = self.model.compute_logits(h).argmax(-1)
             tokens.append(picks)
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
-        drafts = torch.stack(tokens, dim=1)
+        drafts = torch.stack(tokens, dim=1) if tokens else c.primary[:, :0]
         hidden = self.model(torch.cat([c.primary, drafts], dim=1), c.verify, self.cache)
         logits = self.model.compute_logits(hidden)
         target = logits.argmax(-1)  # ties to the lowest index, as verify_greedy
@@ -368,10 +374,15 @@ def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed:
     accepted, nxt = packed[:, depth: depth + 1], packed[:, depth + 1:]
     f = fields
     live = f["verify_slots"][:, :1] != scratch_slot
+    if depth == 0:  # an AR step: the next token goes in at the next position
+        pos = f["verify_pos"] + 1
+        new = {"primary": nxt, "verify_pos": pos, "verify_slots": _slot_of(tables, pos, block_size)}
+        for name, value in new.items():
+            f[name].copy_(torch.where(live, value, f[name]))
+        return
 
     def slot_of(pos, real):
-        block = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
-        return torch.where(real, block * block_size + pos % block_size, scratch_slot)
+        return torch.where(real, _slot_of(tables, pos, block_size), scratch_slot)
 
     start = f["verify_pos"][:, :1] + 1  # where this cycle's accepted tokens go: the catch-up's first pair
     trunk = start + accepted            # the next verify's first position (the new trunk length)
@@ -387,6 +398,13 @@ def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed:
            "primary": nxt, "verify_pos": verify_pos, "verify_slots": slot_of(verify_pos, i <= f["depths"])}
     for name, value in new.items():
         f[name].copy_(torch.where(live, value, f[name]))
+
+
+def _slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """KV slots of positions [rows, n] through the rows' block tables (positions past a table
+    read its last column: callers mask those)."""
+    block = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
+    return block * block_size + pos % block_size
 
 
 @dataclass
