@@ -1,6 +1,9 @@
 """Forge: the training forward is the engine's head, a tiny build trains, loads, stays exact and
-resumes; the sampled-exactness check works; the shipped default head belongs to the default trunk."""
+resumes; the sampled-exactness check works; self-generated prompts come from the chat template's
+user-turn opener, are filtered, fixed by the seed and reused on resume; the shipped default head
+belongs to the default trunk."""
 
+import copy
 import json
 import random
 import time
@@ -14,12 +17,17 @@ import torch
 import mtplx
 from mtplx.errors import ModelLoadError, UnsupportedModel
 from mtplx.forge import prompts
-from mtplx.forge.build import BuildSettings, ForgeError, build, check_trunk, load_trunk
+from mtplx.engine.llm_engine import Engine
+from mtplx.forge import build as build_module
+from mtplx.forge.build import BuildSettings, ForgeError, build, build_self_prompts, check_trunk, load_trunk
 from mtplx.forge.data import Corpus, generate_corpus, make_jobs
 from mtplx.forge.dense import head_outputs, trunk_hidden
 from mtplx.forge.measure import chi_square, exact_distribution, sampled_exactness
+from mtplx.forge.self_prompts import (MIN_WORDS, SelfPrompts, generate_self_prompts, interleave, user_message,
+                                      user_turn_prefix)
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch
 from mtplx.engine.sampling import SamplingParams
+from mtplx.loading.tokenizer import Tokenizer
 from tests.tiny_models import hf_reference, tiny_engine
 
 VOCAB = 96
@@ -211,6 +219,172 @@ def test_held_out_prompts_are_not_training_prompts():
     training = set(prompts.training_prompts())
     assert len(training) > 1000
     assert not training & set(prompts.HELD_OUT_PROMPTS)
+
+
+# -- self-generated prompts -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_trunk(default_gguf):
+    return load_trunk(default_gguf, device="cpu").loaded
+
+
+def _templated_like(tokenizer: Tokenizer, template: str | None) -> Tokenizer:
+    """The same vocabulary with another chat template (None: none)."""
+    hf = copy.deepcopy(tokenizer.hf)
+    hf.chat_template = template
+    return Tokenizer(hf, tokenizer.eos_token_ids, name="edited")
+
+
+@pytest.mark.slow
+def test_user_turn_prefix_is_the_template_up_to_the_user_message(default_trunk):
+    tok = default_trunk.tokenizer
+    prefix = user_turn_prefix(tok)
+    assert prefix.endswith("<|im_end|>\n<|im_start|>user\n")  # SmolLM2: system prompt, then the user opener
+    message = "Which birds migrate the farthest?"
+    conversation = tok.render_chat(prompts.as_chat(message), add_generation_prompt=False)
+    assert conversation.startswith(prefix + message)
+    # as tokens too: the trunk continues from the ids a real user turn starts with
+    prefix_ids = tok.encode(prefix, add_special_tokens=False)
+    assert tok.apply_chat_template(prompts.as_chat(message))[:len(prefix_ids)] == prefix_ids
+
+
+@pytest.mark.slow
+def test_user_turn_prefix_fails_clearly_without_a_usable_chat_template(default_trunk):
+    with pytest.raises(ForgeError, match="no chat template.*--self-prompts 0"):
+        user_turn_prefix(_templated_like(default_trunk.tokenizer, None))
+    hides_the_message = "{% for m in messages %}{{ m['content'] | lower }}{% endfor %}"
+    with pytest.raises(ForgeError, match="does not show the user's message"):
+        user_turn_prefix(_templated_like(default_trunk.tokenizer, hides_the_message))
+    with pytest.raises(ForgeError, match="no tokenizer"):
+        user_turn_prefix(None)
+
+
+def test_build_with_self_prompts_fails_before_any_work_on_a_trunk_without_a_tokenizer(forged, tmp_path):
+    trunk = load_trunk(forged.trunk, device="cpu")
+    with pytest.raises(ForgeError, match="--self-prompts 0"):
+        build(trunk, tmp_path / "head", train_prompts=_token_prompts(4, 0), held_out_prompts=_token_prompts(1, 1),
+              settings=BuildSettings(self_prompts=10))
+    assert not (tmp_path / "head").exists()
+
+
+@pytest.mark.slow
+def test_user_message_keeps_only_finished_plain_messages_of_some_words(default_trunk):
+    tok = default_trunk.tokenizer
+
+    def sample(text, finish="stop"):
+        return SimpleNamespace(finish_reason=finish, generated=tok.encode(text, add_special_tokens=False))
+
+    assert user_message(tok, sample("  Can you help me plan a small garden?\n")) == \
+        "Can you help me plan a small garden?"
+    assert user_message(tok, sample("Can you help me plan a small garden?", "length")) is None  # cut off
+    assert user_message(tok, sample("Thanks a lot!")) is None  # fewer than MIN_WORDS words
+    assert MIN_WORDS == 4 and user_message(tok, sample("Name four big rivers")) == "Name four big rivers"
+    assert user_message(tok, sample("Name a river<|im_end|>\n<|im_start|>assistant\nThe Nile")) is None
+
+
+def test_interleave_spreads_both_lists_in_order():
+    mixed = interleave(list("abcdef"), [1, 2, 3])
+    assert mixed == ["a", 1, "b", "c", 2, "d", "e", 3, "f"]
+    assert interleave([1, 2], []) == [1, 2] and interleave([], [1]) == [1]
+
+
+@pytest.mark.slow
+def test_self_prompts_are_distinct_filtered_and_fixed_by_the_seed(default_trunk, tmp_path):
+    """Three prompts; then again with the first one excluded, interrupted after three samples and
+    continued from the stored file: the same samples, so the first one's two successors first."""
+    engine = Engine(default_trunk, kv_cache_tokens=6 * 96 + 1024, block_size=16)
+    tok = default_trunk.tokenizer
+
+    def store():
+        return SelfPrompts(requested=3, prefix=user_turn_prefix(tok), max_new_tokens=32, seed=3)
+
+    first = generate_self_prompts(engine, store(), rows=6, exclude=prompts.HELD_OUT_PROMPTS)
+    assert first.done and len(first.prompts) == 3 and first.attempts >= 3
+    assert len({" ".join(p.split()).casefold() for p in first.prompts}) == 3
+    for p in first.prompts:
+        assert p == p.strip() and len(p.split()) >= MIN_WORDS and p not in prompts.HELD_OUT_PROMPTS
+        ids = tok.encode(p, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == p  # no control token inside
+
+    path = tmp_path / "prompts.json"
+
+    def crash_after_three(s, distinct, finished):
+        if finished == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_self_prompts(engine, store(), rows=6, exclude=[first.prompts[0].upper()],
+                              save=lambda s: s.save(path), save_every=1, progress=crash_after_three)
+    partial = SelfPrompts.load(path)
+    assert not partial.done and partial.attempts < first.attempts
+    again = generate_self_prompts(engine, partial, rows=6, exclude=[first.prompts[0].upper()])
+    assert again.done and again.prompts[:2] == first.prompts[1:]
+
+    late = generate_self_prompts(engine, store(), rows=6, deadline=time.monotonic() - 1)
+    assert late.done and late.out_of_time and late.prompts == []
+
+
+@pytest.fixture(scope="module")
+def chat_trunk(tmp_path_factory, default_trunk):
+    """A tiny random trunk with the default model's vocabulary, tokenizer and chat template."""
+    folder = tmp_path_factory.mktemp("chat_trunk")
+    hf, _ = hf_reference("llama", seed=0, vocab_size=default_trunk.config.vocab_size)
+    hf.save_pretrained(folder)
+    default_trunk.tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_build_mixes_in_self_prompts_records_them_and_reuses_them_on_resume(chat_trunk, tmp_path, monkeypatch):
+    """A random trunk seldom ends a turn, so the trunk's writing is stood in for; the rest is real."""
+    written = ["Plan a picnic for six people.", "What is a koan, and where do they come from?"]
+
+    def trunk_writes(engine, store, **kwargs):
+        store.prompts, store.attempts, store.done = list(written), 5, True
+        kwargs["save"](store)
+        return store
+
+    monkeypatch.setattr(build_module, "generate_self_prompts", trunk_writes)
+    built_in = ["Tell me about owls.", "Write a haiku about rain.", "How do magnets work?", "Name three rivers."]
+    settings = BuildSettings(tokens=10_000, max_new_tokens=6, gen_rows=8, rounds=1, self_prompts=3,
+                             self_prompt_temperature=0.8, measure_max_tokens=4, measure_rows=2,
+                             train=TrainSettings(epochs=1, batch_tokens=256, eval_every=1000))
+
+    def run(resume):
+        return build(load_trunk(chat_trunk, device="cpu"), tmp_path / "head", train_prompts=built_in,
+                     held_out_prompts=["What is a comet?"], settings=settings, resume=resume, log=lambda line: None)
+
+    provenance = run(resume=False)
+    data = provenance["data"]
+    assert data["training_prompts"] == 6
+    recorded = data["self_prompts"]
+    assert (recorded["requested"], recorded["kept"], recorded["attempts"]) == (3, 2, 5)
+    assert recorded["temperature"] == 0.8 and recorded["prefix"].endswith("<|im_start|>user\n")
+    tok = load_trunk(chat_trunk, device="cpu").loaded.tokenizer
+    corpus = Corpus.load(tmp_path / "head" / "forge-work" / "corpus.pt")
+    asked = [tok.decode(s.tokens[:s.prompt_len]) for s in corpus.samples]
+    for prompt in written + built_in:
+        assert sum(prompt in a for a in asked) == 1
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("a resumed build generated its self prompts again")
+
+    monkeypatch.setattr(build_module, "generate_self_prompts", no_generation)
+    assert run(resume=True)["data"]["self_prompts"] == recorded
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_self_prompt_count_than_the_work_folder_holds(default_trunk, tmp_path):
+    """Another count would change the prompt list, and with it which corpus jobs are done."""
+    prefix = user_turn_prefix(default_trunk.tokenizer)
+    SelfPrompts(requested=3, prefix=prefix, prompts=["Plan a picnic for six people."], attempts=4,
+                done=True).save(tmp_path / "prompts.json")
+    with pytest.raises(ForgeError, match="--self-prompts 3"):
+        build_self_prompts(default_trunk, prefix, BuildSettings(self_prompts=5), tmp_path, True, [], None, print)
+    (tmp_path / "prompts.json").unlink()
+    Corpus().save(tmp_path / "corpus.pt")
+    with pytest.raises(ForgeError, match="--self-prompts 0"):
+        build_self_prompts(default_trunk, prefix, BuildSettings(self_prompts=3), tmp_path, True, [], None, print)
 
 
 # -- the shipped default head ----------------------------------------------------------------------

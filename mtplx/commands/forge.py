@@ -35,13 +35,19 @@ def _add_build(actions) -> None:
     g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
     g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
     g.add_argument("--text", action="append", default=[], help="plain-text file to add (repeatable)")
+    g.add_argument("--self-prompts", type=int, default=None,
+                   help="user messages the trunk writes itself, added to the prompts (default 4000 for a trunk "
+                        "with a chat template, else 0; 0: none)")
+    g.add_argument("--self-prompt-temperature", type=float, default=0.9,
+                   help="sampling temperature of the self-generated prompts (default 0.9)")
     g = p.add_argument_group("training")
     g.add_argument("--depth", type=int, default=3, help="draft depths trained (default 3)")
     g.add_argument("--epochs", type=float, default=3.0)
     g.add_argument("--batch-tokens", type=int, default=8192, help="tokens per training batch")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine decay)")
     g.add_argument("--max-seconds", type=float, default=None,
-                   help="wall-clock budget: generation stops at 45%% of it, training at 90%%")
+                   help="wall-clock budget: self prompts stop at 15%% of it, completions at 45%%, "
+                        "training at 90%%")
     g = p.add_argument_group("measurement")
     g.add_argument("--measure-depth", type=int, default=3)
     g.add_argument("--measure-max-tokens", type=int, default=128)
@@ -62,7 +68,7 @@ def _add_verify(actions) -> None:
 def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
-    from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.build import DEFAULT_SELF_PROMPTS, BuildSettings, build, load_prompts_file, load_trunk
     from mtplx.forge.train import TrainSettings
 
     try:
@@ -74,14 +80,23 @@ def run_build(args) -> int:
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
+    if args.self_prompts is not None and args.self_prompts < 0:
+        raise InvalidParameter("self-prompts", f"must be >= 0 (0: none), got {args.self_prompts}")
+    if not args.self_prompt_temperature > 0:
+        raise InvalidParameter("self-prompt-temperature", f"must be > 0, got {args.self_prompt_temperature}")
     train_prompts = load_prompts_file(Path(args.prompts)) if args.prompts else prompts.training_prompts(args.seed)
     settings = BuildSettings(
         tokens=args.tokens, max_new_tokens=args.max_new_tokens, temperatures=temperatures, rounds=args.rounds,
-        gen_rows=args.gen_rows, seed=args.seed, max_seconds=args.max_seconds, measure_depth=args.measure_depth,
+        gen_rows=args.gen_rows, seed=args.seed, self_prompt_temperature=args.self_prompt_temperature,
+        max_seconds=args.max_seconds, measure_depth=args.measure_depth,
         measure_max_tokens=args.measure_max_tokens,
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                             seed=args.seed))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
+    if args.self_prompts is not None:
+        settings.self_prompts = args.self_prompts
+    elif trunk.loaded.tokenizer is not None and trunk.loaded.tokenizer.has_chat_template:
+        settings.self_prompts = DEFAULT_SELF_PROMPTS
     held_out = list(prompts.HELD_OUT_PROMPTS)
     if trunk.loaded.tokenizer is None and args.prompts:  # token-id prompts: hold out the last few
         cut = max(1, len(train_prompts) // 10)

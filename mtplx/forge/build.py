@@ -1,6 +1,9 @@
 """``mtplx forge build``: trunk -> corpus of its own generations -> trained head -> measured artifact.
 
 Phases (each resumable from ``work_dir``):
+  0. self prompts: user messages the trunk writes itself from its chat template's user-turn
+     opener (self_prompts.py), filtered and deduplicated (``prompts.json``), interleaved with the
+     prompt set;
   1. corpus: the trunk's own completions of the prompt set (AR, mixed temperatures), batched
      through the engine; saved every few hundred sequences (``corpus.pt``);
   2. training: self-distillation against the frozen trunk (train.py), checkpointed (``train.pt``);
@@ -24,11 +27,13 @@ from tqdm import tqdm
 
 from mtplx import __version__
 from mtplx.engine.llm_engine import Engine
-from mtplx.errors import MtplxError, UnsupportedModel
+from mtplx.errors import UnsupportedModel
+from mtplx.forge import ForgeError
 from mtplx.forge import prompts as prompt_set
 from mtplx.forge.artifact import head_state, write_head
 from mtplx.forge.data import Corpus, Sample, generate_corpus, make_jobs
 from mtplx.forge.measure import acceptance
+from mtplx.forge.self_prompts import SelfPrompts, generate_self_prompts, interleave, user_turn_prefix
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch, split_samples
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.loading.mtp_weights import ZERO_CENTERED_FAMILIES, HeadWeights
@@ -37,12 +42,10 @@ from mtplx.models.config import MTPConfig
 
 # Trunks whose every layer is full attention over the paged KV cache (the training forward's shape).
 FORGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-GEN_PHASE, TRAIN_PHASE = 0.45, 0.90  # shares of --max-seconds by which generation / training stop
+# Shares of --max-seconds by which self-prompt generation, completion generation and training stop.
+PROMPT_PHASE, GEN_PHASE, TRAIN_PHASE = 0.15, 0.45, 0.90
+DEFAULT_SELF_PROMPTS = 4000  # the CLI's default for a trunk with a chat template
 _BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 15.0  # seconds; a log file gets a line now and then
-
-
-class ForgeError(MtplxError):
-    """A trunk or an option that forge cannot work with."""
 
 
 @dataclass
@@ -53,6 +56,9 @@ class BuildSettings:
     rounds: int = 3  # passes over the prompt set, at most
     gen_rows: int = 128  # sequences decoded together
     seed: int = 0
+    self_prompts: int = 0  # user messages the trunk writes itself, added to the prompt set (0: none)
+    self_prompt_temperature: float = 0.9  # 1.0 writes more garbled messages, hardly more varied ones
+    self_prompt_max_new_tokens: int = 96
     max_seconds: float | None = None  # wall-clock budget for the whole build
     measure_depth: int = 3
     measure_max_tokens: int = 128
@@ -127,6 +133,43 @@ def text_samples(loaded: LoadedModel, files: list[Path], max_len: int) -> list[S
 
 
 # -- phases ----------------------------------------------------------------------------------------
+
+def build_self_prompts(loaded: LoadedModel, prefix: str, settings: BuildSettings, work_dir: Path, resume: bool,
+                       exclude: list[str], deadline: float | None, log: Callable[[str], None]) -> SelfPrompts:
+    """The trunk's own user messages: reused from ``prompts.json`` on --resume once that phase
+    ended (so the corpus's prompt list, and its job keys, stay the same), else generated."""
+    path = work_dir / "prompts.json"
+    if resume and path.is_file():
+        store = SelfPrompts.load(path)
+        if store.requested != settings.self_prompts:
+            raise ForgeError(f"{path} holds a build with --self-prompts {store.requested}; "
+                             f"resume it with --self-prompts {store.requested}")
+        if store.done:
+            log(f"self prompts: resumed, {len(store.prompts)} of {store.requested}")
+            return store
+    elif resume and (work_dir / "corpus.pt").is_file():
+        raise ForgeError(f"the corpus in {work_dir} was generated without self-generated prompts; "
+                         "resume it with --self-prompts 0")
+    else:
+        store = SelfPrompts(settings.self_prompts, prefix, settings.self_prompt_temperature,
+                            settings.self_prompt_max_new_tokens, settings.seed)
+    longest = len(loaded.tokenizer.encode(prefix, add_special_tokens=False)) + store.max_new_tokens + 16
+    engine = Engine(LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source),
+                    kv_cache_tokens=settings.gen_rows * longest + 1024, block_size=16)
+    bar = tqdm(total=store.requested, initial=len(store.prompts), unit="prompt", desc="forge: self prompts",
+               file=sys.stderr, mininterval=_BAR_INTERVAL)
+
+    def progress(s: SelfPrompts, distinct: int, finished: int) -> None:
+        bar.update(max(0, min(s.requested, distinct) - bar.n))
+        bar.set_postfix(samples=finished)
+
+    generate_self_prompts(engine, store, rows=settings.gen_rows, exclude=exclude, deadline=deadline,
+                          save=lambda s: s.save(path), progress=progress)
+    bar.close()
+    stopped = " (stopped by the time budget)" if store.out_of_time else ""
+    log(f"self prompts: kept {len(store.prompts)} of {store.attempts} samples, {store.seconds:.0f}s{stopped}")
+    return store
+
 
 def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: BuildSettings, work_dir: Path,
                  resume: bool, extra: list[Sample], deadline: float | None, log: Callable[[str], None]) -> Corpus:
@@ -224,12 +267,22 @@ def build(trunk: TrunkInfo, out_dir: Path, *, train_prompts: list, held_out_prom
     check_trunk(loaded, needs_tokenizer)
     if not train_prompts or not held_out_prompts:
         raise ForgeError("forge needs at least one training prompt and one held-out prompt")
+    prefix = user_turn_prefix(loaded.tokenizer) if settings.self_prompts else None  # fails before any work
     work_dir = Path(work_dir or Path(out_dir) / "forge-work")
     _prepare_work_dir(work_dir, resume)
     start = time.monotonic()
     deadline = (lambda share: start + share * settings.max_seconds) if settings.max_seconds else (lambda share: None)
 
-    train_ids = encode_prompts(loaded, train_prompts)
+    self_prompts = None
+    if settings.self_prompts:
+        exclude = [p for p in list(held_out_prompts) + list(train_prompts) if isinstance(p, str)]
+        self_prompts = build_self_prompts(loaded, prefix, settings, work_dir, resume, exclude,
+                                          deadline(PROMPT_PHASE), log)
+    elif resume and (work_dir / "prompts.json").is_file():
+        raise ForgeError(f"{work_dir} holds a build with self-generated prompts (prompts.json); "
+                         "resume it with the --self-prompts it was started with")
+    all_prompts = interleave(list(train_prompts), self_prompts.prompts) if self_prompts else list(train_prompts)
+    train_ids = encode_prompts(loaded, all_prompts)
     held_ids = encode_prompts(loaded, held_out_prompts)
     extra = text_samples(loaded, text_files, settings.train.max_len) if text_files else []
     corpus = build_corpus(loaded, train_ids, settings, work_dir, resume, extra, deadline(GEN_PHASE), log)
@@ -239,15 +292,15 @@ def build(trunk: TrunkInfo, out_dir: Path, *, train_prompts: list, held_out_prom
     measured = measure_head(loaded, weights, held_ids, settings)
     log("held-out acceptance by depth " + "/".join(f"{a:.3f}" for a in measured["acceptance_by_depth"])
         + f", mean acceptance length {measured['mean_acceptance_length']:.2f} at depth {measured['depth']}")
-    provenance = _provenance(trunk, trainer, corpus, measured, settings, train_ids, text_files, prompt_source,
-                             command, time.monotonic() - start)
+    provenance = _provenance(trunk, trainer, corpus, measured, settings, train_ids, self_prompts, text_files,
+                             prompt_source, command, time.monotonic() - start)
     write_head(Path(out_dir), trainer.head, provenance, torch.bfloat16)
     log(f"wrote {Path(out_dir) / 'mtp.safetensors'} and mtplx_forge.json")
     return provenance
 
 
 def _prepare_work_dir(work_dir: Path, resume: bool) -> None:
-    leftovers = [p for p in (work_dir / "corpus.pt", work_dir / "train.pt") if p.is_file()]
+    leftovers = [work_dir / name for name in ("prompts.json", "corpus.pt", "train.pt") if (work_dir / name).is_file()]
     if leftovers and not resume:
         raise ForgeError(f"{work_dir} holds an earlier build ({', '.join(p.name for p in leftovers)}); "
                          "pass --resume to continue it, or delete the folder to start over")
@@ -255,7 +308,8 @@ def _prepare_work_dir(work_dir: Path, resume: bool) -> None:
 
 
 def _provenance(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
-                train_ids: list[list[int]], text_files, prompt_source: str, command: str, seconds: float) -> dict:
+                train_ids: list[list[int]], self_prompts: SelfPrompts | None, text_files, prompt_source: str,
+                command: str, seconds: float) -> dict:
     cfg = trunk.loaded.config
     st = trainer.state
     device = trunk.loaded.model.lm_head.weight.device
@@ -275,7 +329,9 @@ def _provenance(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: di
                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                      "validation_agreement_by_depth": st.history[-1]["agreement"] if st.history else None,
                      "history": st.history[-20:]},
-        "data": {"prompt_set": prompt_source, "training_prompts": len(train_ids), "sequences": len(corpus.samples),
+        "data": {"prompt_set": prompt_source, "training_prompts": len(train_ids),
+                 "self_prompts": self_prompts.description() if self_prompts else None,
+                 "sequences": len(corpus.samples),
                  "generated_tokens": corpus.generated_tokens, "temperatures": list(settings.temperatures),
                  "max_new_tokens": settings.max_new_tokens, "rounds": settings.rounds,
                  "generation_seconds": corpus.description.get("generation_seconds"),

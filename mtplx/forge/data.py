@@ -131,14 +131,18 @@ def generate_corpus(engine: Engine, jobs: list[Job], *, max_new_tokens: int, row
     return corpus
 
 
-def decode_rows(engine: Engine, requests: Iterator[tuple[str, Request]], rows: int) -> Iterator[tuple[str, Sequence]]:
+def decode_rows(engine: Engine, requests: Iterator[tuple[str, Request]], rows: int,
+                deadline: float | None = None) -> Iterator[tuple[str, Sequence]]:
     """Decode requests (all AR or all MTP) with up to ``rows`` in flight; yields (key, finished
-    sequence) as rows finish. Blocks are released as each row finishes."""
+    sequence) as rows finish. Blocks are released as each row finishes. Past ``deadline``
+    (time.monotonic()) it stops, dropping the rows still decoding."""
     live: list[tuple[str, Sequence]] = []
     source = iter(requests)
     exhausted = False
     try:
         while live or not exhausted:
+            if deadline is not None and time.monotonic() > deadline:
+                return
             while not exhausted and len(live) < rows:
                 item = next(source, None)
                 if item is None:
