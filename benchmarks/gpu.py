@@ -267,12 +267,13 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
 
 
 def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens: int) -> list[list[int]]:
-    """Greedy MTP decoding of rows in one batch, row i to max_tokens - 11 i (rows end apart)."""
+    """Greedy decoding of rows in one batch (AR at depth 0, else MTP), row i to max_tokens - 11 i
+    (rows end apart)."""
     gen = engine.generator
     seqs = []
     for i, prompt in enumerate(prompts):
-        seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", depth=depth, max_tokens=max_tokens - 11 * i,
-                                                      ignore_eos=True))
+        mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+        seq = engine.new_sequence(engine.make_request(prompt, **mode, max_tokens=max_tokens - 11 * i, ignore_eos=True))
         gen.admit(seq)
         gen.prefill(seq)
         seqs.append(seq)
@@ -287,13 +288,13 @@ def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens
 def check_chain(engine: Engine, report_only: bool = False) -> dict:
     """Fail loudly unless chained cycles (each cycle's inputs written by the last one's graph,
     the host one cycle behind) decode exactly the tokens of cycles started from the host's
-    state: the same graph on the same integers. 1 and 3 rows, depths 1-3, random prompts
-    shorter than a block (no prefix-cache hit between the two runs)."""
+    state: the same graph on the same integers. 1 and 3 rows, AR and MTP depths 1-3, random
+    prompts shorter than a block (no prefix-cache hit between the two runs)."""
     runner = engine.runner
     g = torch.Generator().manual_seed(int(time.time()) + 1)
     mismatched, rows_checked = 0, 0
     for rows in (1, 3):
-        for depth in (1, 2, 3):
+        for depth in (0, 1, 2, 3):
             prompts = [torch.randint(0, engine.config.vocab_size, (12,), generator=g).tolist() for _ in range(rows)]
             out = {}
             for chain in (False, True):
@@ -485,6 +486,9 @@ def main() -> None:
         entry["engine_build_s"] = engine.build_s
         for streams in (1, 2, 4, 8):
             entry[f"ar_tok_s_x{streams}"] = ar_tok_s(engine, streams)
+        engine.runner.chain_cycles = False  # each step started from the host's state, for comparison
+        entry["ar_tok_s_x1_unchained"] = ar_tok_s(engine, 1)
+        engine.runner.chain_cycles = True
         entry["roofline_tok_s"] = bw / weight_bytes(engine)
         entry["ar_share_of_roofline"] = entry["ar_tok_s_x1"] / entry["roofline_tok_s"]
         del engine
