@@ -154,10 +154,12 @@ def test_gemv_variants_match_reference(dtype, rows, reference_path):
 def test_gemv_takes_one_row_or_a_few_for_small_weights():
     like = dict(device=DEVICE, dtype=torch.bfloat16)
     small, big = torch.empty(8, 16, **like), torch.empty(gemv.SMALL_WEIGHT // 16 + 1, 16, **like)
-    assert gemv.usable(torch.randn(2, gemv.MAX_ROWS // 2, 16, **like), small)
-    assert not gemv.usable(torch.randn(gemv.MAX_ROWS + 1, 16, **like), small)
-    assert gemv.usable(torch.randn(1, 1, 16, **like), big) and not gemv.usable(torch.randn(2, 16, **like), big)
+    with torch.inference_mode():
+        assert gemv.usable(torch.randn(2, gemv.MAX_ROWS // 2, 16, **like), small)
+        assert not gemv.usable(torch.randn(gemv.MAX_ROWS + 1, 16, **like), small)
+        assert gemv.usable(torch.randn(1, 1, 16, **like), big) and not gemv.usable(torch.randn(2, 16, **like), big)
     assert not gemv.usable(torch.randn(1, 16, **like, requires_grad=True), small)  # the kernel has no backward
+    assert not gemv.usable(torch.randn(1, 16, **like), small)  # nor under autograd at all
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
@@ -204,3 +206,17 @@ def test_tiny_model_forward_matches_reference(family, reference_path, monkeypatc
     assert gemv_rows == set(range(1, gemv.MAX_ROWS + 1))
     errors = [rel(got, ref) for got, ref in zip(outs[0], outs[1])]
     assert max(errors) < (1e-5 if dtype == torch.float32 else 2e-2), errors
+
+
+def test_autograd_takes_the_reference_path():
+    """The kernels have no backward: with autograd on (forge trains a head through these
+    modules) the norm and the projections run the reference path and gradients reach the
+    weights. (Forge's GPU training failed with 'does not require grad' before.)"""
+    norm = RMSNorm(64, 1e-6).to(DEVICE)
+    proj = torch.nn.Linear(64, 32, bias=False).to(DEVICE)
+    x = torch.randn(1, 1, 64, device=DEVICE)  # one row: the GEMV kernel's shape
+    out = gemv.gemv(norm(x), proj.weight) if gemv.usable(norm(x), proj.weight) else proj(norm(x))
+    out.sum().backward()
+    assert norm.weight.grad is not None and proj.weight.grad is not None
+    with torch.inference_mode():
+        assert fused.usable(x) and gemv.usable(x, proj.weight)

@@ -39,8 +39,10 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """True where the fused kernels run: CUDA tensors (or any, under Triton's interpreter)."""
-    return attention.KERNELS_ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+    """True where the fused kernels run: CUDA tensors (or any, under Triton's interpreter),
+    outside autograd (the kernels have no backward: forge trains a head through these modules)."""
+    return (attention.KERNELS_ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+            and not torch.is_grad_enabled())
 
 
 if triton is not None:
