@@ -169,6 +169,7 @@ class CudaGraphRunner(ModelRunner):
     def cycle_buffers(self, rows: int, depth: int) -> CycleBuffers:
         return self._captured("cycle", rows, depth).buffers
 
+    @torch.inference_mode()
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int):
         g = self._captured("cycle", len(seqs), depth)
         values, width = g.buffers.values(seqs)
@@ -271,16 +272,18 @@ class CudaGraphRunner(ModelRunner):
         return _Graph(graph, ids, positions, slots, tables, hidden_in, out, rows_in.view(-1), staging, copied)
 
     def _capture_forward(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm ``forward`` up on a side stream (Triton compiles there), then capture it."""
+        """Warm ``forward`` up on a side stream (Triton compiles there), then capture it, both
+        outside autograd (where the fused kernels run, not the reference path)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+        with torch.no_grad():
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = forward()
         return graph, out
 
     # -- whole greedy MTP cycles -----------------------------------------------------------

@@ -271,7 +271,8 @@ class ModelRunner:
 
         key = (rows, depth)
         if key not in self._chain_buffers:
-            self._chain_buffers[key] = CycleBuffers(self, rows, depth, self.blocks.num_blocks)
+            with torch.inference_mode(False):  # written in place outside inference mode too
+                self._chain_buffers[key] = CycleBuffers(self, rows, depth, self.blocks.num_blocks)
         return self._chain_buffers[key]
 
     def lookahead(self, seq: Sequence, depth: int) -> int:
@@ -280,6 +281,7 @@ class ModelRunner:
         tail computes the slots of the one after it from the table)."""
         return seq.trunk_len + 3 * (depth + 1)
 
+    @torch.inference_mode()
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
         """A greedy cycle from the host's state (``greedy_cycle``'s contract; the catch-up at
         most depth + 1 pairs), leaving the next cycle's inputs on the device. The rows' tables
@@ -291,6 +293,7 @@ class ModelRunner:
             b.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         return self._run_chained(b, seqs, depth)
 
+    @torch.inference_mode()
     def next_cycle(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
         """The cycle after the last one started over these rows, from its device-side inputs.
         As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``extend_tables``)."""
