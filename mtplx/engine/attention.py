@@ -11,10 +11,14 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtplx.kernels import paged_attention as triton_kernel
 
 MAX_KERNEL_QUERY = 8
+# Not cuDNN: it builds a plan for every new (query, key) length on first sight, tens of ms each,
+# and prompts and pre-feeds come in every length (stalls of about 70 ms inside requests on an H200)
+REFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KERNELS_ENABLED = True  # benchmarks switch it off to check the kernel against the reference
 
 
@@ -92,12 +96,13 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)
     allowed = (key_idx.view(1, 1, -1) <= meta.positions.unsqueeze(-1)) & (key_idx >= meta.key_start)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=allowed.unsqueeze(1),
-        scale=scale,
-        enable_gqa=kv_heads != heads,
-    )
+    with sdpa_kernel(REFERENCE_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=allowed.unsqueeze(1),
+            scale=scale,
+            enable_gqa=kv_heads != heads,
+        )
     return out.transpose(1, 2)
