@@ -63,13 +63,16 @@ def test_ar_blocks_never_serve_an_mtp_request_stale_head_entries():
     engine.runner.blocks.check_invariants()
 
 
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, monkeypatch):
+def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, chained, monkeypatch):
     """Argmax drafts stay on the device and greedy verification runs there: one transfer per
-    cycle (drafts, accepted counts, next tokens), however deep and however many rows. On a GPU
-    each transfer is a host sync that drains the queue of launched work."""
+    cycle (drafts, accepted counts, next tokens), however deep and however many rows, chained
+    cycles (tests/test_mtp_chained.py) included. On a GPU each transfer is a host sync that
+    drains the queue of launched work."""
     engine, _ = tiny_engine("qwen3")
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    engine.runner.chain_cycles = chained
     seqs = []
     for i in range(rows):
         seq = engine.new_sequence(engine.make_request([3 + i, 4, 5, 6], mode="mtp", depth=3, max_tokens=30))
@@ -121,7 +124,8 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
     graph's static buffers (rows padded to the graph's bucket, catch-up padded to depth + 1),
     filled by ``CycleBuffers.values``, computes what ``ModelRunner.greedy_cycle`` computes, and
     drafts what the step-by-step draft path drafts."""
-    from mtplx.engine.cuda_graphs import CycleBuffers, ROW_BUCKETS
+    from mtplx.engine.cuda_graphs import ROW_BUCKETS
+    from mtplx.engine.runner import CycleBuffers
 
     engine, _ = tiny_engine("qwen3")
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())

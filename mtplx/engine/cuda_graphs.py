@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.runner import CYCLE_FIELDS, CycleInputs, ModelRunner, pad_row
+from mtplx.engine.runner import CycleBuffers, ModelRunner, copy_in, flat_tables, pad_row
 from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -39,60 +39,6 @@ class _Graph:
     rows_in: torch.Tensor    # [3 * R * q] long: ids, positions, slots (the buffer behind the three views)
     staging: torch.Tensor    # pinned host memory for rows_in then the used table columns
     copied: torch.cuda.Event  # recorded after the copies out of ``staging``
-
-
-class CycleBuffers:
-    """The static inputs of a whole greedy MTP cycle over R rows at one depth (what the cycle
-    graph reads), the catch-up padded to depth + 1 pairs, and how to fill them for a batch of
-    sequences. Every integer input is a view of ``ints``, so one copy fills them all (plus one
-    for the block-table columns in use). Nothing here is CUDA-specific: CPU tests run
-    ``cycle_forward`` over these buffers to check the layout against the eager cycle."""
-
-    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int):
-        dev, W = runner.device, depth + 1
-        C = W if depth else 0  # depth 0 (an AR step) has no head catch-up
-        self.runner, self.depth = runner, depth
-        widths = {"catch_up_ids": C, "catch_up_pos": C, "catch_up_slots": C, "last": 1,
-                  "draft_pos": max(depth - 1, 0), "draft_slots": max(depth - 1, 0), "primary": 1,
-                  "verify_pos": W, "verify_slots": W, "depths": 1}
-        self.ints = torch.zeros(rows * sum(widths.values()), dtype=torch.long, device=dev)
-        self.fields, at = {}, 0  # name -> [rows, n] view of ints, in CYCLE_FIELDS order
-        for name in CYCLE_FIELDS:
-            self.fields[name] = self.ints[at: at + rows * widths[name]].view(rows, widths[name])
-            at += rows * widths[name]
-        for name in ("catch_up_slots", "draft_slots", "verify_slots"):
-            self.fields[name].fill_(runner.cache.scratch_slot)
-        self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
-        self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
-        self.inputs = CycleInputs.from_fields(self.fields, self.tables)
-
-    def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
-        """(every field's values for these rows, padding rows included, then the block-table
-        columns in use, row by row; that column count). Takes the blocks the cycle writes."""
-        scratch_slot, scratch_block = self.runner.cache.scratch_slot, self.runner.cache.scratch_block
-        fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
-        pad = self.tables.shape[0] - len(seqs)
-        values = []
-        for name, view in self.fields.items():
-            for row in fields[name]:
-                values += row
-            values += [scratch_slot if name.endswith("slots") else 0] * (pad * view.shape[1])
-        flat, width = _flat_tables(tables, self.tables.shape[0], scratch_block)
-        return values + flat, width
-
-    def fill(self, source: torch.Tensor, width: int) -> None:
-        """Copy ``values``' output (as a long tensor, e.g. pinned staging) into the buffers."""
-        _copy_in(source, self.ints, self.tables, width)
-
-    def set_tables(self, tables: list[list[int]], staging: torch.Tensor | None = None) -> None:
-        """Copy the rows' block tables in (through pinned ``staging`` where given), leaving
-        the other inputs as they are (a chained cycle wrote them)."""
-        flat, width = _flat_tables(tables, self.tables.shape[0], self.runner.cache.scratch_block)
-        source = torch.tensor(flat, dtype=torch.long)
-        if staging is not None:
-            staging[: len(flat)].copy_(source)
-            source = staging[: len(flat)]
-        self.tables[:, :width].copy_(source.view(-1, width), non_blocking=True)
 
 
 @dataclass
@@ -236,9 +182,9 @@ class CudaGraphRunner(ModelRunner):
             slots += row_slots
             tables.append(table)
         pad = (R - len(seqs)) * q
-        flat_tables, width = _flat_tables(tables, R, self.cache.scratch_block)
-        values = ids + [0] * pad + pos + [0] * pad + slots + [self.cache.scratch_slot] * pad + flat_tables
-        _copy_in(_staged(g, values), g.rows_in, g.tables, width)
+        flat, width = flat_tables(tables, R, self.cache.scratch_block)
+        values = ids + [0] * pad + pos + [0] * pad + slots + [self.cache.scratch_slot] * pad + flat
+        copy_in(_staged(g, values), g.rows_in, g.tables, width)
         g.copied.record()
         if g.hidden_in is not None:
             g.hidden_in.zero_()
@@ -303,30 +249,12 @@ class CudaGraphRunner(ModelRunner):
         outcomes = [torch.zeros(R, depth + 2, dtype=torch.long, pin_memory=True) for _ in range(2)]
         return _CycleGraph(graph, buffers, out, staging, copied, outcomes, [torch.cuda.Event() for _ in range(2)])
 
-def _flat_tables(tables: list[list[int]], rows: int, scratch_block: int) -> tuple[list[int], int]:
-    """Block tables padded with the scratch block to the widest and to ``rows`` rows, flattened
-    row by row; that width."""
-    width = max(len(t) for t in tables)
-    flat = []
-    for t in tables:
-        flat += t + [scratch_block] * (width - len(t))
-    return flat + [scratch_block] * ((rows - len(tables)) * width), width
-
-
 def _staged(g, values: list[int]) -> torch.Tensor:
     """``values`` in the graph's pinned staging buffer, once the copies out of it that the last
     replay made are done (record ``g.copied`` after the new ones)."""
     g.copied.synchronize()
     g.staging[: len(values)].copy_(torch.tensor(values, dtype=torch.long))
     return g.staging
-
-
-def _copy_in(source: torch.Tensor, ints: torch.Tensor, tables: torch.Tensor, width: int) -> None:
-    """The first ints.numel() values into ``ints``, the next rows * width into the first
-    ``width`` columns of ``tables`` (two copies, asynchronous from pinned memory)."""
-    n, rows = ints.numel(), tables.shape[0]
-    ints.copy_(source[:n], non_blocking=True)
-    tables[:, :width].copy_(source[n: n + rows * width].view(rows, width), non_blocking=True)
 
 
 def _bucket(rows: int) -> int:

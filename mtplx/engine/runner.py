@@ -267,8 +267,6 @@ class ModelRunner:
 
     def cycle_buffers(self, rows: int, depth: int):
         """The static inputs chained cycles over these rows run from (CycleBuffers)."""
-        from mtplx.engine.cuda_graphs import CycleBuffers  # device-agnostic, despite the module
-
         key = (rows, depth)
         if key not in self._chain_buffers:
             with torch.inference_mode(False):  # written in place outside inference mode too
@@ -353,6 +351,78 @@ class ModelRunner:
         leading = (target[:, :depth] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
         accepted = torch.minimum(leading, c.depths)
         return hidden, logits, torch.cat([drafts, accepted, target.gather(1, accepted)], dim=1)
+
+
+class CycleBuffers:
+    """The static inputs of a whole greedy MTP cycle over R rows at one depth (what the cycle
+    graph reads), the catch-up padded to depth + 1 pairs, and how to fill them for a batch of
+    sequences. Every integer input is a view of ``ints``, so one copy fills them all (plus one
+    for the block-table columns in use). Nothing here is CUDA-specific: CPU tests run
+    ``cycle_forward`` over these buffers to check the layout against the eager cycle."""
+
+    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int):
+        dev, W = runner.device, depth + 1
+        C = W if depth else 0  # depth 0 (an AR step) has no head catch-up
+        self.runner, self.depth = runner, depth
+        widths = {"catch_up_ids": C, "catch_up_pos": C, "catch_up_slots": C, "last": 1,
+                  "draft_pos": max(depth - 1, 0), "draft_slots": max(depth - 1, 0), "primary": 1,
+                  "verify_pos": W, "verify_slots": W, "depths": 1}
+        self.ints = torch.zeros(rows * sum(widths.values()), dtype=torch.long, device=dev)
+        self.fields, at = {}, 0  # name -> [rows, n] view of ints, in CYCLE_FIELDS order
+        for name in CYCLE_FIELDS:
+            self.fields[name] = self.ints[at: at + rows * widths[name]].view(rows, widths[name])
+            at += rows * widths[name]
+        for name in ("catch_up_slots", "draft_slots", "verify_slots"):
+            self.fields[name].fill_(runner.cache.scratch_slot)
+        self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
+        self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
+        self.inputs = CycleInputs.from_fields(self.fields, self.tables)
+
+    def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
+        """(every field's values for these rows, padding rows included, then the block-table
+        columns in use, row by row; that column count). Takes the blocks the cycle writes."""
+        scratch_slot, scratch_block = self.runner.cache.scratch_slot, self.runner.cache.scratch_block
+        fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
+        pad = self.tables.shape[0] - len(seqs)
+        values = []
+        for name, view in self.fields.items():
+            for row in fields[name]:
+                values += row
+            values += [scratch_slot if name.endswith("slots") else 0] * (pad * view.shape[1])
+        flat, width = flat_tables(tables, self.tables.shape[0], scratch_block)
+        return values + flat, width
+
+    def fill(self, source: torch.Tensor, width: int) -> None:
+        """Copy ``values``' output (as a long tensor, e.g. pinned staging) into the buffers."""
+        copy_in(source, self.ints, self.tables, width)
+
+    def set_tables(self, tables: list[list[int]], staging: torch.Tensor | None = None) -> None:
+        """Copy the rows' block tables in (through pinned ``staging`` where given), leaving
+        the other inputs as they are (a chained cycle wrote them)."""
+        flat, width = flat_tables(tables, self.tables.shape[0], self.runner.cache.scratch_block)
+        source = torch.tensor(flat, dtype=torch.long)
+        if staging is not None:
+            staging[: len(flat)].copy_(source)
+            source = staging[: len(flat)]
+        self.tables[:, :width].copy_(source.view(-1, width), non_blocking=True)
+
+
+def flat_tables(tables: list[list[int]], rows: int, scratch_block: int) -> tuple[list[int], int]:
+    """Block tables padded with the scratch block to the widest and to ``rows`` rows, flattened
+    row by row; that width."""
+    width = max(len(t) for t in tables)
+    flat = []
+    for t in tables:
+        flat += t + [scratch_block] * (width - len(t))
+    return flat + [scratch_block] * ((rows - len(tables)) * width), width
+
+
+def copy_in(source: torch.Tensor, ints: torch.Tensor, tables: torch.Tensor, width: int) -> None:
+    """The first ints.numel() values into ``ints``, the next rows * width into the first
+    ``width`` columns of ``tables`` (two copies, asynchronous from pinned memory)."""
+    n, rows = ints.numel(), tables.shape[0]
+    ints.copy_(source[:n], non_blocking=True)
+    tables[:, :width].copy_(source[n: n + rows * width].view(rows, width), non_blocking=True)
 
 
 def draft_step(seq: Sequence, j: int) -> tuple[int, int]:
