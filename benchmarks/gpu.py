@@ -269,20 +269,13 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
 def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens: int) -> list[list[int]]:
     """Greedy decoding of rows in one batch (AR at depth 0, else MTP), row i to max_tokens - 11 i
     (rows end apart)."""
-    gen = engine.generator
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
-        seq = engine.new_sequence(engine.make_request(prompt, **mode, max_tokens=max_tokens - 11 * i, ignore_eos=True))
-        gen.admit(seq)
-        gen.prefill(seq)
-        seqs.append(seq)
-    with torch.inference_mode():
-        while not all(s.finished for s in seqs):
-            engine.step([s for s in seqs if not s.finished])
-    for s in seqs:
-        gen.release(s)
-    return [s.generated for s in seqs]
+    from mtplx.forge.data import decode_rows as decode_batch
+
+    mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+    requests = [(i, engine.make_request(p, **mode, max_tokens=max_tokens - 11 * i, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    done = dict(decode_batch(engine, iter(requests), len(requests)))
+    return [done[i].generated for i in range(len(prompts))]
 
 
 def check_chain(engine: Engine, report_only: bool = False) -> dict:
