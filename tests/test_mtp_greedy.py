@@ -99,10 +99,16 @@ def test_every_greedy_cycle_fits_the_cycle_graph(monkeypatch):
     engine, _ = tiny_engine("qwen3")
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
     widths = []
-    original = engine.runner.greedy_cycle
-    monkeypatch.setattr(engine.runner, "greedy_cycle",
-                        lambda seqs, backlog, depth: widths.append((backlog.shape[1], depth)) or
-                        original(seqs, backlog, depth))
+
+    def recording(forward):  # unchained (greedy_cycle) and chained (start_cycle) cycles alike
+        def run(seqs, backlog, depth):
+            if depth:  # depth 0 is a chained AR step: no catch-up
+                widths.append((backlog.shape[1], depth))
+            return forward(seqs, backlog, depth)
+        return run
+
+    for name in ("greedy_cycle", "start_cycle"):
+        monkeypatch.setattr(engine.runner, name, recording(getattr(engine.runner, name)))
     for prompt in PROMPTS:
         ar = engine.generate(prompt, mode="ar", max_tokens=30)
         assert engine.generate(prompt, mode="mtp", depth=3, max_tokens=30).token_ids == ar.token_ids

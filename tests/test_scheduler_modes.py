@@ -45,8 +45,17 @@ def started(engine, mode, **knobs) -> Scheduler:
     return scheduler
 
 
+@pytest.fixture(params=[False, True], ids=["unchained", "chained"])
+def chained(engine, request):
+    """Both ways of stepping greedy rows: each cycle from the host's state, or chained cycles
+    (the host one cycle behind, as on a GPU; tests/test_mtp_chained.py), run eagerly here."""
+    engine.runner.chain_cycles = request.param
+    yield request.param
+    engine.runner.chain_cycles = False
+
+
 @pytest.mark.parametrize("mode", SchedulerMode.choices())
-def test_every_mode_reproduces_solo_greedy_output_under_8_concurrent_requests(engine, solo, mode):
+def test_every_mode_reproduces_solo_greedy_output_under_8_concurrent_requests(engine, solo, mode, chained):
     scheduler = started(engine, mode)
     try:
         ends = run_concurrently(engine, scheduler, PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
@@ -90,7 +99,9 @@ def test_mtp_batch_rows_join_a_running_cohort_at_cycle_boundaries(engine):
     assert max(int(w) for w in block["batch_histogram"]) > 1
 
 
-def test_ar_batch_turns_mtp_off_when_wider_than_one_and_says_why(engine):
+def test_ar_batch_turns_mtp_off_when_wider_than_one_and_says_why(engine, chained):
+    """Chained: the lone MTP row and the AR rows step as two groups, so each group's step
+    commits the other's cycle in flight; every committed token still reaches the stream."""
     scheduler = started(engine, "ar_batch")
     try:
         ends = run_concurrently(engine, scheduler, PROMPTS, max_tokens=8, temperature=0.0, mode="mtp")

@@ -129,6 +129,10 @@ class RowPolicy(Policy):
                 self.drop(row, failed[row.seq.seq_id])
             else:
                 self.publish(row)
+        # rows of another group whose chained cycle this step committed (see Generator.take_drained)
+        drained = {s.seq_id for s in self.engine.generator.take_drained()}
+        for row in [r for r in self.rows if r.seq.seq_id in drained and r not in rows]:
+            self.publish(row)
 
     def publish(self, row: Row) -> None:
         """Send a row's new output; detokenising is the row's own work, so a failure there

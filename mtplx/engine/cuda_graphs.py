@@ -59,6 +59,7 @@ class CudaGraphRunner(ModelRunner):
 
     def __init__(self, *args, max_context: int, **kwargs):
         super().__init__(*args, **kwargs)
+        self.max_context = max_context
         self.table_width = -(-max_context // self.block_size)
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -107,7 +108,7 @@ class CudaGraphRunner(ModelRunner):
 
     @property
     def max_row_slots(self) -> int:
-        return self.table_width * self.block_size
+        return self.max_context  # within the graphs' tables (table_width * block_size >= it)
 
     def can_chain(self, rows: int, depth: int) -> bool:
         return self.chain_cycles and self._captured("cycle", rows, depth) is not None

@@ -60,6 +60,7 @@ class Generator:
         # since it started (their outcome is dropped)
         self._flight: CycleLaunch | None = None
         self._released: set[int] = set()
+        self._drained: list[Sequence] = []  # rows a drain committed, for callers that step groups apart
 
     # -- lifecycle ----------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -126,6 +127,7 @@ class Generator:
     def ar_step(self, seqs: list[Sequence]) -> None:
         """One autoregressive token for each row. Raises SequenceFault after the step if some
         rows' own work failed."""
+        self._drained = []
         if self._flight is not None:
             if self._continues(seqs, 0):
                 return self._chained_cycle(seqs)
@@ -155,6 +157,7 @@ class Generator:
         """Draft, verify, accept and commit one cycle for each row. Raises SequenceFault after
         the cycle if some rows' own work failed (a failed row keeps its place in the batched
         forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
+        self._drained = []
         if self._flight is not None:
             if self._continues(seqs, max(s.depth for s in seqs)):
                 return self._chained_cycle(seqs)
@@ -225,8 +228,8 @@ class Generator:
     # device: a row that ends leaves one cycle in flight, dropped (its writes land past the
     # row's committed length).
     def _chainable(self, seqs: list[Sequence], depth: int) -> bool:
-        return (self.fault_hook is None and all(s.params.greedy and s.counts is None for s in seqs)
-                and self.runner.can_chain(len(seqs), depth))
+        return (self.fault_hook is None and self.runner.states is None  # not hybrid models' recurrent state
+                and all(s.params.greedy and s.counts is None for s in seqs) and self.runner.can_chain(len(seqs), depth))
 
     def _continues(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether ``seqs`` are the rows of the cycle in flight, all still live, at its depth."""
@@ -281,8 +284,17 @@ class Generator:
             return
         rows = flight.rows()
         keep = [r for r, s in enumerate(flight.seqs) if s.seq_id not in released and not s.finished]
+        self._drained = [flight.seqs[r] for r in keep]
         self._commit_launch(flight, [flight.seqs[r] for r in keep], [rows[r] for r in keep], last=True,
                             index=keep)
+
+    def take_drained(self) -> list[Sequence]:
+        """Rows the last step's drain committed (each step forgets the step before's), and
+        forget them. A step for some rows commits the cycle still in flight for others (the
+        rows of the step before): a caller that steps groups of rows apart publishes those
+        rows' new tokens too."""
+        drained, self._drained = self._drained, []
+        return drained
 
     def _commit_launch(self, flight: CycleLaunch, seqs: list[Sequence], rows: list[list[int]], last: bool,
                        index: list[int] | None = None) -> None:

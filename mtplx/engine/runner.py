@@ -316,7 +316,8 @@ class ModelRunner:
 
     @property
     def max_row_slots(self) -> int:
-        return self.blocks.num_blocks * self.block_size
+        """The most KV slots one row may take: the pool, capped by the model's context."""
+        return min(self.model.config.max_position_embeddings, self.blocks.num_blocks * self.block_size)
 
     def _run_chained(self, b, seqs: list[Sequence], depth: int) -> CycleLaunch:
         hidden, _, packed = self.cycle_and_advance(b, depth)
