@@ -35,9 +35,9 @@ def _add_build(actions) -> None:
     g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
     g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
     g.add_argument("--text", action="append", default=[], help="plain-text file to add (repeatable)")
-    g.add_argument("--self-prompts", type=int, default=None,
-                   help="user messages the trunk writes itself, added to the prompts (default 4000 for a trunk "
-                        "with a chat template, else 0; 0: none)")
+    g.add_argument("--self-prompts", type=int, default=0,
+                   help="user messages the trunk writes itself, added to the prompts (default 0: none; "
+                        "needs a chat template; one measured run did not improve acceptance, see docs/forge.md)")
     g.add_argument("--self-prompt-temperature", type=float, default=0.9,
                    help="sampling temperature of the self-generated prompts (default 0.9)")
     g = p.add_argument_group("training")
@@ -68,7 +68,7 @@ def _add_verify(actions) -> None:
 def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
-    from mtplx.forge.build import DEFAULT_SELF_PROMPTS, BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
     from mtplx.forge.train import TrainSettings
 
     try:
@@ -80,7 +80,7 @@ def run_build(args) -> int:
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
-    if args.self_prompts is not None and args.self_prompts < 0:
+    if args.self_prompts < 0:
         raise InvalidParameter("self-prompts", f"must be >= 0 (0: none), got {args.self_prompts}")
     if not args.self_prompt_temperature > 0:
         raise InvalidParameter("self-prompt-temperature", f"must be > 0, got {args.self_prompt_temperature}")
@@ -93,10 +93,7 @@ def run_build(args) -> int:
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                             seed=args.seed))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
-    if args.self_prompts is not None:
-        settings.self_prompts = args.self_prompts
-    elif trunk.loaded.tokenizer is not None and trunk.loaded.tokenizer.has_chat_template:
-        settings.self_prompts = DEFAULT_SELF_PROMPTS
+    settings.self_prompts = args.self_prompts
     held_out = list(prompts.HELD_OUT_PROMPTS)
     if trunk.loaded.tokenizer is None and args.prompts:  # token-id prompts: hold out the last few
         cut = max(1, len(train_prompts) // 10)

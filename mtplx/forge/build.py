@@ -44,7 +44,6 @@ from mtplx.models.config import MTPConfig
 FORGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Shares of --max-seconds by which self-prompt generation, completion generation and training stop.
 PROMPT_PHASE, GEN_PHASE, TRAIN_PHASE = 0.15, 0.45, 0.90
-DEFAULT_SELF_PROMPTS = 4000  # the CLI's default for a trunk with a chat template
 _BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 15.0  # seconds; a log file gets a line now and then
 
 
