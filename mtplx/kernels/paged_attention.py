@@ -163,6 +163,11 @@ if triton is not None:
         tl.store(out_ptr + row * so_r + tok * so_t + head * so_h + d, out.to(out_ptr.dtype.element_ty))
 
 
+def _m_pad(q_len: int, group: int) -> int:
+    """The kernel's M tile: the row's query tokens times the kv head's query heads, padded."""
+    return max(16, triton.next_power_of_2(q_len * group))
+
+
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, key_start: int,
                            scale: float, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
@@ -192,7 +197,7 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), block_tables.stride(0), positions.stride(0),
         q_len, key_start, scale,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=max(16, triton.next_power_of_2(q_len * group)),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=_m_pad(q_len, group),
         BLOCK_N=block_n, DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LOOP_CHUNKS=0 if q.is_cuda else triton.cdiv(triton.cdiv(max_keys, block_n), splits), PARTIAL=splits > 1,
     )
@@ -216,7 +221,7 @@ def compile_variants(heads: int, kv_heads: int, head_dim: int, page: int, dtype:
     blocks = MAX_SPLITS * block_n // page
     k_pool = torch.zeros(blocks + 1, page, kv_heads, head_dim, dtype=dtype, device=device)
     tables = torch.arange(1, blocks + 1, device=device)[None]
-    tiles = {max(16, triton.next_power_of_2(q * group)): q for q in range(1, max_query + 1)}  # the longest per tile
+    tiles = {_m_pad(q, group): q for q in range(1, max_query + 1)}  # the longest per tile
     splits_buckets = [1] + [2 ** i + 1 for i in range(MAX_SPLITS.bit_length() - 1)]  # 1, then one per pad
     launches = 0
     for q_len in tiles.values():
