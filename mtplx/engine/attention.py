@@ -7,6 +7,7 @@ A CUDA kernel can replace ``paged_attention`` behind the same signature.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -96,7 +97,7 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)
     allowed = (key_idx.view(1, 1, -1) <= meta.positions.unsqueeze(-1)) & (key_idx >= meta.key_start)
-    with sdpa_kernel(REFERENCE_BACKENDS):
+    with sdpa_kernel(REFERENCE_BACKENDS) if q.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
