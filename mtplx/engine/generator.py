@@ -127,44 +127,52 @@ class Generator:
     def ar_step(self, seqs: list[Sequence]) -> None:
         """One autoregressive token for each row. Raises SequenceFault after the step if some
         rows' own work failed."""
-        self._drained = []
-        if self._flight is not None:
-            if self._continues(seqs, 0):
-                return self._chained_cycle(seqs)
-            self.drain()
-            seqs = [s for s in seqs if not s.finished]
-            if not seqs:
-                return
-        if self._chainable(seqs, 0) and self._start_chain(seqs, 0):
+        seqs = self._resume(seqs, 0)
+        if not seqs or (self._chainable(seqs, 0) and self._start_chain(seqs, 0)):
             return
         self._before_forward(seqs)
         hidden = self.runner.trunk(seqs, [[s.tokens[s.trunk_len]] for s in seqs], [s.trunk_len for s in seqs])
         faults: dict[int, BaseException] = {}
         tokens = self._sample_rows(seqs, self.runner.logits(hidden[:, 0]), faults)
+        self._commit_steps(seqs, tokens, faults)
+        if faults:
+            raise SequenceFault(faults)
+
+    def _commit_steps(self, seqs: list[Sequence], tokens: list[int], faults: dict[int, BaseException],
+                      rollback: bool = False) -> None:
+        """Commit one AR token per row (rollback: give back the blocks past the row's length)."""
         for seq, token in zip(seqs, tokens):
             if seq.seq_id in faults:
                 continue
             try:
                 seq.trunk_len += 1
+                if rollback:
+                    self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
                 self._commit(seq, [token])
             except Exception as exc:
                 faults[seq.seq_id] = exc
-        if faults:
-            raise SequenceFault(faults)
+
+    def _resume(self, seqs: list[Sequence], depth: int) -> list[Sequence]:
+        """Before a step at ``depth``: with a chained cycle in flight over exactly these rows,
+        run the chain's next step and return no rows (the step is done); otherwise commit the
+        cycle in flight and return the rows still live."""
+        self._drained = []
+        if self._flight is None:
+            return seqs
+        if self._continues(seqs, depth):
+            self._chained_cycle(seqs)
+            return []
+        self.drain()  # the rows changed: the cycle in flight is committed first
+        return [s for s in seqs if not s.finished]
 
     # -- MTP ---------------------------------------------------------------------------
     def mtp_cycle(self, seqs: list[Sequence]) -> None:
         """Draft, verify, accept and commit one cycle for each row. Raises SequenceFault after
         the cycle if some rows' own work failed (a failed row keeps its place in the batched
         forwards, with a placeholder draft, so the other rows' cycle is unchanged)."""
-        self._drained = []
-        if self._flight is not None:
-            if self._continues(seqs, max(s.depth for s in seqs)):
-                return self._chained_cycle(seqs)
-            self.drain()  # the rows changed: the cycle in flight is committed first
-            seqs = [s for s in seqs if not s.finished]
-            if not seqs:
-                return
+        seqs = self._resume(seqs, max(s.depth for s in seqs))
+        if not seqs:
+            return
         faults: dict[int, BaseException] = {}
         t0 = time.perf_counter()
         # argmax drafts stay on the device: the cycle syncs with the host once (not for hybrid
@@ -304,14 +312,7 @@ class Generator:
         k = flight.depth
         faults: dict[int, BaseException] = {}
         if k == 0:  # AR steps
-            for seq, row in zip(seqs, rows):
-                try:
-                    seq.trunk_len += 1
-                    if last:
-                        self.runner.blocks.rollback(seq.seq_id, seq.trunk_len)
-                    self._commit(seq, [row[1]])
-                except Exception as exc:
-                    faults[seq.seq_id] = exc
+            self._commit_steps(seqs, [row[1] for row in rows], faults, rollback=last)
         else:
             drafts = [row[: s.depth] for row, s in zip(rows, seqs)]
             outcomes = [(row[k], row[k + 1]) for row in rows]
