@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.runner import CycleBuffers, ModelRunner, copy_in, flat_tables, pad_row
+from mtplx.engine.runner import CycleBuffers, CycleLaunch, ModelRunner, copy_in, flat_tables, pad_row
 from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -43,6 +43,8 @@ class _Graph:
 
 @dataclass
 class _CycleGraph:
+    """A whole greedy cycle (``ModelRunner.cycle_and_advance``) over R rows at one depth."""
+
     graph: torch.cuda.CUDAGraph
     buffers: CycleBuffers
     out: tuple                # (hidden, logits, packed)
@@ -96,12 +98,18 @@ class CudaGraphRunner(ModelRunner):
         g = self._captured("cycle", len(seqs), depth)
         if g is None or backlog.shape[1] > depth + 1:
             return super().greedy_cycle(seqs, backlog, depth)  # over 8 rows, or a catch-up not pre-fed
+        self._fill_cycle(g, seqs, backlog)
+        g.graph.replay()
+        return tuple(t[: len(seqs)] for t in g.out)
+
+    def _fill_cycle(self, g: _CycleGraph, seqs: list[Sequence], backlog: torch.Tensor | None) -> None:
+        """A cycle graph's inputs from the host's state: the integers through pinned staging,
+        then the head's backlog (none at depth 0)."""
         values, width = g.buffers.values(seqs)
         g.buffers.fill(_staged(g, values), width)
         g.copied.record()
-        g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
-        g.graph.replay()
-        return tuple(t[: len(seqs)] for t in g.out)
+        if backlog is not None:
+            g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
 
     # -- chained greedy cycles (ModelRunner.start_cycle / next_cycle) --------------------------
     chain_cycles = True  # benchmarks switch it off to compare
@@ -119,11 +127,7 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int):
         g = self._captured("cycle", len(seqs), depth)
-        values, width = g.buffers.values(seqs)
-        g.buffers.fill(_staged(g, values), width)
-        g.copied.record()
-        if depth:
-            g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
+        self._fill_cycle(g, seqs, backlog)
         return self._run_chained(g.buffers, seqs, depth)
 
     def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
@@ -132,9 +136,7 @@ class CudaGraphRunner(ModelRunner):
         g.buffers.set_tables(tables, g.staging)
         g.copied.record()
 
-    def _run_chained(self, b: CycleBuffers, seqs: list[Sequence], depth: int):
-        from mtplx.engine.runner import CycleLaunch
-
+    def _run_chained(self, b: CycleBuffers, seqs: list[Sequence], depth: int) -> CycleLaunch:
         g = self._captured("cycle", len(seqs), depth)
         g.graph.replay()
         host, done = g.outcomes[g.turn], g.done[g.turn]
@@ -249,6 +251,7 @@ class CudaGraphRunner(ModelRunner):
         copied.record()
         outcomes = [torch.zeros(R, depth + 2, dtype=torch.long, pin_memory=True) for _ in range(2)]
         return _CycleGraph(graph, buffers, out, staging, copied, outcomes, [torch.cuda.Event() for _ in range(2)])
+
 
 def _staged(g, values: list[int]) -> torch.Tensor:
     """``values`` in the graph's pinned staging buffer, once the copies out of it that the last

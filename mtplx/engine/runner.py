@@ -99,7 +99,6 @@ class ModelRunner:
         self.state_commit = state_commit
         self._pending: _PendingVerify | None = None
 
-    # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
     def compile_kernels(self) -> int:
         """On CUDA, compile at start-up the attention kernel variants forwards can launch, so
         no request waits on a compile (graph captures compile only their own shapes; a pre-feed
@@ -111,6 +110,7 @@ class ModelRunner:
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.dtype,
             self.device, max_query=attention.MAX_KERNEL_QUERY)
 
+    # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
     def allocate_state(self, seq: Sequence) -> None:
         """Give an admitted sequence a zeroed recurrent-state slot."""
         if self.states is not None and seq.state_slot is None:
@@ -230,9 +230,9 @@ class ModelRunner:
     def cycle_inputs(self, seqs: list[Sequence], width: int, depth: int) -> CycleInputs:
         fields, tables = self.cycle_layout(seqs, width, depth)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        used = max(len(t) for t in tables)
+        flat, used = flat_tables(tables, len(tables), self.cache.scratch_block)
         return CycleInputs.from_fields({name: as_tensor(rows) for name, rows in fields.items()},
-                                       as_tensor([t + [self.cache.scratch_block] * (used - len(t)) for t in tables]))
+                                       as_tensor(flat).view(len(tables), used))
 
     def cycle_layout(self, seqs: list[Sequence], width: int,
                      depth: int) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
@@ -287,7 +287,7 @@ class ModelRunner:
         b = self.cycle_buffers(len(seqs), depth)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values, dtype=torch.long), width)
-        if depth:
+        if backlog is not None:  # none at depth 0
             b.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
         return self._run_chained(b, seqs, depth)
 
@@ -451,25 +451,22 @@ def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed:
     if depth == 0:  # an AR step: the next token goes in at the next position
         pos = f["verify_pos"] + 1
         new = {"primary": nxt, "verify_pos": pos, "verify_slots": _slot_of(tables, pos, block_size)}
-        for name, value in new.items():
-            f[name].copy_(torch.where(live, value, f[name]))
-        return
+    else:
+        def slot_of(pos, real):
+            return torch.where(real, _slot_of(tables, pos, block_size), scratch_slot)
 
-    def slot_of(pos, real):
-        return torch.where(real, _slot_of(tables, pos, block_size), scratch_slot)
-
-    start = f["verify_pos"][:, :1] + 1  # where this cycle's accepted tokens go: the catch-up's first pair
-    trunk = start + accepted            # the next verify's first position (the new trunk length)
-    i = torch.arange(depth + 1, device=packed.device)[None]
-    j = i[:, : depth - 1]
-    catch_up_pos = start + torch.minimum(i, accepted)
-    real_draft = j + 1 < f["depths"]
-    draft_pos = torch.where(real_draft, trunk + 1 + j, trunk)
-    verify_pos = trunk + torch.minimum(i, f["depths"])
-    new = {"catch_up_ids": torch.where(i < accepted, torch.cat([packed[:, :depth], nxt], dim=1), nxt),
-           "catch_up_pos": catch_up_pos, "catch_up_slots": slot_of(catch_up_pos, i <= accepted),
-           "last": accepted, "draft_pos": draft_pos, "draft_slots": slot_of(draft_pos, real_draft),
-           "primary": nxt, "verify_pos": verify_pos, "verify_slots": slot_of(verify_pos, i <= f["depths"])}
+        start = f["verify_pos"][:, :1] + 1  # where this cycle's accepted tokens go: the catch-up's first pair
+        trunk = start + accepted            # the next verify's first position (the new trunk length)
+        i = torch.arange(depth + 1, device=packed.device)[None]
+        j = i[:, : depth - 1]
+        catch_up_pos = start + torch.minimum(i, accepted)
+        real_draft = j + 1 < f["depths"]
+        draft_pos = torch.where(real_draft, trunk + 1 + j, trunk)
+        verify_pos = trunk + torch.minimum(i, f["depths"])
+        new = {"catch_up_ids": torch.where(i < accepted, torch.cat([packed[:, :depth], nxt], dim=1), nxt),
+               "catch_up_pos": catch_up_pos, "catch_up_slots": slot_of(catch_up_pos, i <= accepted),
+               "last": accepted, "draft_pos": draft_pos, "draft_slots": slot_of(draft_pos, real_draft),
+               "primary": nxt, "verify_pos": verify_pos, "verify_slots": slot_of(verify_pos, i <= f["depths"])}
     for name, value in new.items():
         f[name].copy_(torch.where(live, value, f[name]))
 
