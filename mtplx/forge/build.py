@@ -131,6 +131,13 @@ def text_samples(loaded: LoadedModel, files: list[Path], max_len: int) -> list[S
     return samples
 
 
+def decoding_engine(loaded: LoadedModel, head, rows: int, longest: int, spare: int = 1024) -> Engine:
+    """An engine over the trunk (with ``head``, or none) whose KV cache holds ``rows`` sequences
+    of ``longest`` tokens, plus ``spare`` slots."""
+    return Engine(LoadedModel(loaded.model, head, loaded.tokenizer, loaded.config, loaded.source),
+                  kv_cache_tokens=rows * longest + spare, block_size=16)
+
+
 # -- phases ----------------------------------------------------------------------------------------
 
 def build_self_prompts(loaded: LoadedModel, prefix: str, settings: BuildSettings, work_dir: Path, resume: bool,
@@ -153,8 +160,7 @@ def build_self_prompts(loaded: LoadedModel, prefix: str, settings: BuildSettings
         store = SelfPrompts(settings.self_prompts, prefix, settings.self_prompt_temperature,
                             settings.self_prompt_max_new_tokens, settings.seed)
     longest = len(loaded.tokenizer.encode(prefix, add_special_tokens=False)) + store.max_new_tokens + 16
-    engine = Engine(LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source),
-                    kv_cache_tokens=settings.gen_rows * longest + 1024, block_size=16)
+    engine = decoding_engine(loaded, None, settings.gen_rows, longest)
     bar = tqdm(total=store.requested, initial=len(store.prompts), unit="prompt", desc="forge: self prompts",
                file=sys.stderr, mininterval=_BAR_INTERVAL)
 
@@ -178,8 +184,7 @@ def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: Bui
         log(f"corpus: resumed, complete ({len(corpus.samples)} sequences, {corpus.generated_tokens} tokens)")
         return corpus
     longest = max(len(p) for p in prompt_ids) + settings.max_new_tokens + 16
-    engine = Engine(LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source),
-                    kv_cache_tokens=settings.gen_rows * longest + 4096, block_size=16)
+    engine = decoding_engine(loaded, None, settings.gen_rows, longest, spare=4096)
     jobs = make_jobs(prompt_ids, settings.temperatures, settings.rounds, settings.seed)
     bar = tqdm(total=settings.tokens, initial=min(settings.tokens, corpus.generated_tokens), unit="tok",
                desc="forge: generating", file=sys.stderr, mininterval=_BAR_INTERVAL)
@@ -244,8 +249,7 @@ def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], hel
     head = attach_head(loaded.model, HeadWeights(state, MTPConfig(layout="sidecar", zero_centered_norms=zc)),
                        device, dtype)
     longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
-    engine = Engine(LoadedModel(loaded.model, head, loaded.tokenizer, loaded.config, loaded.source),
-                    kv_cache_tokens=settings.measure_rows * longest + 1024, block_size=16)
+    engine = decoding_engine(loaded, head, settings.measure_rows, longest)
     report = acceptance(engine, held_out, depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
                         rows=settings.measure_rows)
     report.update(device=str(device), dtype=str(dtype).replace("torch.", ""), max_tokens=settings.measure_max_tokens,
