@@ -288,7 +288,7 @@ def check_chain(engine: Engine, report_only: bool = False) -> dict:
     lm_head GEMM round differently), so a near-tie may flip there."""
     runner = engine.runner
     g = torch.Generator().manual_seed(int(time.time()) + 1)
-    differing = {}
+    differing, repeat = {}, {}
     for rows in (1, 3):
         for depth in (0, 1, 2, 3):
             prompts = [torch.randint(0, engine.config.vocab_size, (12,), generator=g).tolist() for _ in range(rows)]
@@ -297,12 +297,17 @@ def check_chain(engine: Engine, report_only: bool = False) -> dict:
                 runner.chain_cycles = chain
                 out[chain] = decode_rows(engine, prompts, depth, 64)
             differing[f"rows{rows}_depth{depth}"] = sum(a != b for a, b in zip(out[False], out[True]))
+            if rows > 1:  # the unchained path twice: how far run-to-run nondeterminism alone goes
+                runner.chain_cycles = False
+                again = decode_rows(engine, prompts, depth, 64)
+                repeat[f"rows{rows}_depth{depth}"] = sum(a != b for a, b in zip(out[False], again))
     runner.chain_cycles = True
     failing = {k: v for k, v in differing.items() if v and not (k.endswith("depth0") and not k.startswith("rows1"))}
     print(f"  chained vs unchained decoding, rows differing per case: {differing}", flush=True)
+    print(f"  unchained vs unchained (same prompts, run again): {repeat}", flush=True)
     if failing and not report_only:
         raise SystemExit(f"FAIL: chained cycles decode differently from unchained ones: {failing}")
-    return {"chained_rows_differing": differing}
+    return {"chained_rows_differing": differing, "unchained_repeat_rows_differing": repeat}
 
 
 def hf_baseline(shape: dict, device, modes) -> dict:
@@ -367,9 +372,10 @@ def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None
     return elapsed, [results[i] for i in range(len(requests))]
 
 
-def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128) -> dict:
+def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_only: bool = False) -> dict:
     """hyper vs serial on the same greedy chat requests (tok/s ratio, byte-identical outputs),
-    and mtp_batch / ar_batch aggregate tok/s at 1/2/4/8 concurrent streams."""
+    and mtp_batch / ar_batch aggregate tok/s at 1/2/4/8 concurrent streams (only these with
+    ``batch_only``)."""
     from mtplx.benchmarking import BENCH_PROMPTS
 
     def requests(n: int, mode: str | None = None) -> list:
@@ -380,24 +386,79 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128) -> dict:
     out = {}
     run_jobs(engine, "serial", requests(1)[:1], depth)  # warm-up
     times = {}
-    for mode in ("serial", "hyper", "serial", "hyper"):  # interleaved, best of two
+    for mode in () if batch_only else ("serial", "hyper", "serial", "hyper"):  # interleaved, best of two
         elapsed, results = run_jobs(engine, mode, requests(len(BENCH_PROMPTS)), depth)
         tokens = sum(r.completion_tokens for r in results)
         times.setdefault(mode, []).append((tokens / elapsed, results))
-    serial = max(times["serial"], key=lambda t: t[0])
-    hyper = max(times["hyper"], key=lambda t: t[0])
-    out["serial_tok_s"], out["hyper_tok_s"] = serial[0], hyper[0]
-    out["hyper_over_serial"] = hyper[0] / serial[0]
-    out["hyper_byte_identical"] = all(a.text == b.text and a.token_ids == b.token_ids
-                                      for a, b in zip(serial[1], hyper[1]))
-    # where a request's wall time goes: time to first token, then decoding alone
-    for name, (_, results) in (("serial", serial), ("hyper", hyper)):
-        out[f"{name}_mean_ttft_s"] = sum(r.stats["ttft_s"] for r in results) / len(results)
-        out[f"{name}_mean_decode_tok_s"] = sum(r.stats["decode_tok_s"] for r in results) / len(results)
+    if times:
+        serial = max(times["serial"], key=lambda t: t[0])
+        hyper = max(times["hyper"], key=lambda t: t[0])
+        out["serial_tok_s"], out["hyper_tok_s"] = serial[0], hyper[0]
+        out["hyper_over_serial"] = hyper[0] / serial[0]
+        out["hyper_byte_identical"] = all(a.text == b.text and a.token_ids == b.token_ids
+                                          for a, b in zip(serial[1], hyper[1]))
+        # where a request's wall time goes: time to first token, then decoding alone
+        for name, (_, results) in (("serial", serial), ("hyper", hyper)):
+            out[f"{name}_mean_ttft_s"] = sum(r.stats["ttft_s"] for r in results) / len(results)
+            out[f"{name}_mean_decode_tok_s"] = sum(r.stats["decode_tok_s"] for r in results) / len(results)
     for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
         for streams in (1, 2, 4, 8):
             elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode), depth)
             out[f"{mode}_tok_s_x{streams}"] = sum(r.completion_tokens for r in results) / elapsed
+            out[f"{mode}_mean_ttft_s_x{streams}"] = sum(r.stats["ttft_s"] for r in results) / len(results)
+            out[f"{mode}_mean_decode_tok_s_x{streams}"] = sum(r.stats["decode_tok_s"] for r in results) / len(results)
+    return out
+
+
+def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024)) -> dict:
+    """Where time to first token goes, per prompt length (random ids, AR, one token): the whole
+    request (admit, prefill, logits, first token, release) on the host clock; the trunk's
+    prefill forward alone (CUDA events); its kernel launches and GPU kernel time (profiler).
+    And one chat request end to end (template, tokenizer, prefill) for comparison."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, out = engine.runner, {}
+    g = torch.Generator().manual_seed(7)
+    for n in lengths:
+        ids = torch.randint(10, engine.config.vocab_size, (n,), generator=g).tolist()
+
+        def request():
+            ids[0] = (ids[0] + 1) % engine.config.vocab_size  # no prefix-cache hit between runs
+            t0 = time.perf_counter()
+            engine.generate(list(ids), mode="ar", max_tokens=1)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        request()
+        whole = sorted(request() for _ in range(7))[3]
+        seq = Sequence(prompt_ids=list(ids), params=SamplingParams(), max_tokens=1,
+                       generator=torch.Generator(device=engine.device))
+        runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        with torch.inference_mode():
+            forward = timed(lambda: runner.trunk([seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.trunk([seq], [seq.prompt_ids], [0])
+                torch.cuda.synchronize()
+        runner.blocks.free(seq.seq_id)
+        events = prof.key_averages()
+        kernel_us = sum((getattr(e, "self_device_time_total", 0) or 0) for e in events if e.self_cpu_time_total == 0)
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                            "cudaLaunchKernelExC"))
+        out[f"len{n}"] = {"request_ms": whole * 1e3, "prefill_forward_ms": forward * 1e3,
+                          "prefill_gpu_kernel_ms": kernel_us / 1e3, "prefill_kernel_launches": launches}
+        print(f"  prefill {n} tokens: {json.dumps({k: round(v, 3) for k, v in out[f'len{n}'].items()})}", flush=True)
+    if engine.tokenizer is not None:
+        from mtplx.benchmarking import BENCH_PROMPTS
+
+        times = []
+        for p in BENCH_PROMPTS:
+            t0 = time.perf_counter()
+            r = engine.generate([{"role": "user", "content": p}], chat=True, mode="ar", max_tokens=1)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0, r.stats["ttft_s"], r.prompt_tokens))
+        out["chat_requests"] = [{"request_ms": a * 1e3, "ttft_ms": b * 1e3, "prompt_tokens": c} for a, b, c in times]
+        print(f"  chat requests (ms, ttft ms, tokens): {[(round(a*1e3,1), round(b*1e3,1), c) for a, b, c in times]}",
+              flush=True)
     return out
 
 
@@ -507,8 +568,13 @@ def main() -> None:
         configs = report["default_model"]["configs"]
         best = max((c for c in configs if c != "ar"), key=lambda c: configs[c]["tok_s"])
         depth = configs[best].get("depth") or 2
+        report["default_model"]["prefill"] = prefill_costs(engine)
         report["default_model"]["scheduler_modes"] = scheduler_modes(engine, depth)
         print(json.dumps(report["default_model"]["scheduler_modes"]), flush=True)
+        engine.runner.chain_cycles = False  # the batch modes again, unchained, for comparison
+        report["default_model"]["scheduler_modes_unchained"] = scheduler_modes(engine, depth, batch_only=True)
+        engine.runner.chain_cycles = True
+        print("unchained:", json.dumps(report["default_model"]["scheduler_modes_unchained"]), flush=True)
         if args.profile:
             report["default_model"]["profile"] = profile_decode(engine)
     with open(args.out, "w") as f:
