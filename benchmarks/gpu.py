@@ -266,13 +266,14 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
     return {"cycle_graph_vs_eager_rel_err": worst, "cycle_graph_draft_flips": [flips, drafted]}
 
 
-def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens: int) -> list[list[int]]:
+def decode_rows(engine: Engine, prompts: list[list[int]], depth: int, max_tokens: int,
+                apart: bool = True) -> list[list[int]]:
     """Greedy decoding of rows in one batch (AR at depth 0, else MTP), row i to max_tokens - 11 i
-    (rows end apart)."""
+    (rows end apart), or every row to max_tokens."""
     from mtplx.forge.data import decode_rows as decode_batch
 
     mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
-    requests = [(i, engine.make_request(p, **mode, max_tokens=max_tokens - 11 * i, ignore_eos=True))
+    requests = [(i, engine.make_request(p, **mode, max_tokens=max_tokens - 11 * i * apart, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     done = dict(decode_batch(engine, iter(requests), len(requests)))
     return [done[i].generated for i in range(len(prompts))]
@@ -301,6 +302,12 @@ def check_chain(engine: Engine, report_only: bool = False) -> dict:
                 runner.chain_cycles = False
                 again = decode_rows(engine, prompts, depth, 64)
                 repeat[f"rows{rows}_depth{depth}"] = sum(a != b for a, b in zip(out[False], again))
+                together = {}  # rows ending together: no chain restart over fewer rows
+                for chain in (False, True):
+                    runner.chain_cycles = chain
+                    together[chain] = decode_rows(engine, prompts, depth, 64, apart=False)
+                repeat[f"rows{rows}_depth{depth}_ending_together_chained_vs_not"] = sum(
+                    a != b for a, b in zip(together[False], together[True]))
     runner.chain_cycles = True
     failing = {k: v for k, v in differing.items() if v and not (k.endswith("depth0") and not k.startswith("rows1"))}
     print(f"  chained vs unchained decoding, rows differing per case: {differing}", flush=True)
@@ -308,6 +315,37 @@ def check_chain(engine: Engine, report_only: bool = False) -> dict:
     if failing and not report_only:
         raise SystemExit(f"FAIL: chained cycles decode differently from unchained ones: {failing}")
     return {"chained_rows_differing": differing, "unchained_repeat_rows_differing": repeat}
+
+
+def check_prefill_graphs(engine: Engine, lengths=(9, 40, 256, 300, 1000)) -> dict:
+    """Fail loudly unless a prompt fed through the prefill graphs (chunks of up to 256 tokens,
+    each padded to its bucket) gives the trunk's hidden states of the eager forward, from
+    scratch and after a cached prefix of 100 tokens: relative error per case (the two differ
+    only in GEMM shapes, so bf16 rounding)."""
+    runner = engine.runner
+    if not hasattr(runner, "graphs"):
+        return {}
+    g = torch.Generator().manual_seed(11)
+    errors = {}
+    with torch.inference_mode():
+        for n in lengths:
+            for start in (0, 100):
+                ids = torch.randint(10, engine.config.vocab_size, (start + n,), generator=g).tolist()
+                seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1,
+                               generator=torch.Generator(device=engine.device))
+                runner.blocks.allocate(seq.seq_id, ids)
+                if start:
+                    ModelRunner.trunk(runner, [seq], [ids[:start]], [0])
+                eager = ModelRunner.trunk(runner, [seq], [ids[start:]], [start]).float()
+                graphs = runner.trunk([seq], [ids[start:]], [start]).float()
+                runner.blocks.free(seq.seq_id)
+                errors[f"len{n}_from{start}"] = float((graphs - eager).norm() / eager.norm())
+    print(f"  prefill graphs vs eager prefill, relative error: {json.dumps({k: round(v, 4) for k, v in errors.items()})}",
+          flush=True)
+    bad = {k: v for k, v in errors.items() if not v < 0.05}
+    if bad:
+        raise SystemExit(f"FAIL: prefill through graphs differs from the eager prefill: {bad}")
+    return {"prefill_graph_vs_eager_rel_err": errors}
 
 
 def hf_baseline(shape: dict, device, modes) -> dict:
@@ -410,10 +448,11 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_onl
     return out
 
 
-def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024)) -> dict:
+def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024, 4096)) -> dict:
     """Where time to first token goes, per prompt length (random ids, AR, one token): the whole
     request (admit, prefill, logits, first token, release) on the host clock; the trunk's
-    prefill forward alone (CUDA events); its kernel launches and GPU kernel time (profiler).
+    prefill forward alone (CUDA events), as the runner runs it and eagerly; the runner's kernel
+    launches and GPU kernel time (profiler).
     And one chat request end to end (template, tokenizer, prefill) for comparison."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -436,6 +475,7 @@ def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024)) -> dict:
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
         with torch.inference_mode():
             forward = timed(lambda: runner.trunk([seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
+            eager = timed(lambda: ModelRunner.trunk(runner, [seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 runner.trunk([seq], [seq.prompt_ids], [0])
                 torch.cuda.synchronize()
@@ -445,6 +485,7 @@ def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024)) -> dict:
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                             "cudaLaunchKernelExC"))
         out[f"len{n}"] = {"request_ms": whole * 1e3, "prefill_forward_ms": forward * 1e3,
+                          "prefill_forward_eager_ms": eager * 1e3,
                           "prefill_gpu_kernel_ms": kernel_us / 1e3, "prefill_kernel_launches": launches}
         print(f"  prefill {n} tokens: {json.dumps({k: round(v, 3) for k, v in out[f'len{n}'].items()})}", flush=True)
     if engine.tokenizer is not None:
@@ -537,7 +578,8 @@ def main() -> None:
         engine = random_engine(SHAPES[name], device)
         entry = {"weight_GB": weight_bytes(engine) / 1e9, **check_against_reference(engine),
                  **check_cycle_graph(engine, report_only=args.cycle_check_report_only),
-                 **check_chain(engine, report_only=args.cycle_check_report_only)}
+                 **check_chain(engine, report_only=args.cycle_check_report_only),
+                 **check_prefill_graphs(engine)}
         entry.update(step_costs(engine))
         entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
         entry["engine_build_s"] = engine.build_s
@@ -559,6 +601,7 @@ def main() -> None:
         from mtplx.benchmarking import measure, render_table
 
         engine = mtplx.load(args.default_gguf, device="cuda", dtype="bfloat16", head=args.head)
+        report["default_model_checks"] = check_prefill_graphs(engine)
         report["default_model"] = measure(engine, max_tokens=128, repeats=2)
         print(render_table(report["default_model"]), flush=True)
         engine.runner.chain_cycles = False  # the same, each cycle started from the host's state

@@ -83,6 +83,28 @@ def test_gqa_groups_and_query_lengths(q_len, heads, kv_heads, head_dim, splits):
     check(torch.float32, q_len, heads, kv_heads, head_dim, 1, splits, seed=q_len)
 
 
+@pytest.mark.parametrize("q_len,heads,kv_heads,lengths", [
+    (9, 9, 3, (9, 40)),          # just past the short path: one query block of 21 tokens (group 3)
+    (70, 9, 3, (70, 100)),       # 4 query blocks, a cached prefix of 30 keys on the second row
+    (23, 16, 1, (23, 64)),       # group 16: 4 tokens per block, 6 blocks
+    (40, 8, 2, (40, 41, 90)),    # group 4: 16 tokens per block, the last block part-filled
+])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_long_chunks_in_query_blocks(q_len, heads, kv_heads, lengths, splits):
+    """Prefill-length chunks: several programs per row along the queries, each reading keys up
+    to its own last token, with and without split-KV partials."""
+    check(torch.float32, q_len, heads, kv_heads, 64, 0, splits, lengths=lengths, seed=q_len)
+    check(torch.float32, q_len, heads, kv_heads, 64, 1, splits, lengths=lengths, seed=q_len + 1)
+
+
+def test_query_blocks_rule():
+    assert kernel.query_blocks(8, 3) == 1 and kernel.query_blocks(1, 32) == 1  # short chunks: one program
+    assert kernel.query_blocks(9, 3) == 1  # 64 query rows hold 21 tokens of 3 heads
+    assert kernel.query_blocks(22, 3) == 2
+    assert kernel.query_blocks(256, 4) == 16
+    assert kernel.query_blocks(9, 128) == 9  # a group wider than the tile: one token per program
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_chunk_size_is_free(block_n):
     check(torch.float32, 2, 4, 1, 64, 0, 3, block_n=block_n)
@@ -111,7 +133,8 @@ def test_choose_splits_rule():
 
 def test_compile_variants_launches_every_tile_and_merge_bucket():
     """Start-up compilation covers each query tile size (whole and partial output) and one
-    merge per power-of-two split bucket, for grouped-query shapes of two model families."""
+    merge per power-of-two split bucket, for grouped-query shapes of two model families, and
+    prefill's query-block tile (whole and partial)."""
     for heads, kv_heads in ((9, 3), (32, 8)):  # SmolLM2-135M, Qwen3-8B: two tiles each for 1..8 queries
         n = kernel.compile_variants(heads, kv_heads, 64, 16, torch.float32, torch.device(DEVICE))
-        assert n == 2 + (1 + len([2, 4, 8, 16, 32]))
+        assert n == 2 + (1 + len([2, 4, 8, 16, 32])) + 2

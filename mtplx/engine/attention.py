@@ -16,7 +16,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtplx.kernels import paged_attention as triton_kernel
 
-MAX_KERNEL_QUERY = 8
 # Not cuDNN: it builds a plan for every new (query, key) length on first sight, tens of ms each,
 # and prompts and pre-feeds come in every length (stalls of about 70 ms inside requests on an H200)
 REFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -76,9 +75,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of new queries over everything cached for their row.
 
-    On CUDA, short query chunks (decode, draft, verify) take the Triton kernel, which reads only
-    each row's own keys; everything else takes the reference path below."""
-    if KERNELS_ENABLED and q.is_cuda and q.shape[1] <= MAX_KERNEL_QUERY and triton_kernel.available():
+    On CUDA every forward (decode, draft, verify and prefill) takes the Triton kernel, which
+    reads only each row's own keys; the CPU takes the reference path below."""
+    if KERNELS_ENABLED and q.is_cuda and triton_kernel.available():
         return triton_kernel.paged_attention_triton(q, k_pool, v_pool, meta.positions, meta.block_tables,
                                                     meta.key_start, scale)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale)

@@ -1,11 +1,17 @@
-"""CUDA graphs for the short forwards of decoding: AR steps, MTP drafts and verifies.
+"""CUDA graphs for the forwards of decoding (AR steps, MTP drafts and verifies) and of prefill.
 
 A decode step of a small model is a few hundred kernel launches; replaying a captured graph
 turns them into one. Each (kind, rows bucket, query length) gets its own graph over static
 input buffers; a step copies its metadata into those buffers (pinned host memory, async) and
 replays. Attention reads the row's real length from the positions buffer on the device (the
-Triton kernel's dynamic bound), so one graph serves every context length. Long forwards
-(prefill) and hybrid models run eagerly through ``ModelRunner``.
+Triton kernel's dynamic bound), so one graph serves every context length.
+
+A prompt (one row, more than MAX_GRAPH_QUERY tokens: the trunk's prefill, the head's pre-feed)
+is fed in chunks of at most PREFILL_BUCKETS[-1] tokens, each through the one-row graph of the
+smallest bucket that holds it (padding writes to the scratch slot). Eagerly, a prefill is about
+35 launches per layer, and on a small model their host time is the whole time to first token.
+Prompts longer than PREFILL_GRAPH_TOKENS, and hybrid models, run eagerly through
+``ModelRunner``.
 
 A greedy MTP cycle (head catch-up, argmax drafts, verify, greedy acceptance) is one graph per
 (rows bucket, depth), its catch-up padded to depth + 1 pairs: one input copy, one replay and
@@ -25,6 +31,8 @@ from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
 MAX_GRAPH_QUERY = 8
+PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # one-row graphs for chunks of a prompt
+PREFILL_GRAPH_TOKENS = 2048  # longer prompts prefill eagerly, in one forward
 
 
 @dataclass
@@ -71,7 +79,10 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
               keep_states: bool = False) -> torch.Tensor:
-        g = self._captured("trunk", len(seqs), max(len(r) for r in token_rows))
+        q = max(len(r) for r in token_rows)
+        if q > MAX_GRAPH_QUERY and self._prefills(seqs, q, "trunk"):
+            return self._prefill("trunk", seqs[0], token_rows[0], starts[0])
+        g = self._captured("trunk", len(seqs), q)
         if g is None:
             return super().trunk(seqs, token_rows, starts, keep_states)
         return self._replay(g, seqs, token_rows, starts)
@@ -79,10 +90,30 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
-        g = self._captured("head", len(seqs), max(len(r) for r in token_rows))
+        q = max(len(r) for r in token_rows)
+        if q > MAX_GRAPH_QUERY and self._prefills(seqs, q, "head"):
+            return self._prefill("head", seqs[0], token_rows[0], starts[0], hidden)
+        g = self._captured("head", len(seqs), q)
         if g is None:
             return super().head_forward(seqs, hidden, token_rows, starts)
         return self._replay(g, seqs, token_rows, starts, hidden)
+
+    def _prefills(self, seqs: list[Sequence], q: int, kind: str) -> bool:
+        """Whether a forward of q tokens over these rows runs as chunks through prefill graphs."""
+        return (len(seqs) == 1 and q <= PREFILL_GRAPH_TOKENS
+                and self._captured(kind, 1, PREFILL_BUCKETS[-1]) is not None)
+
+    def _prefill(self, kind: str, seq: Sequence, row: list[int], start: int,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One row's long forward in chunks through the prefill graphs; a new [1, n, H] tensor
+        (the graphs' output buffers are overwritten by the next replay)."""
+        out = torch.empty(1, len(row), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for done in range(0, len(row), PREFILL_BUCKETS[-1]):
+            n = min(len(row) - done, PREFILL_BUCKETS[-1])
+            g = self.graphs[(kind, 1, next(b for b in PREFILL_BUCKETS if b >= n))]
+            part = None if hidden is None else hidden[:, done: done + n]
+            out[:, done: done + n] = self._replay(g, [seq], [row[done: done + n]], [start + done], part)[:, :n]
+        return out
 
     def _replay(self, g: _Graph, seqs, token_rows, starts, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the graph's inputs for these rows, replay it; its output buffer [rows, q, H]."""
@@ -161,6 +192,10 @@ class CudaGraphRunner(ModelRunner):
                 self._graph("head", r, 1)
                 for d in depths:
                     self._cycle_graph(r, d)
+        for q in PREFILL_BUCKETS:
+            self._graph("trunk", 1, q)
+            if self.head is not None:
+                self._graph("head", 1, q)
         return len(self.graphs)
 
     # -- internals -------------------------------------------------------------------------

@@ -102,13 +102,14 @@ class ModelRunner:
     def compile_kernels(self) -> int:
         """On CUDA, compile at start-up the attention kernel variants forwards can launch, so
         no request waits on a compile (graph captures compile only their own shapes; a pre-feed
-        of a few pairs, a hybrid model or an eager runner launch others). Returns the launches."""
+        of a few pairs, a long prompt, a hybrid model or an eager runner launch others). Returns
+        the launches."""
         if self.device.type != "cuda" or not (attention.KERNELS_ENABLED and attention.triton_kernel.available()):
             return 0
         cfg = self.model.config
         return attention.triton_kernel.compile_variants(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.dtype,
-            self.device, max_query=attention.MAX_KERNEL_QUERY)
+            self.device, max_query=attention.triton_kernel.SHORT_QUERY)
 
     # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
     def allocate_state(self, seq: Sequence) -> None:

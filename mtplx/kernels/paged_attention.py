@@ -1,10 +1,14 @@
-"""Triton paged attention for short query chunks (decode, MTP draft and verify: 1..8 tokens).
+"""Triton paged attention for query chunks of any length: decode, MTP draft and verify (1..8
+tokens), and prefill.
 
-One program per (row, kv head, split) holds all of the row's query tokens times the kv head's
-query heads as the M dimension of its tiles, walks its share of the row's keys in chunks of
-BLOCK_N slots through the block table (reading only slots up to the row's last query position),
-and keeps an online softmax. Causality inside the chunk comes from each query's own position.
-Prefill (long query chunks) stays on the reference path.
+For a short chunk one program per (row, kv head, split) holds all of the row's query tokens
+times the kv head's query heads as the M dimension of its tiles, walks its share of the row's
+keys in chunks of BLOCK_N slots through the block table (reading only slots up to the row's last
+query position), and keeps an online softmax. Causality inside the chunk comes from each query's
+own position. A longer chunk (prefill) is cut into blocks of LONG_M query rows, one program per
+(row, query block, kv head, split), each reading keys only up to its own last token: the same
+program, so a CUDA graph can capture a prefill too (the reference path's gather and dense mask
+read the whole block table).
 
 Split-KV ("flash-decoding"): rows * kv_heads programs leave most of the GPU idle at small
 batches (8 programs for one Qwen3-8B row on 132 SMs), so the row's chunks are cut into SPLITS
@@ -34,6 +38,8 @@ except ImportError:  # CPU-only installs run the reference path
     triton = None
 
 MAX_SPLITS = 32
+SHORT_QUERY = 8  # up to this many query tokens, one program holds them all (decode, draft, verify)
+LONG_M = 64  # query rows (tokens x group) per program for longer chunks (prefill)
 PROGRAMS_PER_SM = 4  # long contexts ran fastest at about 4 programs per SM on an H200 (benchmarks/check_kernels.py)
 CPU_SMS = 132  # the interpreter has no SM count; use an H200's so CPU tests choose as the GPU does
 
@@ -87,25 +93,28 @@ if triton is not None:
 
     # Lengths, offsets and the table width vary per call: left unspecialised, so a launch never
     # compiles a new variant just because a length became 1 or a multiple of 16.
-    @triton.jit(do_not_specialize=["q_len", "key_start", "st_r", "sp_r"])
+    @triton.jit(do_not_specialize=["q_len", "q_blocks", "key_start", "st_r", "sp_r"])
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, pos_ptr, ml_ptr, acc_ptr,
         sq_r, sq_t, sq_h, sk_b, sk_s, sk_h, so_r, so_t, so_h, st_r, sp_r,
-        q_len, key_start, scale,
+        q_len, q_blocks, key_start, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         M_PAD: tl.constexpr, LOOP_CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
         DYNAMIC_BOUND: tl.constexpr, PARTIAL: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0) // q_blocks
+        q_block = tl.program_id(0) % q_blocks
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         splits = tl.num_programs(2)
+        TOKENS: tl.constexpr = M_PAD // GROUP  # query tokens per program
         m = tl.arange(0, M_PAD)
-        tok = m // GROUP
+        tok = q_block * TOKENS + m // GROUP
         head = kvh * GROUP + m % GROUP
-        valid_m = tok < q_len
+        valid_m = (m < TOKENS * GROUP) & (tok < q_len)
         d = tl.arange(0, HEAD_DIM)
-        last = tl.load(pos_ptr + row * sp_r + q_len - 1)
+        # the last query token of this program's block bounds the keys it reads (causal)
+        last = tl.load(pos_ptr + row * sp_r + tl.minimum(q_block * TOKENS + TOKENS, q_len) - 1)
         # this split's contiguous share of the row's chunks, from the length in memory
         chunks = (last + BLOCK_N) // BLOCK_N
         per_split = (chunks + splits - 1) // splits
@@ -131,7 +140,7 @@ if triton is not None:
                                         PRECISION)
         if PARTIAL:
             # workspace rows: (row, kv head, split, m) with m < q_len * GROUP, the valid query rows
-            slot = ((row * tl.num_programs(1) + kvh) * splits + split) * (q_len * GROUP) + m
+            slot = ((row * tl.num_programs(1) + kvh) * splits + split) * (q_len * GROUP) + tok * GROUP + m % GROUP
             tl.store(ml_ptr + 2 * slot, m_i, mask=valid_m)
             tl.store(ml_ptr + 2 * slot + 1, l_i, mask=valid_m)
             # an empty share's acc is never read (its m is -inf): skip the write
@@ -164,14 +173,23 @@ if triton is not None:
 
 
 def _m_pad(q_len: int, group: int) -> int:
-    """The kernel's M tile: the row's query tokens times the kv head's query heads, padded."""
+    """The kernel's M tile: up to SHORT_QUERY tokens, the row's query tokens times the kv head's
+    query heads, padded; longer chunks (prefill) are cut into blocks of LONG_M query rows (at
+    least one token's heads), one program each."""
+    if q_len > SHORT_QUERY:
+        return max(LONG_M, triton.next_power_of_2(group))
     return max(16, triton.next_power_of_2(q_len * group))
+
+
+def query_blocks(q_len: int, group: int) -> int:
+    """Programs per (row, kv head, split) along the query tokens."""
+    return triton.cdiv(q_len, _m_pad(q_len, group) // group)
 
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, key_start: int,
                            scale: float, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Same contract as ``engine.attention.paged_attention`` for q_len <= 8.
+    """Same contract as ``engine.attention.paged_attention``, any q_len.
 
     q: [rows, q_len, heads, head_dim]; pools: [blocks, page, kv_heads, head_dim];
     positions: [rows, q_len] long; block_tables: [rows, blocks] long.
@@ -182,8 +200,9 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = heads // kv_heads
     max_keys = block_tables.shape[1] * page
     block_n = block_n or default_block_n(page)
+    q_blocks = query_blocks(q_len, group)
     if splits is None:
-        splits = choose_splits(rows, kv_heads, max_keys, block_n, q.device)
+        splits = choose_splits(rows * q_blocks, kv_heads, max_keys, block_n, q.device)
     q = q.contiguous()
     out = torch.empty_like(q)
     positions = positions.contiguous()
@@ -192,11 +211,11 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if splits > 1:  # partials (m, l interleaved; acc) of the valid query rows
         ml = torch.empty(rows, kv_heads, splits, q_len * group, 2, device=q.device, dtype=torch.float32)
         acc = torch.empty(rows, kv_heads, splits, q_len * group, head_dim, device=q.device, dtype=torch.float32)
-    _paged_attention_kernel[(rows, kv_heads, splits)](
+    _paged_attention_kernel[(rows * q_blocks, kv_heads, splits)](
         q, k_pool, v_pool, out, block_tables, positions, ml, acc,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), block_tables.stride(0), positions.stride(0),
-        q_len, key_start, scale,
+        q_len, q_blocks, key_start, scale,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=_m_pad(q_len, group),
         BLOCK_N=block_n, DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LOOP_CHUNKS=0 if q.is_cuda else triton.cdiv(triton.cdiv(max_keys, block_n), splits), PARTIAL=splits > 1,
@@ -215,7 +234,8 @@ def compile_variants(heads: int, kv_heads: int, head_dim: int, page: int, dtype:
     """Compile every variant of the two kernels that calls with these shapes can launch, so no
     request pays for a compile (about a second each the first time, then Triton's disk cache):
     one per query tile size (M_PAD, from 1..max_query tokens) with whole or partial output, and
-    one merge per power-of-two bucket of split counts. Returns the number of launches."""
+    one merge per power-of-two bucket of split counts; and prefill's query-block tile. Returns
+    the number of launches."""
     group = heads // kv_heads
     block_n = default_block_n(page)
     blocks = MAX_SPLITS * block_n // page
@@ -224,7 +244,7 @@ def compile_variants(heads: int, kv_heads: int, head_dim: int, page: int, dtype:
     tiles = {_m_pad(q, group): q for q in range(1, max_query + 1)}  # the longest per tile
     splits_buckets = [1] + [2 ** i + 1 for i in range(MAX_SPLITS.bit_length() - 1)]  # 1, then one per pad
     launches = 0
-    for q_len in tiles.values():
+    for q_len in [*tiles.values(), 2 * LONG_M]:  # and a prefill chunk (several query blocks)
         q = torch.zeros(1, q_len, heads, head_dim, dtype=dtype, device=device)
         positions = torch.arange(blocks * page - q_len, blocks * page, device=device)[None]
         for splits in (splits_buckets if q_len == max_query else (1, 2)):
