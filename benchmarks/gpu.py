@@ -340,12 +340,65 @@ def check_prefill_graphs(engine: Engine, lengths=(9, 40, 256, 300, 1000)) -> dic
                 graphs = runner.trunk([seq], [ids[start:]], [start]).float()
                 runner.blocks.free(seq.seq_id)
                 errors[f"len{n}_from{start}"] = float((graphs - eager).norm() / eager.norm())
+        if runner.head is not None:  # the head's pre-feed of a prompt's pairs: hidden states in
+            for n in lengths:
+                for start in (1, 101):
+                    ids = torch.randint(10, engine.config.vocab_size, (start + n,), generator=g).tolist()
+                    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1,
+                                   generator=torch.Generator(device=engine.device))
+                    runner.blocks.allocate(seq.seq_id, ids)
+                    hidden = torch.randn(1, start + n, engine.config.hidden_size, generator=g).to(
+                        engine.device, engine.dtype)
+                    ModelRunner.head_forward(runner, [seq], hidden[:, :start], [ids[:start]], [0])
+                    eager = ModelRunner.head_forward(runner, [seq], hidden[:, start:], [ids[start:]], [start]).float()
+                    graphs = runner.head_forward([seq], hidden[:, start:], [ids[start:]], [start]).float()
+                    runner.blocks.free(seq.seq_id)
+                    errors[f"head_len{n}_from{start}"] = float((graphs - eager).norm() / eager.norm())
     print(f"  prefill graphs vs eager prefill, relative error: {json.dumps({k: round(v, 4) for k, v in errors.items()})}",
           flush=True)
     bad = {k: v for k, v in errors.items() if not v < 0.05}
     if bad:
         raise SystemExit(f"FAIL: prefill through graphs differs from the eager prefill: {bad}")
     return {"prefill_graph_vs_eager_rel_err": errors}
+
+
+def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
+    """The bench prompts decoded greedily (AR, depths 1 and 3) with the prompt prefilled three
+    ways: through the prefill graphs; eagerly with the attention kernel; eagerly with the
+    reference attention for prompts (SDPA, as before session 5). Acceptance per variant, and
+    how many AR outputs equal the graphs variant's (they differ only by prefill rounding)."""
+    from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once
+    from mtplx.engine import cuda_graphs
+    from mtplx.engine.attention import paged_attention_reference
+    from mtplx.models import layers
+
+    kernel_attention, saved = layers.paged_attention, cuda_graphs.PREFILL_GRAPH_TOKENS
+
+    def reference_for_prompts(q, k_pool, v_pool, meta, scale):
+        return (paged_attention_reference if q.shape[1] > 8 else kernel_attention)(q, k_pool, v_pool, meta, scale)
+
+    configs = configs_for(engine, (1, 3))
+    out, outputs = {}, {}
+    try:
+        for name in ("graphs", "eager_kernel", "eager_reference"):
+            cuda_graphs.PREFILL_GRAPH_TOKENS = saved if name == "graphs" else 0
+            layers.paged_attention = reference_for_prompts if name == "eager_reference" else kernel_attention
+            runs = {c.label: [run_once(engine, [{"role": "user", "content": p}], c, max_tokens, ignore_eos=True)
+                              for p in BENCH_PROMPTS] for c in configs}
+            outputs[name] = [r["token_ids"] for r in runs["ar"]]
+            entry = {}
+            for label, rs in runs.items():
+                drafted = sum(r["drafted"] for r in rs)
+                entry[label] = {"tok_s": sum(r["tokens"] for r in rs) / sum(r["decode_s"] for r in rs),
+                                "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None,
+                                "identical_to_ar": sum(a["token_ids"] == r["token_ids"]
+                                                       for a, r in zip(runs["ar"], rs))}
+            entry["ar_outputs_equal_to_graphs_variant"] = sum(a == b for a, b in zip(outputs[name], outputs["graphs"]))
+            out[name] = entry
+            print(f"  prefill {name}: {json.dumps(entry)}", flush=True)
+    finally:
+        cuda_graphs.PREFILL_GRAPH_TOKENS, layers.paged_attention = saved, kernel_attention
+    return out
 
 
 def hf_baseline(shape: dict, device, modes) -> dict:
@@ -422,9 +475,10 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_onl
                                     max_tokens=max_tokens, ignore_eos=True) for p in prompts]
 
     out = {}
-    run_jobs(engine, "serial", requests(1)[:1], depth)  # warm-up
+    for mode in ("serial", "hyper"):  # warm-up (each mode's first scheduler)
+        run_jobs(engine, mode, requests(1)[:1], depth)
     times = {}
-    for mode in () if batch_only else ("serial", "hyper", "serial", "hyper"):  # interleaved, best of two
+    for mode in () if batch_only else ("serial", "hyper") * 3:  # interleaved, best of three
         elapsed, results = run_jobs(engine, mode, requests(len(BENCH_PROMPTS)), depth)
         tokens = sum(r.completion_tokens for r in results)
         times.setdefault(mode, []).append((tokens / elapsed, results))
@@ -433,6 +487,8 @@ def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_onl
         hyper = max(times["hyper"], key=lambda t: t[0])
         out["serial_tok_s"], out["hyper_tok_s"] = serial[0], hyper[0]
         out["hyper_over_serial"] = hyper[0] / serial[0]
+        out["runs_tok_s"] = {m: [round(t[0], 1) for t in times[m]] for m in times}
+        out["runs_ttft_ms"] = {m: [[round(r.stats["ttft_s"] * 1e3, 2) for r in t[1]] for t in times[m]] for m in times}
         out["hyper_byte_identical"] = all(a.text == b.text and a.token_ids == b.token_ids
                                           for a, b in zip(serial[1], hyper[1]))
         # where a request's wall time goes: time to first token, then decoding alone
@@ -612,6 +668,7 @@ def main() -> None:
         best = max((c for c in configs if c != "ar"), key=lambda c: configs[c]["tok_s"])
         depth = configs[best].get("depth") or 2
         report["default_model"]["prefill"] = prefill_costs(engine)
+        report["default_model"]["prefill_variants"] = prefill_variants(engine)
         report["default_model"]["scheduler_modes"] = scheduler_modes(engine, depth)
         print(json.dumps(report["default_model"]["scheduler_modes"]), flush=True)
         engine.runner.chain_cycles = False  # the batch modes again, unchained, for comparison
