@@ -366,13 +366,19 @@ def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
     """The bench prompts decoded greedily (AR, depths 1 and 3) with the prompt prefilled three
     ways: through the prefill graphs; eagerly with the attention kernel; eagerly with the
     reference attention for prompts (SDPA, as before session 5). Acceptance per variant, and
-    how many AR outputs equal the graphs variant's (they differ only by prefill rounding)."""
+    how many AR outputs equal the graphs variant's (they differ only by prefill rounding); for
+    graphs and the reference, also forge's held-out acceptance (24 other prompts) at depths 1, 3."""
     from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once
     from mtplx.engine import cuda_graphs
     from mtplx.engine.attention import paged_attention_reference
     from mtplx.models import layers
 
+    from mtplx.forge.build import encode_prompts
+    from mtplx.forge.measure import acceptance
+    from mtplx.forge.prompts import HELD_OUT_PROMPTS
+
     kernel_attention, saved = layers.paged_attention, cuda_graphs.PREFILL_GRAPH_TOKENS
+    held_out = encode_prompts(engine.loaded, list(HELD_OUT_PROMPTS))
 
     def reference_for_prompts(q, k_pool, v_pool, meta, scale):
         return (paged_attention_reference if q.shape[1] > 8 else kernel_attention)(q, k_pool, v_pool, meta, scale)
@@ -394,6 +400,9 @@ def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
                                 "identical_to_ar": sum(a["token_ids"] == r["token_ids"]
                                                        for a, r in zip(runs["ar"], rs))}
             entry["ar_outputs_equal_to_graphs_variant"] = sum(a == b for a, b in zip(outputs[name], outputs["graphs"]))
+            if name != "eager_kernel":  # forge's held-out measure: 24 prompts, greedy, 128 tokens, 8 rows
+                for depth in (1, 3):
+                    entry[f"held_out_d{depth}"] = acceptance(engine, held_out, depth=depth, rows=8)
             out[name] = entry
             print(f"  prefill {name}: {json.dumps(entry)}", flush=True)
     finally:
