@@ -76,8 +76,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Causal attention of new queries over everything cached for their row.
 
     On CUDA every forward (decode, draft, verify and prefill) takes the Triton kernel, which
-    reads only each row's own keys; the CPU takes the reference path below."""
-    if KERNELS_ENABLED and q.is_cuda and triton_kernel.available():
+    reads only each row's own keys; the CPU, and queries that need a gradient (the kernel has
+    no backward), take the reference path below."""
+    if (KERNELS_ENABLED and q.is_cuda and triton_kernel.available()
+            and not (q.requires_grad and torch.is_grad_enabled())):
         return triton_kernel.paged_attention_triton(q, k_pool, v_pool, meta.positions, meta.block_tables,
                                                     meta.key_start, scale)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale)

@@ -6,12 +6,12 @@ input buffers; a step copies its metadata into those buffers (pinned host memory
 replays. Attention reads the row's real length from the positions buffer on the device (the
 Triton kernel's dynamic bound), so one graph serves every context length.
 
-A prompt (one row, more than MAX_GRAPH_QUERY tokens: the trunk's prefill, the head's pre-feed)
-is fed in chunks of at most PREFILL_BUCKETS[-1] tokens, each through the one-row graph of the
-smallest bucket that holds it (padding writes to the scratch slot). Eagerly, a prefill is about
-35 launches per layer, and on a small model their host time is the whole time to first token.
-Prompts longer than PREFILL_GRAPH_TOKENS, and hybrid models, run eagerly through
-``ModelRunner``.
+Any other forward of up to PREFILL_GRAPH_TOKENS tokens per row (a prompt, the rest of one
+after a prefix-cache hit, the head's pre-feed of a prompt's pairs) runs row by row, in chunks of
+at most PREFILL_BUCKETS[-1] tokens, each through the one-row graph of the smallest bucket that
+holds it (padding writes to the scratch slot). Eagerly, a prefill is 20-35 launches per layer,
+and on a small model their host time is the whole time to first token. Longer prompts, rows
+beyond the largest bucket and hybrid models run eagerly through ``ModelRunner``.
 
 A greedy MTP cycle (head catch-up, argmax drafts, verify, greedy acceptance) is one graph per
 (rows bucket, depth), its catch-up padded to depth + 1 pairs: one input copy, one replay and
@@ -80,9 +80,9 @@ class CudaGraphRunner(ModelRunner):
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
               keep_states: bool = False) -> torch.Tensor:
         q = max(len(r) for r in token_rows)
-        if q > MAX_GRAPH_QUERY and self._prefills(seqs, q, "trunk"):
-            return self._prefill("trunk", seqs[0], token_rows[0], starts[0])
         g = self._captured("trunk", len(seqs), q)
+        if g is None and self._prefills(len(seqs), q, "trunk"):
+            return self._prefill("trunk", seqs, token_rows, starts)
         if g is None:
             return super().trunk(seqs, token_rows, starts, keep_states)
         return self._replay(g, seqs, token_rows, starts)
@@ -91,28 +91,36 @@ class CudaGraphRunner(ModelRunner):
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
         q = max(len(r) for r in token_rows)
-        if q > MAX_GRAPH_QUERY and self._prefills(seqs, q, "head"):
-            return self._prefill("head", seqs[0], token_rows[0], starts[0], hidden)
         g = self._captured("head", len(seqs), q)
+        if g is None and self._prefills(len(seqs), q, "head"):
+            return self._prefill("head", seqs, token_rows, starts, hidden)
         if g is None:
             return super().head_forward(seqs, hidden, token_rows, starts)
         return self._replay(g, seqs, token_rows, starts, hidden)
 
-    def _prefills(self, seqs: list[Sequence], q: int, kind: str) -> bool:
-        """Whether a forward of q tokens over these rows runs as chunks through prefill graphs."""
-        return (len(seqs) == 1 and q <= PREFILL_GRAPH_TOKENS
+    def _prefills(self, rows: int, q: int, kind: str) -> bool:
+        """Whether a forward of q tokens per row with no graph of its own runs row by row, in
+        chunks, through the prefill graphs: prompt-length forwards (a prompt, a pre-feed), and
+        one row's query length between those of the decode graphs and the smallest prefill
+        bucket (the rest of a prompt after a prefix-cache hit). Short forwards over more rows
+        than the decode graphs take stay one eager forward."""
+        return ((q > MAX_GRAPH_QUERY or rows == 1) and q <= PREFILL_GRAPH_TOKENS
                 and self._captured(kind, 1, PREFILL_BUCKETS[-1]) is not None)
 
-    def _prefill(self, kind: str, seq: Sequence, row: list[int], start: int,
+    def _prefill(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
                  hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """One row's long forward in chunks through the prefill graphs; a new [1, n, H] tensor
-        (the graphs' output buffers are overwritten by the next replay)."""
-        out = torch.empty(1, len(row), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
-        for done in range(0, len(row), PREFILL_BUCKETS[-1]):
-            n = min(len(row) - done, PREFILL_BUCKETS[-1])
-            g = self.graphs[(kind, 1, next(b for b in PREFILL_BUCKETS if b >= n))]
-            part = None if hidden is None else hidden[:, done: done + n]
-            out[:, done: done + n] = self._replay(g, [seq], [row[done: done + n]], [start + done], part)[:, :n]
+        """Each row's forward in chunks through the one-row prefill graphs; a new [rows, q, H]
+        tensor (the graphs' output buffers are overwritten by the next replay; a shorter row's
+        padding positions are zero). Rows are independent, so this equals one batched forward
+        up to GEMM shapes' rounding."""
+        q = max(len(r) for r in token_rows)
+        out = torch.zeros(len(seqs), q, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
+            for done in range(0, len(row), PREFILL_BUCKETS[-1]):
+                n = min(len(row) - done, PREFILL_BUCKETS[-1])
+                g = self.graphs[(kind, 1, next(b for b in PREFILL_BUCKETS if b >= n))]
+                part = None if hidden is None else hidden[r: r + 1, done: done + n]
+                out[r, done: done + n] = self._replay(g, [seq], [row[done: done + n]], [start + done], part)[0, :n]
         return out
 
     def _replay(self, g: _Graph, seqs, token_rows, starts, hidden: torch.Tensor | None = None) -> torch.Tensor:
