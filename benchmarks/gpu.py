@@ -582,7 +582,7 @@ def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024, 4096)) -> dict:
     return out
 
 
-def profile_decode(engine, max_tokens: int = 128) -> dict:
+def profile_decode(engine, max_tokens: int = 128, **sampling) -> dict:
     """Where one request's decode time goes, per configuration: wall time per cycle against GPU
     kernel time per cycle (the rest is host time the GPU waited for), CUDA-graph launches and
     eager kernel launches per cycle, the busiest host ops (torch.profiler), and the busiest
@@ -597,11 +597,11 @@ def profile_decode(engine, max_tokens: int = 128) -> dict:
     prompt = [{"role": "user", "content": BENCH_PROMPTS[0]}]
     out = {}
     for config in configs_for(engine, (1, 2, 3)):
-        run_once(engine, prompt, config, 16)
-        plain = run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+        run_once(engine, prompt, config, 16, **sampling)
+        plain = run_once(engine, prompt, config, max_tokens, ignore_eos=True, **sampling)
         cycles = plain["verify_calls"] or plain["tokens"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+            run_once(engine, prompt, config, max_tokens, ignore_eos=True, **sampling)
         events = prof.key_averages()
 
         def device_us(e):
@@ -614,7 +614,7 @@ def profile_decode(engine, max_tokens: int = 128) -> dict:
                                                                      "cudaLaunchKernelExC"))
         prof_py = cProfile.Profile()
         prof_py.enable()
-        run_once(engine, prompt, config, max_tokens, ignore_eos=True)
+        run_once(engine, prompt, config, max_tokens, ignore_eos=True, **sampling)
         prof_py.disable()
         stats = pstats.Stats(prof_py)
         py = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
@@ -698,8 +698,13 @@ def main() -> None:
         report["default_model"]["scheduler_modes_unchained"] = scheduler_modes(engine, depth, batch_only=True)
         engine.runner.chain_cycles = True
         print("unchained:", json.dumps(report["default_model"]["scheduler_modes_unchained"]), flush=True)
+        # sampled decoding (the chain is greedy-only): AR and MTP at temperature 0.7, top-p 0.95
+        sampled = dict(temperature=0.7, top_p=0.95, seed=1234)
+        report["default_model"]["sampled"] = measure(engine, max_tokens=128, repeats=2, **sampled)
+        print("temperature 0.7, top-p 0.95:\n" + render_table(report["default_model"]["sampled"]), flush=True)
         if args.profile:
             report["default_model"]["profile"] = profile_decode(engine)
+            report["default_model"]["profile_sampled"] = profile_decode(engine, **sampled)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
