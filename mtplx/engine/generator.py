@@ -28,7 +28,7 @@ from mtplx.engine.block_manager import OutOfBlocks
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.speculative import verify_greedy, verify_sampled
+from mtplx.engine.speculative import sampled_outcome, verify_greedy, verify_sampled
 from mtplx.engine.stats import DecodeStats
 
 
@@ -184,9 +184,9 @@ class Generator:
             return
         if on_device:
             t1 = t0  # one fused draft + verify: its time (launch and wait) counts as verify_s
-            hidden, logits, host = self._greedy_cycle(seqs, faults)
+            hidden, logits, packed = self._greedy_cycle(seqs, faults)
             t2 = time.perf_counter()
-            drafts, outcomes = self._accept_device_drafts(seqs, logits, host, faults)
+            drafts, outcomes = self._accept_device_drafts(seqs, logits, packed, faults)
         else:
             drafts, draft_probs = self._draft(seqs, faults)
             t1 = time.perf_counter()
@@ -369,9 +369,9 @@ class Generator:
     def _greedy_cycle(self, seqs: list[Sequence], faults: dict[int, BaseException]):
         """Argmax drafts (greedy targets, or the default greedy draft policy, no penalties),
         each fed to the next head step on the device, the verify and greedy acceptance, in one
-        ``runner.greedy_cycle`` (one CUDA graph where captured); then the cycle's one transfer
-        to the host. The same drafts as ``_draft`` picks. Returns (verify hidden, verify
-        logits, host rows: drafts, accepted count, next token)."""
+        ``runner.greedy_cycle`` (one CUDA graph where captured). The same drafts as ``_draft``
+        picks. Returns (verify hidden, verify logits, packed [rows, depth + 2] on the device:
+        drafts, accepted count, next token)."""
         depth = max(s.depth for s in seqs)
         if self.fault_hook is not None:  # a failed row keeps the argmax placeholder, as in _draft
             for j in range(depth):
@@ -384,7 +384,7 @@ class Generator:
         hidden, logits, packed = self.runner.greedy_cycle(seqs, backlog, depth)
         for s in seqs:
             s.head_len, s.hidden_backlog = s.trunk_len + 1, None
-        return hidden, logits, packed.tolist()  # the cycle's host sync
+        return hidden, logits, packed
 
     def _head_pre_feed(self, seqs: list[Sequence], keep: int) -> None:
         """Feed the head all but the last ``keep`` of each row's pending pairs (the first cycle
@@ -400,21 +400,38 @@ class Generator:
             s.head_len += len(r)
             s.hidden_backlog = s.hidden_backlog[len(r):]
 
-    def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, host: list[list[int]],
+    def _accept_device_drafts(self, seqs: list[Sequence], logits: torch.Tensor, packed: torch.Tensor,
                               faults: dict[int, BaseException]) -> tuple[list[list[int]], list]:
         """Outcomes of a ``_greedy_cycle``: greedy rows take the device's verdict; sampled rows
-        (greedy drafts under the default draft policy) go through exact rejection sampling,
-        their drafts one-hot (argmax). Returns the drafts (each cut to its row's depth) and the
-        outcomes."""
-        k = len(host[0]) - 2
-        drafts = [row[: s.depth] for row, s in zip(host, seqs)]
+        (greedy drafts under the default draft policy) go through exact rejection sampling of
+        their one-hot drafts, queued on the device behind the cycle; then the cycle's one
+        transfer brings every row's drafts and outcome to the host. Returns the drafts (each
+        cut to its row's depth) and the outcomes (a failed row "accepts" everything, as in
+        ``_accept_rows``)."""
+        k = packed.shape[1] - 2
 
         def accept(r: int, seq: Sequence):
             if seq.params.greedy:
-                return host[r][k], host[r][k + 1]
-            return self._accept(seq, logits[r, : seq.depth + 1], drafts[r], [None] * seq.depth)
+                return "greedy"
+            probs = logits_to_probs(logits[r, : seq.depth + 1], seq.params)
+            return sampled_outcome(probs, None, packed[r, : seq.depth], seq.generator)
 
-        return drafts, self._accept_rows(seqs, accept, drafts, faults)
+        work = [self._row_work(seq, "accept", lambda: accept(r, seq), faults) for r, seq in enumerate(seqs)]
+        sampled = [t for w in work if isinstance(w, tuple) for t in w]
+        flat = torch.cat([packed.flatten(), torch.stack(sampled)]) if sampled else packed.flatten()
+        flat = flat.tolist()  # the cycle's host sync
+        host = [flat[r * (k + 2): (r + 1) * (k + 2)] for r in range(len(seqs))]
+        drafts = [row[: s.depth] for row, s in zip(host, seqs)]
+        extra = iter(flat[len(seqs) * (k + 2):])
+        outcomes = []
+        for r, w in enumerate(work):
+            if w is None:
+                outcomes.append((len(drafts[r]), None))
+            elif isinstance(w, tuple):
+                outcomes.append((next(extra), next(extra)))
+            else:
+                outcomes.append((host[r][k], host[r][k + 1]))
+        return drafts, outcomes
 
     def _draft(self, seqs: list[Sequence], faults: dict[int, BaseException]
                ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:

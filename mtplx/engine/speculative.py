@@ -67,14 +67,24 @@ def verify_sampled(
     Draws k uniforms and one exponential race over V with ``generator`` (on the probs' device),
     always the same amount, so a seeded run is reproducible.
     """
+    return _to_host(*sampled_outcome(target_probs, draft_probs, draft_tokens, generator))
+
+
+def sampled_outcome(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_sampled`` left on the device: (accepted, next token) as 0-dim long tensors, for
+    a caller that brings several rows' outcomes to the host in one transfer."""
     _check_shapes(target_probs, draft_probs, draft_tokens)
     k = draft_tokens.shape[0]
     accept_probs = acceptance_probs(target_probs, draft_probs, draft_tokens)  # [k]
     uniforms = torch.rand(k, generator=generator, device=accept_probs.device, dtype=accept_probs.dtype)
     accepted = _count_leading_true(uniforms < accept_probs)  # u < a happens with probability a
     next_probs = next_token_distribution(target_probs, draft_probs, draft_tokens, accepted)
-    next_token = sample(next_probs, generator)
-    return _to_host(accepted, next_token)
+    return accepted.view(()), sample(next_probs, generator).view(())
 
 
 def acceptance_probs(
