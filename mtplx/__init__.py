@@ -24,8 +24,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     device: "cpu" or "cuda" (default: cuda when available). dtype: a torch dtype or its name
     ("float32", "bfloat16", "float16"; default float32 on CPU, bfloat16 on CUDA).
     depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1); where `mtplx tune`
-    found no depth faster than AR, requests default to AR. head: a directory holding a forged
-    ``mtp.safetensors``.
+    found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
+    decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
+    ``depth`` is not given). head: a directory holding a forged ``mtp.safetensors``.
     """
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint
@@ -42,7 +43,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     from mtplx.tuning import tuned
 
     choice = tuned(loaded, dev, dt)  # what `mtplx tune` saved for this model, device and dtype
+    sampled = choice.get("sampled", {})
+    sampled_depth = sampled.get("depth") if depth is None else None  # an explicit depth is for every request
     if depth is None:
         depth = choice.get("depth")
     return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
-                  default_mode=choice.get("mode"))
+                  default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
+                  sampled_depth=sampled_depth)

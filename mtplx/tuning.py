@@ -1,14 +1,21 @@
 """The tuned decoding per (model, head, device, dtype): ``~/.mtplx/tuning.json``.
 
-``mtplx tune`` measures AR and each depth side by side. It saves the fastest depth when one
-beats AR, and otherwise that AR is fastest there (a depth whose acceptance is below
-``COLLAPSE`` counts as collapsed, never as a winner). ``mtplx.load`` (so ``generate`` and
-``serve``) reads it with ``tuned``: the depth when none is given, and AR as the engine's
-default generation mode when MTP did not pay (a request can still ask for MTP).
+``mtplx tune`` measures AR and each depth side by side, twice: greedy, and sampled at
+``SAMPLED`` (temperature 0.7, top-p 0.95, a fixed seed), since MTP can pay for one and not the
+other. For each regime it saves the fastest depth when one beats AR, and otherwise that AR is
+fastest there (a depth whose acceptance is below ``COLLAPSE`` counts as collapsed, never as a
+winner). ``mtplx.load`` (so ``generate`` and ``serve``) reads it with ``tuned``: the greedy
+verdict gives the depth when none is given, and AR as the engine's default generation mode when
+MTP did not pay; the sampled verdict does the same for requests with temperature > 0 (a
+request can still ask for a mode and a depth).
 
 File layout: {"version": 1, "entries": {key: {"depth" or "mode": "ar", "tok_s", "ar_tok_s",
-"speedup", "acceptance_by_depth", "measured_at", "machine"}}}; the key names the trunk (path
-and size), the head's source, the device type and the dtype.
+"speedup", "acceptance_by_depth", "measured_at", "machine", "sampled": {"depth" or "mode": "ar",
+"tok_s", "ar_tok_s", "speedup", "acceptance_by_depth", "sampling"}}}}; the top level is the
+greedy verdict (an AR verdict has "best_mtp_tok_s" instead of "speedup" and
+"acceptance_by_depth"), "sampling" holds the settings measured ({"temperature", "top_p",
+"seed"}), and an entry without "sampled" (written before sampled tuning) tunes greedy only.
+The key names the trunk (path and size), the head's source, the device type and the dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import time
 from pathlib import Path
 
 COLLAPSE = 0.05  # acceptance below this is a collapsed head, not a speed-up candidate
-VERSION = 1
+VERSION = 1  # entries gained "sampled" without a bump: older files read the same
+SAMPLED = {"temperature": 0.7, "top_p": 0.95, "seed": 1234}  # the sampled regime `mtplx tune` measures
 
 
 def tuning_path() -> Path:
@@ -48,11 +56,21 @@ def read_tuning(path: Path | None = None) -> dict:
 
 
 def tuned(loaded, device, dtype, path: Path | None = None) -> dict:
-    """What ``mtplx tune`` saved for this model on this device and dtype: {"depth": d},
-    {"mode": "ar"} (no depth beat AR), or {} (not tuned, or a malformed entry)."""
+    """What ``mtplx tune`` saved for this model on this device and dtype. The greedy verdict:
+    {"depth": d}, {"mode": "ar"} (no depth beat AR), or none (not tuned, or a malformed entry);
+    plus, where the entry holds a valid one, the sampled verdict as "sampled": {"depth": d} or
+    {"mode": "ar"}. E.g. {"depth": 1, "sampled": {"mode": "ar"}}; {} when nothing is tuned."""
     if loaded.head is None:
         return {}
     entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype))
+    if not isinstance(entry, dict):
+        return {}
+    choice, sampled = _verdict(entry), _verdict(entry.get("sampled"))
+    return {**choice, "sampled": sampled} if sampled else choice
+
+
+def _verdict(entry) -> dict:
+    """One regime's saved verdict: {"mode": "ar"}, {"depth": d}, or {} when absent or malformed."""
     if not isinstance(entry, dict):
         return {}
     if entry.get("mode") == "ar":
@@ -92,30 +110,38 @@ def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
             "message": f"depth {best['depth']} is fastest: {ar:.1f} -> {best['tok_s']:.1f} tok/s, {speedup:.2f}x{note}"}
 
 
-def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None) -> Path:
-    """Record the winning depth, or, with no winner, that AR is the fastest here (replacing any
-    earlier entry for this key). Returns the path written."""
+def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None, *,
+                sampled: tuple[dict, dict] | None = None) -> Path:
+    """Record the greedy verdict (``choice``, a ``pick_depth`` of ``report``): the winning depth,
+    or, with no winner, that AR is the fastest here, replacing any earlier entry for this key.
+    ``sampled``: the (choice, report) of the sampled measurement, recorded under "sampled" with
+    its sampling settings. Returns the path written."""
     path = path or tuning_path()
     data = read_tuning(path)
-    key = model_key(loaded, device, dtype)
-    if choice["depth"] is None:
-        mtp = [c["tok_s"] for label, c in report["configs"].items() if label != "ar"]
-        data["entries"][key] = {"mode": "ar", "tok_s": round(choice["ar_tok_s"], 2),
-                                "ar_tok_s": round(choice["ar_tok_s"], 2),
-                                "best_mtp_tok_s": round(max(mtp), 2) if mtp else None,
-                                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report.get("machine")}
-    else:
-        by_depth = report["configs"].get(f"mtp_d{choice['depth']}", {})
-        data["entries"][key] = {"depth": choice["depth"], "tok_s": round(choice["tok_s"], 2),
-                                "ar_tok_s": round(choice["ar_tok_s"], 2), "speedup": round(choice["speedup"], 3),
-                                "acceptance_by_depth": by_depth.get("acceptance_by_depth"),
-                                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report.get("machine")}
+    entry = {**_verdict_record(choice, report), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "machine": report.get("machine")}
+    if sampled is not None:
+        sampled_choice, sampled_report = sampled
+        entry["sampled"] = {**_verdict_record(sampled_choice, sampled_report),
+                            "sampling": sampled_report.get("sampling")}
+    data["entries"][model_key(loaded, device, dtype)] = entry
     data["version"] = VERSION
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def _verdict_record(choice: dict, report: dict) -> dict:
+    """A ``pick_depth`` verdict and the figures behind it, as saved."""
+    if choice["depth"] is None:
+        mtp = [c["tok_s"] for label, c in report["configs"].items() if label != "ar"]
+        return {"mode": "ar", "tok_s": round(choice["ar_tok_s"], 2), "ar_tok_s": round(choice["ar_tok_s"], 2),
+                "best_mtp_tok_s": round(max(mtp), 2) if mtp else None}
+    by_depth = report["configs"].get(f"mtp_d{choice['depth']}", {})
+    return {"depth": choice["depth"], "tok_s": round(choice["tok_s"], 2), "ar_tok_s": round(choice["ar_tok_s"], 2),
+            "speedup": round(choice["speedup"], 3), "acceptance_by_depth": by_depth.get("acceptance_by_depth")}
 
 
 def _size(path: Path) -> int:

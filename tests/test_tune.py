@@ -1,15 +1,19 @@
 """Tune: the fastest depth is saved when it beats AR, else AR as the default mode; collapsed
-depths never win; load, generate and serve read it back."""
+depths never win; greedy and sampled decoding are tuned apart; load, generate and serve read
+it back."""
 
 import argparse
 import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+import mtplx
 from mtplx import tuning
 from mtplx.commands import tune as tune_command
-from tests.tiny_models import tiny_engine
+from mtplx.errors import InvalidParameter
+from tests.tiny_models import hf_reference, ours_from_hf, random_head, tiny_engine
 
 
 @pytest.fixture(autouse=True)
@@ -69,14 +73,18 @@ def test_no_winner_replaces_an_earlier_depth_with_ar():
     assert entry["ar_tok_s"] == 40.0 and entry["best_mtp_tok_s"] == 30.0
 
 
-def test_tune_saves_ar_when_no_depth_beats_it(monkeypatch, capsys):
+def test_tune_saves_ar_when_no_depth_beats_it_greedy_and_sampled(monkeypatch, capsys):
     engine, _ = tiny_engine("llama")  # a random head: its drafts are almost never accepted
     monkeypatch.setattr(tune_command, "load_engine", lambda args: engine)
     args = argparse.Namespace(depths="1,2", max_tokens=12, repeats=1)
     assert tune_command.run(args) == 0
     out = capsys.readouterr().out
-    assert "no MTP depth beat AR" in out and "default to AR" in out
-    assert tuning.tuned(engine.loaded, engine.device, engine.dtype) == {"mode": "ar"}
+    assert "greedy: no MTP depth beat AR" in out and "sampled: no MTP depth beat AR" in out
+    assert "greedy requests default to AR, sampled requests (temperature > 0) default to AR" in out
+    assert tuning.tuned(engine.loaded, engine.device, engine.dtype) == {"mode": "ar", "sampled": {"mode": "ar"}}
+    [entry] = json.loads(tuning.tuning_path().read_text())["entries"].values()
+    assert entry["sampled"]["sampling"] == tuning.SAMPLED
+    assert {"tok_s", "ar_tok_s", "best_mtp_tok_s"} <= entry.keys() & entry["sampled"].keys()
 
 
 def test_an_engine_defaulting_to_ar_still_serves_mtp_on_request():
@@ -87,6 +95,117 @@ def test_an_engine_defaulting_to_ar_still_serves_mtp_on_request():
     assert engine.make_request([3, 4, 5]).mode == "mtp"  # the default with a head
     with pytest.raises(Exception, match="default_mode"):
         type(engine)(engine.loaded, default_mode="fast")
+
+
+def test_the_sampled_verdict_is_saved_beside_the_greedy_one_and_read_back():
+    engine, _ = tiny_engine("llama")
+    args = (engine.loaded, engine.device, engine.dtype)
+    greedy = _report(40.0, {1: (50.0, 0.7), 3: (60.0, 0.5)})
+    sampled = {**_report(40.0, {1: (30.0, 0.4), 3: (35.0, 0.2)}), "sampling": dict(tuning.SAMPLED)}
+    tuning.save_choice(*args, tuning.pick_depth(greedy), greedy, sampled=(tuning.pick_depth(sampled), sampled))
+    assert tuning.tuned(*args) == {"depth": 3, "sampled": {"mode": "ar"}}
+    assert tuning.tuned_depth(*args) == 3
+    [entry] = json.loads(tuning.tuning_path().read_text())["entries"].values()
+    assert entry["sampled"] == {"mode": "ar", "tok_s": 40.0, "ar_tok_s": 40.0, "best_mtp_tok_s": 35.0,
+                                "sampling": {"temperature": 0.7, "top_p": 0.95, "seed": 1234}}
+    sampled = {**_report(40.0, {2: (48.0, 0.5)}), "sampling": dict(tuning.SAMPLED)}
+    tuning.save_choice(*args, tuning.pick_depth(greedy), greedy, sampled=(tuning.pick_depth(sampled), sampled))
+    assert tuning.tuned(*args) == {"depth": 3, "sampled": {"depth": 2}}
+    [entry] = json.loads(tuning.tuning_path().read_text())["entries"].values()
+    assert entry["sampled"]["speedup"] == 1.2 and entry["sampled"]["acceptance_by_depth"] == [0.5, 0.5]
+
+
+def _write_entry(engine, entry: dict) -> None:
+    """A tuning file holding ``entry`` for ``engine``'s model, as written by hand or an older mtplx."""
+    key = tuning.model_key(engine.loaded, engine.device, engine.dtype)
+    path = tuning.tuning_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": 1, "entries": {key: entry}}))
+
+
+def test_an_entry_from_before_sampled_tuning_means_what_it_meant():
+    engine, _ = tiny_engine("llama")
+    args = (engine.loaded, engine.device, engine.dtype)
+    _write_entry(engine, {"depth": 2, "tok_s": 60.0, "ar_tok_s": 40.0, "speedup": 1.5,
+                          "acceptance_by_depth": [0.6, 0.4], "measured_at": "2026-11-30 10:00:00", "machine": {}})
+    assert tuning.tuned(*args) == {"depth": 2}
+    _write_entry(engine, {"mode": "ar", "tok_s": 40.0, "ar_tok_s": 40.0, "best_mtp_tok_s": 30.0})
+    assert tuning.tuned(*args) == {"mode": "ar"}
+
+
+@pytest.mark.parametrize("sampled", [{"depth": 0}, {"depth": 9}, {"depth": True}, {"depth": "2"}, {"mode": "fast"},
+                                     [2], "ar", None])
+def test_a_malformed_sampled_verdict_is_ignored(sampled):
+    engine, _ = tiny_engine("llama")
+    _write_entry(engine, {"depth": 2, "sampled": sampled})
+    assert tuning.tuned(engine.loaded, engine.device, engine.dtype) == {"depth": 2}
+
+
+def test_a_sampled_request_that_names_no_mode_takes_the_sampled_default():
+    engine, _ = tiny_engine("llama")
+    tuned = type(engine)(engine.loaded, sampled_mode="ar", kv_cache_tokens=512, block_size=4)
+    assert tuned.make_request([3, 4, 5], temperature=0.7).mode == "ar"
+    assert tuned.make_request([3, 4, 5]).mode == "mtp"  # greedy: unchanged
+    assert tuned.make_request([3, 4, 5], temperature=0.7, mode="mtp").mode == "mtp"  # asked for
+    # the other way round: AR for greedy requests, MTP for sampled ones
+    split = type(engine)(engine.loaded, default_mode="ar", sampled_mode="mtp", kv_cache_tokens=512, block_size=4)
+    assert split.make_request([3, 4, 5]).mode == "ar"
+    assert split.make_request([3, 4, 5], temperature=0.7).mode == "mtp"
+    assert split.make_request([3, 4, 5], temperature=0.7, mode="ar").mode == "ar"
+
+
+def test_the_sampled_depth_applies_to_sampled_requests_that_name_no_depth():
+    engine, _ = tiny_engine("llama")
+    tuned = type(engine)(engine.loaded, depth=2, sampled_depth=3, kv_cache_tokens=512, block_size=4)
+    assert tuned.make_request([3, 4, 5]).depth == 2
+    assert tuned.make_request([3, 4, 5], temperature=0.7).depth == 3
+    assert tuned.make_request([3, 4, 5], temperature=0.7, depth=1).depth == 1
+    assert tuned.make_request([3, 4, 5], mode="ar", temperature=0.7).depth == 0
+    assert engine.make_request([3, 4, 5], temperature=0.7).depth == engine.default_depth  # none given: as greedy
+
+
+@pytest.mark.parametrize("kwargs, param", [(dict(sampled_mode="fast"), "sampled_mode"),
+                                           (dict(sampled_depth=0), "sampled_depth"),
+                                           (dict(sampled_depth=2.0), "sampled_depth")])
+def test_a_bad_sampled_default_is_refused_by_name(kwargs, param):
+    engine, _ = tiny_engine("llama")
+    with pytest.raises(InvalidParameter) as err:
+        type(engine)(engine.loaded, **kwargs)
+    assert err.value.param == param
+
+
+def _checkpoint_with_head(folder):
+    """A tiny trunk on disk and a random sidecar head (no forge record: it loads unverified)."""
+    hf, cfg = hf_reference("llama")
+    (folder / "config.json").write_text(json.dumps(cfg, default=str))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(folder / "model.safetensors"))
+    head_dir = folder / "head"
+    head_dir.mkdir()
+    head = random_head(ours_from_hf(hf, cfg))
+    save_file({"mtp." + k: v.contiguous() for k, v in head.state_dict().items()}, str(head_dir / "mtp.safetensors"))
+    return head_dir
+
+
+def test_load_applies_both_verdicts(tmp_path):
+    head_dir = _checkpoint_with_head(tmp_path)
+    load = dict(device="cpu", head=head_dir, allow_unverified_head=True, kv_cache_tokens=512, block_size=4)
+    engine = mtplx.load(tmp_path, **load)
+    assert (engine.default_mode, engine.sampled_mode, engine.sampled_depth) == (None, None, None)  # not tuned
+    greedy = _report(40.0, {2: (60.0, 0.6)})
+    sampled = {**_report(40.0, {3: (48.0, 0.5)}), "sampling": dict(tuning.SAMPLED)}
+    tuning.save_choice(engine.loaded, engine.device, engine.dtype, tuning.pick_depth(greedy), greedy,
+                       sampled=(tuning.pick_depth(sampled), sampled))
+    engine = mtplx.load(tmp_path, **load)
+    assert engine.make_request([3, 4, 5]).depth == 2
+    assert engine.make_request([3, 4, 5], temperature=0.7).depth == 3
+    pinned = mtplx.load(tmp_path, depth=1, **load)  # an explicit depth is every request's
+    assert pinned.make_request([3, 4, 5], temperature=0.7).depth == 1
+    lose = {**_report(40.0, {3: (30.0, 0.5)}), "sampling": dict(tuning.SAMPLED)}
+    tuning.save_choice(engine.loaded, engine.device, engine.dtype, tuning.pick_depth(greedy), greedy,
+                       sampled=(tuning.pick_depth(lose), lose))
+    engine = mtplx.load(tmp_path, **load)
+    assert engine.make_request([3, 4, 5], temperature=0.7).mode == "ar"
+    assert engine.make_request([3, 4, 5]).mode == "mtp" and engine.make_request([3, 4, 5]).depth == 2
 
 
 def test_tune_without_a_head_has_nothing_to_do(monkeypatch):

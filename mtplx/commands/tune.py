@@ -1,4 +1,5 @@
-"""``mtplx tune``: measure AR and MTP depths 1..3 on this machine; save the winner if it beats AR."""
+"""``mtplx tune``: measure AR and MTP depths 1..3 on this machine, greedy and sampled; for each
+regime save the fastest depth if it beats AR, else that AR is fastest."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from mtplx.commands.common import add_model_options, load_engine, measure_side_b
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="find the fastest MTP depth on this machine (saved to ~/.mtplx/tuning.json)")
+    p = sub.add_parser("tune", help="find the fastest MTP depth on this machine, greedy and sampled "
+                                    "(saved to ~/.mtplx/tuning.json)")
     add_model_options(p)
     p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths to try (default 1,2,3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -18,7 +20,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mtplx.benchmarking import render_table
-    from mtplx.tuning import pick_depth, save_choice
+    from mtplx.tuning import SAMPLED, pick_depth, save_choice
 
     parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
@@ -26,14 +28,20 @@ def run(args) -> int:
         print("this model has no MTP head: it runs AR only, nothing to tune "
               "(forge one with `mtplx forge build`)", file=sys.stderr)
         return 0
-    report = measure_side_by_side(engine, args)
-    print(render_table(report))
-    choice = pick_depth(report)
-    print(choice["message"])
-    path = save_choice(engine.loaded, engine.device, engine.dtype, choice, report)
-    if choice["depth"] is not None:
-        print(f"saved depth {choice['depth']} to {path}")
-    else:
-        print(f"saved to {path}: requests to this model default to AR here (a request can still ask for "
-              "generation_mode mtp)")
+    verdicts = {}
+    for regime, sampling in (("greedy", {}), ("sampled", SAMPLED)):
+        settings = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sampling.items()) or "temperature 0"
+        print(f"{regime} ({settings}):")
+        report = measure_side_by_side(engine, args, **sampling)
+        print(render_table(report))
+        choice = pick_depth(report)
+        print(f"{regime}: {choice['message']}")
+        verdicts[regime] = choice, report
+    path = save_choice(engine.loaded, engine.device, engine.dtype, *verdicts["greedy"], sampled=verdicts["sampled"])
+    uses = {regime: f"use depth {choice['depth']}" if choice["depth"] is not None else "default to AR"
+            for regime, (choice, _) in verdicts.items()}
+    any_ar = any(choice["depth"] is None for choice, _ in verdicts.values())
+    note = " (a request can still ask for generation_mode mtp)" if any_ar else ""
+    print(f"saved to {path}: greedy requests {uses['greedy']}, sampled requests (temperature > 0) "
+          f"{uses['sampled']}{note}")
     return 0

@@ -47,11 +47,17 @@ class Engine:
     """One model, one KV cache, one decode step. Not thread-safe: one owner thread drives it."""
 
     def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
-                 block_size: int = 16, cuda_graphs: bool = True, default_mode: str | None = None):
+                 block_size: int = 16, cuda_graphs: bool = True, default_mode: str | None = None,
+                 sampled_mode: str | None = None, sampled_depth: int | None = None):
         """default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
-        has a head; ``mtplx.load`` passes "ar" where ``mtplx tune`` found MTP slower)."""
-        if default_mode not in (None, "ar", "mtp"):
-            raise InvalidParameter("default_mode", f"must be 'ar' or 'mtp', got {default_mode!r}")
+        has a head; ``mtplx.load`` passes "ar" where ``mtplx tune`` found MTP slower).
+        sampled_mode, sampled_depth: the same for requests with temperature > 0 (None: as
+        greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning."""
+        for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
+            if value not in (None, "ar", "mtp"):
+                raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
+        if sampled_depth is not None:
+            self._check_depth(sampled_depth, "sampled_depth")
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -73,10 +79,12 @@ class Engine:
         self.generator = Generator(self.runner, eos)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.default_mode = default_mode
+        self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.runner.compile_kernels()
         if getattr(self.runner, "enabled", False):  # capture now: the first request runs as fast as the rest
-            self.runner.capture_all(depths=tuple(range(1, max(3, self.default_depth) + 1)))
+            deepest = max(3, self.default_depth, sampled_depth or 0)
+            self.runner.capture_all(depths=tuple(range(1, deepest + 1)))
 
     @property
     def has_mtp(self) -> bool:
@@ -126,8 +134,18 @@ class Engine:
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
                      stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy",
                      ignore_eos: bool = False) -> Request:
-        """Validate every parameter and tokenise the prompt (errors name the parameter)."""
-        mode = mode or (self.default_mode if self.has_mtp else None) or ("mtp" if self.has_mtp else "ar")
+        """Validate every parameter and tokenise the prompt (errors name the parameter).
+
+        A request that names no mode (or depth) gets the engine's default; a sampled one
+        (temperature > 0) the sampled default where the engine has one (``mtplx tune``)."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+        params.validate(self.config.vocab_size)
+        default_mode, default_depth = self.default_mode, self.default_depth
+        if not params.greedy:
+            default_mode = self.sampled_mode or default_mode
+            default_depth = self.sampled_depth or default_depth
+        mode = mode or (default_mode if self.has_mtp else None) or ("mtp" if self.has_mtp else "ar")
         if mode not in ("ar", "mtp"):
             raise InvalidParameter("mode", f"{mode!r} is not one of 'ar', 'mtp'")
         if mode == "mtp" and not self.has_mtp:
@@ -137,19 +155,17 @@ class Engine:
             raise InvalidParameter("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
         if draft_policy not in DRAFT_POLICIES:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
-        depth = self._check_depth(depth) if depth is not None else self.default_depth
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
-        params.validate(self.config.vocab_size)
+        depth = self._check_depth(depth) if depth is not None else default_depth
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
                        depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos))
 
-    def _check_depth(self, depth) -> int:
+    @staticmethod
+    def _check_depth(depth, name: str = "depth") -> int:
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
-            raise InvalidParameter("depth", f"must be an integer from 1 to {MAX_DEPTH}, got {depth!r}")
+            raise InvalidParameter(name, f"must be an integer from 1 to {MAX_DEPTH}, got {depth!r}")
         return depth
 
     def new_sequence(self, req: Request) -> Sequence:
