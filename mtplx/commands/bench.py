@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt suite")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", dest="json_out", default=None, help="write the report to this file")
     p.set_defaults(func=run)
@@ -26,7 +27,7 @@ def run(args) -> int:
 
     parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
-    sampling = {"temperature": args.temperature}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:
         sampling["seed"] = args.seed
     report = measure_side_by_side(engine, args, **sampling)
