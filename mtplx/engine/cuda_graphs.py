@@ -9,8 +9,9 @@ Triton kernel's dynamic bound), so one graph serves every context length.
 Any other forward of up to PREFILL_GRAPH_TOKENS tokens per row (a prompt, the rest of one
 after a prefix-cache hit, the head's pre-feed of a prompt's pairs) runs row by row, in chunks of
 at most PREFILL_BUCKETS[-1] tokens, each through the one-row graph of the smallest bucket that
-holds it (padding writes to the scratch slot). Eagerly, a prefill is 20-35 launches per layer,
-and on a small model their host time is the whole time to first token. Longer prompts, rows
+holds it (padding writes to the scratch slot). Eagerly, a prefill is about 10 kernel launches
+per layer and several times as many host ops, and on a small model their host time is the
+whole time to first token. Longer prompts, rows
 beyond the largest bucket and hybrid models run eagerly through ``ModelRunner``.
 
 A greedy MTP cycle (head catch-up, argmax drafts, verify, greedy acceptance) is one graph per
