@@ -11,8 +11,8 @@ after a prefix-cache hit, the head's pre-feed of a prompt's pairs) runs row by r
 at most PREFILL_BUCKETS[-1] tokens, each through the one-row graph of the smallest bucket that
 holds it (padding writes to the scratch slot). Eagerly, a prefill is about 10 kernel launches
 per layer and several times as many host ops, and on a small model their host time is the
-whole time to first token. Longer prompts, rows
-beyond the largest bucket and hybrid models run eagerly through ``ModelRunner``.
+whole time to first token. Longer prompts, rows beyond the largest bucket and hybrid models
+run eagerly through ``ModelRunner``.
 
 A greedy MTP cycle (head catch-up, argmax drafts, verify, greedy acceptance) is one graph per
 (rows bucket, depth), its catch-up padded to depth + 1 pairs: one input copy, one replay and
@@ -80,24 +80,26 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
               keep_states: bool = False) -> torch.Tensor:
-        q = max(len(r) for r in token_rows)
-        g = self._captured("trunk", len(seqs), q)
-        if g is None and self._prefills(len(seqs), q, "trunk"):
-            return self._prefill("trunk", seqs, token_rows, starts)
-        if g is None:
-            return super().trunk(seqs, token_rows, starts, keep_states)
-        return self._replay(g, seqs, token_rows, starts)
+        return self._forward("trunk", seqs, token_rows, starts, None,
+                             lambda: ModelRunner.trunk(self, seqs, token_rows, starts, keep_states))
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
+        return self._forward("head", seqs, token_rows, starts, hidden,
+                             lambda: ModelRunner.head_forward(self, seqs, hidden, token_rows, starts))
+
+    def _forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
+                 hidden: torch.Tensor | None, eager) -> torch.Tensor:
+        """A trunk or head forward: the graph captured for its shape, else row by row through
+        the prefill graphs where those take it, else ``eager()``."""
         q = max(len(r) for r in token_rows)
-        g = self._captured("head", len(seqs), q)
-        if g is None and self._prefills(len(seqs), q, "head"):
-            return self._prefill("head", seqs, token_rows, starts, hidden)
-        if g is None:
-            return super().head_forward(seqs, hidden, token_rows, starts)
-        return self._replay(g, seqs, token_rows, starts, hidden)
+        g = self._captured(kind, len(seqs), q)
+        if g is not None:
+            return self._replay(g, seqs, token_rows, starts, hidden)
+        if self._prefills(len(seqs), q, kind):
+            return self._prefill(kind, seqs, token_rows, starts, hidden)
+        return eager()
 
     def _prefills(self, rows: int, q: int, kind: str) -> bool:
         """Whether a forward of q tokens per row with no graph of its own runs row by row, in
@@ -119,7 +121,7 @@ class CudaGraphRunner(ModelRunner):
         for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
             for done in range(0, len(row), PREFILL_BUCKETS[-1]):
                 n = min(len(row) - done, PREFILL_BUCKETS[-1])
-                g = self.graphs[(kind, 1, next(b for b in PREFILL_BUCKETS if b >= n))]
+                g = self.graphs[(kind, 1, _bucket(n, PREFILL_BUCKETS))]
                 part = None if hidden is None else hidden[r: r + 1, done: done + n]
                 out[r, done: done + n] = self._replay(g, [seq], [row[done: done + n]], [start + done], part)[0, :n]
         return out
@@ -305,5 +307,6 @@ def _staged(g, values: list[int]) -> torch.Tensor:
     return g.staging
 
 
-def _bucket(rows: int) -> int:
-    return next(b for b in ROW_BUCKETS if b >= rows)
+def _bucket(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int:
+    """The smallest bucket that holds n (rows, or a prompt chunk's tokens)."""
+    return next(b for b in buckets if b >= n)
