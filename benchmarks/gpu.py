@@ -382,7 +382,7 @@ def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
     reference attention for prompts (SDPA, as before session 5). Acceptance per variant, and
     how many AR outputs equal the graphs variant's (they differ only by prefill rounding); for
     graphs and the reference, also forge's held-out acceptance (24 other prompts) at depths 1, 3."""
-    from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once
+    from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once, summarize
     from mtplx.engine import cuda_graphs
     from mtplx.engine.attention import paged_attention_reference
     from mtplx.models import layers
@@ -406,13 +406,10 @@ def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
             runs = {c.label: [run_once(engine, [{"role": "user", "content": p}], c, max_tokens, ignore_eos=True)
                               for p in BENCH_PROMPTS] for c in configs}
             outputs[name] = [r["token_ids"] for r in runs["ar"]]
-            entry = {}
-            for label, rs in runs.items():
-                drafted = sum(r["drafted"] for r in rs)
-                entry[label] = {"tok_s": sum(r["tokens"] for r in rs) / sum(r["decode_s"] for r in rs),
-                                "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None,
-                                "identical_to_ar": sum(a["token_ids"] == r["token_ids"]
-                                                       for a, r in zip(runs["ar"], rs))}
+            entry = {c.label: {**summarize(runs[c.label], c),
+                               "identical_to_ar": sum(a["token_ids"] == r["token_ids"]
+                                                      for a, r in zip(runs["ar"], runs[c.label]))}
+                     for c in configs}
             entry["ar_outputs_equal_to_graphs_variant"] = sum(a == b for a, b in zip(outputs[name], outputs["graphs"]))
             if name != "eager_kernel":  # forge's held-out measure: 24 prompts, greedy, 128 tokens, 8 rows
                 for depth in (1, 3):
