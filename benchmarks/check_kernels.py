@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from mtplx.engine.attention import AttentionMetadata, paged_attention_reference as paged_attention
+from mtplx.cache.attention import AttentionMetadata, paged_attention_reference as paged_attention
 from mtplx.kernels.paged_attention import choose_splits, default_block_n, paged_attention_triton
 
 # (splits, block_n) the correctness check runs; None is the kernel's own choice

@@ -187,7 +187,7 @@ def check_against_reference(engine: Engine) -> dict:
     is as close to the float32 reference as the bf16 PyTorch reference path is: logits of
     prefill, AR, verify and draft forwards on fresh random tokens. (benchmarks/check_kernels.py
     also checks the attention kernel alone against the reference in float64.)"""
-    from mtplx.engine import attention
+    from mtplx import kernels
 
     engines = {"fast": engine, "reference_bf16": Engine(engine.loaded, kv_cache_tokens=4096, cuda_graphs=False),
                "reference_fp32": float32_copy(engine)}
@@ -198,7 +198,7 @@ def check_against_reference(engine: Engine) -> dict:
     logits = {}
     with torch.inference_mode():
         for name, eng in engines.items():
-            attention.KERNELS_ENABLED = name == "fast"
+            kernels.ENABLED = name == "fast"
             seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1,
                            generator=torch.Generator(device=eng.device))
             eng.runner.blocks.allocate(seq.seq_id, prompt)
@@ -209,7 +209,7 @@ def check_against_reference(engine: Engine) -> dict:
             outs.append(eng.runner.logits(eng.runner.head_forward([seq], h, [[prompt[3]]], [41])).float())
             eng.runner.blocks.free(seq.seq_id)
             logits[name] = outs
-        attention.KERNELS_ENABLED = True
+        kernels.ENABLED = True
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     fast = [rel(a, b) for a, b in zip(logits["fast"], logits["reference_fp32"])]
     ref = [rel(a, b) for a, b in zip(logits["reference_bf16"], logits["reference_fp32"])]
@@ -384,7 +384,7 @@ def prefill_variants(engine: Engine, max_tokens: int = 128) -> dict:
     graphs and the reference, also forge's held-out acceptance (24 other prompts) at depths 1, 3."""
     from mtplx.benchmarking import BENCH_PROMPTS, configs_for, run_once, summarize
     from mtplx.engine import cuda_graphs
-    from mtplx.engine.attention import paged_attention_reference
+    from mtplx.cache.attention import paged_attention_reference
     from mtplx.models import layers
 
     from mtplx.forge.build import encode_prompts

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mtplx.engine import block_manager
-from mtplx.engine.block_manager import BlockManager, OutOfBlocks
+from mtplx.cache import block_manager
+from mtplx.cache.block_manager import BlockManager, OutOfBlocks
 
 
 def colliding_hash(parent_key, token_ids):

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtplx.engine import attention
+from mtplx import kernels
+from mtplx.cache import attention
 from mtplx.kernels import fused, gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.layers import RMSNorm, RotaryEmbedding
@@ -42,11 +43,11 @@ def tol(dtype) -> float:
 def reference_path():
     """Run the block with the fused kernels switched off (the reference)."""
     def run(fn):
-        attention.KERNELS_ENABLED = False
+        kernels.ENABLED = False
         try:
             return fn()
         finally:
-            attention.KERNELS_ENABLED = True
+            kernels.ENABLED = True
     return run
 
 
@@ -191,7 +192,7 @@ def test_tiny_model_forward_matches_reference(family, reference_path, monkeypatc
     outs = []
     for enabled in (True, False):
         engine = Engine(LoadedModel(model, None, None, model.config, source=None), kv_cache_tokens=256, block_size=4)
-        attention.KERNELS_ENABLED = enabled
+        kernels.ENABLED = enabled
         try:
             seqs = [engine.new_sequence(engine.make_request(rows, mode="ar", max_tokens=16))
                     for rows in forwards[0][1]]
@@ -202,7 +203,7 @@ def test_tiny_model_forward_matches_reference(family, reference_path, monkeypatc
                 outs.append([runner.logits(runner.trunk(seqs[:n], token_rows, starts))
                              for n, token_rows, starts in forwards])
         finally:
-            attention.KERNELS_ENABLED = True
+            kernels.ENABLED = True
     assert gemv_rows == set(range(1, gemv.MAX_ROWS + 1))
     errors = [rel(got, ref) for got, ref in zip(outs[0], outs[1])]
     assert max(errors) < (1e-5 if dtype == torch.float32 else 2e-2), errors

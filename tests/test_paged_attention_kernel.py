@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from mtplx.engine.attention import AttentionMetadata, paged_attention_reference
+from mtplx.cache.attention import AttentionMetadata, paged_attention_reference
 from mtplx.kernels import paged_attention as kernel
 
 pytestmark = pytest.mark.skipif(

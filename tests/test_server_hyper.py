@@ -11,7 +11,7 @@ import pytest
 from mtplx.batching.job import Job
 from mtplx.batching.scheduler import Scheduler
 from mtplx.batching.state import SchedulerSettings
-from mtplx.server.hyper import (HYPER_ADMISSION_CAP, HyperAdmissionGate, HyperCohortPlan, HyperRequestMeta,
+from mtplx.batching.hyper_gate import (HYPER_ADMISSION_CAP, HyperAdmissionGate, HyperCohortPlan, HyperRequestMeta,
                                 HyperWidthExecutor)
 from tests.test_server_harness import Collector, tiny_text_engine
 

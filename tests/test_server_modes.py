@@ -13,7 +13,7 @@ import pytest
 import mtplx
 from mtplx.batching.state import SchedulerConfigError, SchedulerMode, SchedulerSettings
 from mtplx.cli import main
-from mtplx.server import openai as server_openai
+from mtplx.batching import settings as scheduler_settings
 from mtplx.server.app import create_app
 from tests.test_server_harness import running_server, tiny_text_engine
 
@@ -120,8 +120,8 @@ def test_hyper_trajectories_are_byte_identical_to_serial():
 ])
 def test_hyper_validation_names_the_rule(knobs, rule):
     with pytest.raises(SchedulerConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):
-        server_openai._validate_hyper_settings(**knobs)
-    server_openai._validate_hyper_settings(max_active_requests=1, decode_batch_max=1, batch_wait_ms=0)
+        scheduler_settings.validate_hyper_settings(**knobs)
+    scheduler_settings.validate_hyper_settings(max_active_requests=1, decode_batch_max=1, batch_wait_ms=0)
 
 
 @pytest.mark.parametrize("mode, knobs, words", [
@@ -137,17 +137,17 @@ def test_hyper_validation_names_the_rule(knobs, rule):
 ])
 def test_every_mode_validates_its_settings(mode, knobs, words):
     with pytest.raises(SchedulerConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        server_openai._validate_scheduler_settings(mode, **knobs)
+        scheduler_settings.validate_scheduler_settings(mode, **knobs)
 
 
 def test_valid_settings_resolve_to_the_mode_defaults():
-    mtp_batch = server_openai._validate_scheduler_settings("mtp_batch")
+    mtp_batch = scheduler_settings.validate_scheduler_settings("mtp_batch")
     assert (mtp_batch.decode_batch_max, mtp_batch.batch_wait_ms, mtp_batch.max_active_requests) == (8, 20.0, 8)
     assert mtp_batch.policy_label == "fixed_mtp_batch_width_8"
-    assert server_openai._validate_scheduler_settings("ar_batch").max_active_requests == 8
-    hyper = server_openai._validate_scheduler_settings("hyper")
+    assert scheduler_settings.validate_scheduler_settings("ar_batch").max_active_requests == 8
+    hyper = scheduler_settings.validate_scheduler_settings("hyper")
     assert (hyper.max_active_requests, hyper.decode_batch_max, hyper.batch_wait_ms) == (1, 1, 0.0)
-    assert server_openai._validate_scheduler_settings("mtp_batch", decode_batch_max=4).policy_label == \
+    assert scheduler_settings.validate_scheduler_settings("mtp_batch", decode_batch_max=4).policy_label == \
         "fixed_mtp_batch_width_4"
 
 
@@ -170,8 +170,8 @@ def test_serve_refuses_bad_settings_before_loading_the_model(monkeypatch, capsys
 def test_mtp_only_modes_need_a_head():
     settings = SchedulerSettings.resolve("solo_mtp")
     with pytest.raises(SchedulerConfigError, match="needs a model with an MTP head"):
-        server_openai._validate_model_for_mode(settings, has_mtp=False)
-    server_openai._validate_model_for_mode(SchedulerSettings.resolve("serial"), has_mtp=False)
+        scheduler_settings.validate_model_for_mode(settings, has_mtp=False)
+    scheduler_settings.validate_model_for_mode(SchedulerSettings.resolve("serial"), has_mtp=False)
 
 
 @pytest.mark.parametrize("mode, expected", [("serial", "ar"), ("hyper", "ar"), ("mtp_batch", "mtp"), ("solo_mtp", "mtp")])

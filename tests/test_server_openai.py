@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mtplx.batching.state import SchedulerSettings
 from mtplx.server.app import create_app
-from mtplx.server.hyper import HyperAdmissionGate, HyperCohortPlan
+from mtplx.batching.hyper_gate import HyperAdmissionGate, HyperCohortPlan
 from tests.test_server_harness import running_server, tiny_text_engine
 
 MODEL = "tiny"

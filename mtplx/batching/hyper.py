@@ -1,4 +1,4 @@
-"""``hyper``: singleton admission through the hyper gate (``mtplx.server.hyper``).
+"""``hyper``: singleton admission through the hyper gate (``mtplx.batching.hyper_gate``).
 
 Each job is admitted to the gate when it enters the FIFO (never blocking) and, on the model
 thread, runs as ``gate.bind(ticket, serial closure)()``: at width 1 that is exactly
@@ -17,7 +17,7 @@ class HyperPolicy(SingleRequestPolicy):
     mode = SchedulerMode.HYPER
 
     def __init__(self, engine, settings, gate):
-        """``gate``: a ``mtplx.server.hyper.HyperAdmissionGate``."""
+        """``gate``: a ``mtplx.batching.hyper_gate.HyperAdmissionGate``."""
         super().__init__(engine, settings)
         self.gate = gate
 

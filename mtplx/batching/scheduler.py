@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from typing import Any
 
 import torch
 
 from mtplx.batching.ar_batch import ARBatchPolicy
 from mtplx.batching.hyper import HyperPolicy
+from mtplx.batching.hyper_gate import HyperAdmissionGate
 from mtplx.batching.job import Job
 from mtplx.batching.mtp_batch import MTPBatchPolicy
 from mtplx.batching.policy import Listener, Policy
@@ -30,11 +32,7 @@ def make_policy(engine: Engine, settings: SchedulerSettings, gate=None) -> Polic
     """The policy object of ``settings.mode``. ``gate``: the hyper admission gate to use."""
     mode = settings.mode
     if mode == SchedulerMode.HYPER:
-        if gate is None:
-            from mtplx.server.hyper import HyperAdmissionGate  # the gate is part of the server's API
-
-            gate = HyperAdmissionGate()
-        return HyperPolicy(engine, settings, gate)
+        return HyperPolicy(engine, settings, gate if gate is not None else HyperAdmissionGate())
     policies = {SchedulerMode.SERIAL: SerialPolicy, SchedulerMode.MTP_BATCH: MTPBatchPolicy,
                 SchedulerMode.AR_BATCH: ARBatchPolicy, SchedulerMode.SOLO_MTP: SoloMTPPolicy}
     return policies[mode](engine, settings)
@@ -132,3 +130,20 @@ class Scheduler:
     def telemetry(self) -> dict:
         """This mode's ``scheduler.<mode>`` block."""
         return {"queue_depth": self.queue_depth, **self.policy.telemetry()}
+
+
+def scheduler_state(state: Any) -> dict:
+    """``scheduler_mode``, ``scheduler_policy``, ``active_lane``, ``config`` and the telemetry:
+    ``telemetry`` is the running mode's block and ``scheduler.<mode>`` holds it too (the other
+    modes' blocks are empty). ``state``: the server state (with ``.scheduler``) or a Scheduler."""
+    scheduler = getattr(state, "scheduler", state)
+    mode = scheduler.mode.value
+    block = scheduler.telemetry()
+    return {
+        "scheduler_mode": mode,
+        "scheduler_policy": scheduler.settings.policy_label,
+        "active_lane": scheduler.policy.active_lane,
+        "config": scheduler.settings.as_dict(),
+        "telemetry": block,
+        "scheduler": {m: (block if m == mode else {}) for m in SchedulerMode.choices()},
+    }

@@ -2,7 +2,7 @@
 
 A mode is a policy over the one engine step (see ``batching/<mode>.py``); this file only
 names the modes and resolves each mode's defaults. The per-mode validation with its
-user-facing messages lives in ``mtplx.server.openai`` (``_validate_scheduler_settings``).
+user-facing messages lives in ``settings.py`` (``validate_scheduler_settings``).
 """
 
 from __future__ import annotations

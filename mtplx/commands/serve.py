@@ -73,12 +73,12 @@ def _non_negative_float(text: str) -> float:
 
 
 def run(args) -> int:
-    from mtplx.server import openai
+    from mtplx.batching import settings as scheduler_settings
     from mtplx.server.lifecycle import DrainingServer, listen, uvicorn_config
     from mtplx.server.security import check_exposure
 
     cfg = Config.load(args.config, overrides={k: getattr(args, k) for k in CONFIG_FLAGS})
-    settings = openai._validate_scheduler_settings(
+    settings = scheduler_settings.validate_scheduler_settings(
         cfg.scheduler_mode, generation_mode=cfg.generation_mode, depth=cfg.depth,
         max_active_requests=cfg.max_active_requests, decode_batch_max=cfg.decode_batch_max,
         batch_wait_ms=cfg.batch_wait_ms, max_queued_requests=cfg.max_queued_requests, sources=cfg.sources)
@@ -91,7 +91,7 @@ def run(args) -> int:
     with sock:
         engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
                             allow_unverified_head=args.allow_unverified_head)
-        openai._validate_model_for_mode(settings, engine.has_mtp)
+        scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,
                          max_body_bytes=int(args.max_body_mb * MIB))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtplx.engine.attention import AttentionMetadata
+from mtplx.cache.attention import AttentionMetadata
 from mtplx.engine.runner import CycleBuffers, CycleLaunch, ModelRunner, copy_in, flat_tables, pad_row
 from mtplx.engine.sequence import Sequence
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from mtplx.engine.block_manager import OutOfBlocks
+from mtplx.cache.block_manager import OutOfBlocks
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
 from mtplx.engine.sequence import Sequence

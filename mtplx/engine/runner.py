@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtplx.engine import attention
-from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.block_manager import BlockManager
-from mtplx.engine.kv_cache import PagedKVCache
+from mtplx import kernels
+from mtplx.cache import attention
+from mtplx.cache.attention import AttentionMetadata
+from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
+from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.state_cache import RecurrentStateCache
+from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.models.mtp import MTPHead
@@ -25,8 +26,6 @@ from mtplx.models.mtp import MTPHead
 # capture is the faster (no second forward on a partial acceptance).
 STATE_COMMIT_MODES = ("capture", "reforward")
 DEFAULT_STATE_COMMIT = "capture"
-HYBRID_PREFIX_CACHE_REASON = (
-    "hybrid linear-attention model: a cached KV prefix cannot restore the recurrent state at its end")
 
 
 # a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
@@ -104,7 +103,7 @@ class ModelRunner:
         no request waits on a compile (graph captures compile only their own shapes; a pre-feed
         of a few pairs, a long prompt, a hybrid model or an eager runner launch others). Returns
         the launches."""
-        if self.device.type != "cuda" or not (attention.KERNELS_ENABLED and attention.triton_kernel.available()):
+        if self.device.type != "cuda" or not (kernels.ENABLED and attention.triton_kernel.available()):
             return 0
         cfg = self.model.config
         return attention.triton_kernel.compile_variants(

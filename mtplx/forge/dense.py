@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.kv_cache import PagedKVCache
+from mtplx.cache.attention import AttentionMetadata
+from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.models.base import CausalLM
 from mtplx.models.mtp import MTPHead
 

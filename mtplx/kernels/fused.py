@@ -12,7 +12,7 @@ in three launches per use:
 
 Each computes in float32 and rounds where the PyTorch reference rounds (the residual sum, the
 norm's output before the weight), so outputs match the reference to bf16 rounding. The models
-call them only on CUDA tensors while ``engine.attention.KERNELS_ENABLED`` is on; the CPU path
+call them only on CUDA tensors while ``mtplx.kernels.ENABLED`` is on; the CPU path
 is the reference (tests/test_fused_kernels.py checks both against each other under Triton's
 interpreter, benchmarks/gpu.py on the GPU before it times anything).
 """
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from mtplx.engine import attention  # its KERNELS_ENABLED switches these kernels off too
+from mtplx import kernels  # its ENABLED switches these kernels off too
 
 try:
     import triton
@@ -41,7 +41,7 @@ def available() -> bool:
 def usable(x: torch.Tensor) -> bool:
     """True where the fused kernels run: CUDA tensors (or any, under Triton's interpreter),
     outside autograd (the kernels have no backward: forge trains a head through these modules)."""
-    return (attention.KERNELS_ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+    return (kernels.ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
             and not torch.is_grad_enabled())
 
 

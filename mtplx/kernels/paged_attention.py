@@ -189,7 +189,7 @@ def query_blocks(q_len: int, group: int) -> int:
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, key_start: int,
                            scale: float, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Same contract as ``engine.attention.paged_attention``, any q_len.
+    """Same contract as ``cache.attention.paged_attention``, any q_len.
 
     q: [rows, q_len, heads, head_dim]; pools: [blocks, page, kv_heads, head_dim];
     positions: [rows, q_len] long; block_tables: [rows, blocks] long.

@@ -11,7 +11,7 @@ from mtplx.errors import ModelLoadError, UnsupportedModel
 from mtplx.loading import hf_dir
 from mtplx.loading.mtp_weights import SIDECAR_PROVENANCE, SIDECAR_WEIGHTS, detect_layout, is_head_key
 from mtplx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from mtplx.engine.runner import HYBRID_PREFIX_CACHE_REASON
+from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON
 
 # support tiers and the exit codes `mtplx inspect` returns for them
 TIERS = {"verified": 0, "unverified": 3, "ar_only": 4, "unsupported": 5}

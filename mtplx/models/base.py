@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.kv_cache import PagedKVCache
+from mtplx.cache.attention import AttentionMetadata
+from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.kernels import gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding

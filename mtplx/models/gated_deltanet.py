@@ -12,7 +12,7 @@ which ``state_after_prefix`` rebuilds the state after any prefix of a verify for
 (``CapturedVerify``): a partial acceptance costs one small matmul per layer, not a re-forward.
 Before the delta rule, q, k and v pass through a depthwise causal convolution whose last
 kernel-1 inputs are the layer's second piece of state. Both states live in
-engine/state_cache.py, one slot per sequence; ``AttentionMetadata.state_slots`` names the slot
+cache/state_cache.py, one slot per sequence; ``AttentionMetadata.state_slots`` names the slot
 of each row.
 
 A token with beta = 0 and g = 0 leaves S unchanged: padding positions are masked that way, so a
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.state_cache import RecurrentStateCache
+from mtplx.cache.attention import AttentionMetadata
+from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.config import ModelConfig
 
 CHUNK_SIZE = 64

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtplx.engine.attention import AttentionMetadata, paged_attention, write_kv
-from mtplx.engine.kv_cache import PagedKVCache
-from mtplx.engine.state_cache import RecurrentStateCache
+from mtplx.cache.attention import AttentionMetadata, paged_attention, write_kv
+from mtplx.cache.kv_cache import PagedKVCache
+from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.models.gated_deltanet import GatedDeltaNet

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.engine.attention import AttentionMetadata, paged_attention, write_kv
+from mtplx.cache.attention import AttentionMetadata, paged_attention, write_kv
 from mtplx.kernels import fused, gemv
 from mtplx.models.config import ModelConfig
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtplx.engine.attention import AttentionMetadata
-from mtplx.engine.kv_cache import PagedKVCache
+from mtplx.cache.attention import AttentionMetadata
+from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig
 from mtplx.models.layers import RMSNorm

@@ -1,126 +1,15 @@
-"""The OpenAI-compatible front door: /v1/chat/completions, /v1/completions, /v1/models; the
-scheduler settings validation ``mtplx serve`` runs before loading a model; and the
-scheduler state payload.
-"""
+"""The OpenAI-compatible front door: /v1/chat/completions, /v1/completions, /v1/models."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 
-from mtplx.batching.state import (DEFAULT_DECODE_BATCH_MAX, MTP_ONLY_MODES, SchedulerConfigError, SchedulerMode,
-                                  SchedulerSettings)
+from mtplx.batching.state import MTP_ONLY_MODES, SchedulerSettings
 from mtplx.server.errors import APIError
 from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
 from mtplx.server.streaming import stream_response, whole_response
 
 router = APIRouter()
-
-
-# -- settings validation (runs before the model loads) ---------------------------------------
-def _where(sources: dict[str, str] | None, name: str) -> str:
-    source = (sources or {}).get(name)
-    return f" (from {source})" if source and source != "default" else ""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise SchedulerConfigError(message)
-
-
-# What each knob must be in a mode that does not use it: unset, or this neutral value.
-_NEUTRAL = {"max_active_requests": 1, "decode_batch_max": 1, "batch_wait_ms": 0}
-
-_HYPER_RULES = {
-    "max_active_requests": "hyper admits one request at a time (HYPER_ADMISSION_CAP = 1, no external admission)",
-    "decode_batch_max": "hyper never batches separate requests (width > 1 only for a request's own "
-                        "speculative rows, through a HyperWidthExecutor)",
-    "batch_wait_ms": "hyper never holds a gather window",
-}
-
-
-def _single_request_rules(mode: str) -> dict[str, str]:
-    return {"max_active_requests": f"{mode} runs one request at a time (for concurrency use ar_batch or mtp_batch)",
-            "decode_batch_max": f"{mode} does not batch (decode_batch_max sets mtp_batch's width)",
-            "batch_wait_ms": f"{mode} never holds a gather window"}
-
-
-_AR_BATCH_RULES = {
-    "decode_batch_max": "ar_batch's width is max_active_requests (decode_batch_max sets mtp_batch's width)",
-    "batch_wait_ms": "ar_batch admits at every decode step and never holds a gather window",
-}
-
-
-def _check_neutral(rules: dict[str, str], values: dict[str, float | None], sources: dict[str, str] | None) -> None:
-    """For each knob in ``rules``: unset or neutral, else the rule (why), the knob, its value and source."""
-    for name, why in rules.items():
-        value = values[name]
-        _require(not value or value == _NEUTRAL[name],
-                 f"{why}: {name} must be {_NEUTRAL[name]}, got {value}{_where(sources, name)}")
-
-
-def _validate_hyper_settings(max_active_requests: int | None = None, decode_batch_max: int | None = None,
-                             batch_wait_ms: float | None = None, *, sources: dict[str, str] | None = None) -> None:
-    """Hyper admits one external request at a time and never gathers: reject anything else."""
-    _check_neutral(_HYPER_RULES, {"max_active_requests": max_active_requests, "decode_batch_max": decode_batch_max,
-                                  "batch_wait_ms": batch_wait_ms}, sources)
-
-
-def _validate_scheduler_settings(mode: SchedulerMode | str, *, generation_mode: str | None = None,
-                                 depth: int | None = None, max_active_requests: int | None = None,
-                                 decode_batch_max: int | None = None, batch_wait_ms: float | None = None,
-                                 max_queued_requests: int | None = None,
-                                 sources: dict[str, str] | None = None) -> SchedulerSettings:
-    """Check the knobs against ``mode``'s rules (None = not set) and return the resolved
-    settings. Raises SchedulerConfigError with a one-line message naming the rule."""
-    mode = SchedulerMode.parse(mode, "scheduler_mode" + _where(sources, "scheduler_mode"))
-    knobs = {"max_active_requests": max_active_requests, "decode_batch_max": decode_batch_max,
-             "batch_wait_ms": batch_wait_ms}
-    if mode == SchedulerMode.HYPER:
-        _validate_hyper_settings(**knobs, sources=sources)
-    elif mode in (SchedulerMode.SERIAL, SchedulerMode.SOLO_MTP):
-        _check_neutral(_single_request_rules(mode.value), knobs, sources)
-    elif mode == SchedulerMode.AR_BATCH:
-        _check_neutral(_AR_BATCH_RULES, knobs, sources)
-    elif mode == SchedulerMode.MTP_BATCH:
-        _require(max_active_requests in (None, decode_batch_max or DEFAULT_DECODE_BATCH_MAX),
-                 f"mtp_batch admits up to decode_batch_max requests (its width): leave max_active_requests unset "
-                 f"or equal to decode_batch_max, got {max_active_requests}{_where(sources, 'max_active_requests')}")
-    if mode in (SchedulerMode.MTP_BATCH, SchedulerMode.SOLO_MTP):
-        _require(generation_mode in (None, "mtp"),
-                 f"{mode.value} decodes MTP only (no AR fallback): generation_mode must be mtp, got "
-                 f"{generation_mode!r}{_where(sources, 'generation_mode')}; use serial or ar_batch for AR")
-    return SchedulerSettings.resolve(mode, generation_mode=generation_mode, depth=depth,
-                                     max_active_requests=max_active_requests, decode_batch_max=decode_batch_max,
-                                     batch_wait_ms=batch_wait_ms, max_queued_requests=max_queued_requests)
-
-
-def _validate_model_for_mode(settings: SchedulerSettings, has_mtp: bool) -> None:
-    """After loading: MTP-only modes and an explicit generation_mode=mtp need an MTP head."""
-    needs_head = settings.mode in (SchedulerMode.MTP_BATCH, SchedulerMode.SOLO_MTP) or settings.generation_mode == "mtp"
-    _require(has_mtp or not needs_head,
-             f"{settings.mode.value} with generation_mode {settings.generation_mode or 'mtp'} needs a model with an "
-             "MTP head, and this one has none (forge one with `mtplx forge build`, pass --head, "
-             "or use --scheduler-mode serial/ar_batch for AR)")
-
-
-# -- the scheduler state payload -------------------------------------------------------------
-def _mtplx_scheduler_state(state: Any) -> dict:
-    """``scheduler_mode``, ``scheduler_policy``, ``active_lane``, ``config`` and the telemetry:
-    ``telemetry`` is the running mode's block and ``scheduler.<mode>`` holds it too (the other
-    modes' blocks are empty). ``state``: the server state (with ``.scheduler``) or a Scheduler."""
-    scheduler = getattr(state, "scheduler", state)
-    mode = scheduler.mode.value
-    block = scheduler.telemetry()
-    return {
-        "scheduler_mode": mode,
-        "scheduler_policy": scheduler.settings.policy_label,
-        "active_lane": scheduler.policy.active_lane,
-        "config": scheduler.settings.as_dict(),
-        "telemetry": block,
-        "scheduler": {m: (block if m == mode else {}) for m in SchedulerMode.choices()},
-    }
 
 
 # -- routes --------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from mtplx.batching.job import Delta, Done, Failed, Job
 from mtplx.batching.queue import SchedulerStopped
 from mtplx.batching.scheduler import Scheduler
-from mtplx.engine.block_manager import OutOfBlocks
+from mtplx.cache.block_manager import OutOfBlocks
 from mtplx.engine.llm_engine import Request as EngineRequest
 from mtplx.errors import InvalidParameter, MtplxError
 from mtplx.server.errors import RETRY_AFTER_S, APIError, error_body

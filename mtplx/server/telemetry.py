@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mtplx.server.metrics import CONTENT_TYPE
-from mtplx.server.openai import _mtplx_scheduler_state
+from mtplx.batching.scheduler import scheduler_state
 
 open_router = APIRouter()  # /health, /metrics: open without the API key (security.OPEN_PATHS decides)
 router = APIRouter()  # /v1/...: behind the API key when one is set
@@ -17,7 +17,7 @@ router = APIRouter()  # /v1/...: behind the API key when one is set
 @open_router.get("/health")
 async def health(request: Request):
     server = request.app.state.mtplx
-    state = _mtplx_scheduler_state(server)
+    state = scheduler_state(server)
     ok = server.scheduler.alive
     body = {"status": "ok" if ok else "scheduler_stopped", "model": server.model_id,
             "scheduler_mode": state["scheduler_mode"], "scheduler_policy": state["scheduler_policy"],
@@ -35,6 +35,6 @@ async def metrics(request: Request):
 @router.get("/v1/mtplx/snapshot")
 async def snapshot(request: Request):
     server = request.app.state.mtplx
-    return {**_mtplx_scheduler_state(server), "model": server.model_card(), "kv_cache": server.kv_cache(),
+    return {**scheduler_state(server), "model": server.model_card(), "kv_cache": server.kv_cache(),
             "queue_depth": server.scheduler.queue_depth, "active_requests": server.scheduler.active_requests,
             "latest_request": server.latest_request, "uptime_s": time.time() - server.started_at}

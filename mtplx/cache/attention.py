@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mtplx import kernels
 from mtplx.kernels import paged_attention as triton_kernel
 
 # Not cuDNN: it builds a plan for every new (query, key) length on first sight, tens of ms each,
 # and prompts and pre-feeds come in every length (stalls of about 70 ms inside requests on an H200)
 REFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-KERNELS_ENABLED = True  # benchmarks switch it off to check the kernel against the reference
 
 
 @dataclass
@@ -33,7 +33,7 @@ class AttentionMetadata:
     key_start:    first sequence index a query may attend to (1 for MTP head layers, whose
                   slot 0 holds no entry; 0 for the trunk).
 
-    Hybrid models (linear-attention layers with a recurrent state, engine/state_cache.py) also use:
+    Hybrid models (linear-attention layers with a recurrent state, cache/state_cache.py) also use:
     state_slots:  [rows] long, each row's slot in the recurrent state cache.
     query_lens:   [rows] long, each row's real (unpadded) number of new tokens.
     capture:      keep what rebuilds the recurrent state after any prefix of the new tokens
@@ -78,7 +78,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     On CUDA every forward (decode, draft, verify and prefill) takes the Triton kernel, which
     reads only each row's own keys; the CPU, and queries that need a gradient (the kernel has
     no backward), take the reference path below."""
-    if (KERNELS_ENABLED and q.is_cuda and triton_kernel.available()
+    if (kernels.ENABLED and q.is_cuda and triton_kernel.available()
             and not (q.requires_grad and torch.is_grad_enabled())):
         return triton_kernel.paged_attention_triton(q, k_pool, v_pool, meta.positions, meta.block_tables,
                                                     meta.key_start, scale)

@@ -20,6 +20,11 @@ from mtplx.errors import MtplxError
 SeqId = str | int
 _ROOT = 0  # parent serial of a sequence's first block; registration serials start at 1
 
+# why a hybrid model's blocks never enter the prefix cache
+HYBRID_PREFIX_CACHE_REASON = (
+    "hybrid linear-attention model: a cached KV prefix cannot restore the recurrent state at its end")
+
+
 
 def block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
     """Chain key of a full block: its tokens and, through parent_key, every token before it."""
