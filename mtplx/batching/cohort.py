@@ -151,6 +151,10 @@ class RowPolicy(Policy):
             self.finish(row.job, row.seq)
         self.publish_kv()
 
+    def abort(self, error: BaseException) -> None:
+        self.rows.clear()
+        super().abort(error)
+
     def drop(self, row: Row, error: BaseException) -> None:
         self.engine.generator.release(row.seq)
         self.rows.remove(row)

@@ -101,6 +101,14 @@ class Policy:
         self.jobs.count("failed")
         self._ended(job, None)
 
+    def abort(self, error: BaseException) -> None:
+        """After ``run`` raised: give back every sequence the engine holds (blocks, state
+        slots, the cycle in flight) and fail every running job with ``error``, counted as
+        failed. The policy's own rows are forgotten; its counters stay."""
+        self.engine.release_all()
+        for job in list(self.running):
+            self.fail(job, error)
+
     def publish_kv(self, *_: object) -> None:
         """Refresh the KV block counts handlers read (a few ints; called once per cycle)."""
         self.kv_stats = kv_stats(self.engine)

@@ -28,6 +28,10 @@ from mtplx.engine.llm_engine import Engine
 log = logging.getLogger("mtplx.scheduler")
 
 
+class PolicyCrash(RuntimeError):
+    """The scheduler's policy raised while this request ran (a bug, not the client's doing)."""
+
+
 def make_policy(engine: Engine, settings: SchedulerSettings, gate=None) -> Policy:
     """The policy object of ``settings.mode``. ``gate``: the hyper admission gate to use."""
     mode = settings.mode
@@ -45,6 +49,7 @@ class Scheduler:
         self.queue = JobQueue(settings.max_queued_requests)
         self._thread: threading.Thread | None = None
         self._admitting = True
+        self.policies_crashed = 0  # times the policy raised and was restarted
         # every submitted job until it is dropped (a job between the queue and the running list
         # is in neither): what ``cut_off`` fails at shutdown
         self._submitted: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
@@ -90,13 +95,21 @@ class Scheduler:
         return len(unfinished)
 
     def _run(self) -> None:
-        try:
-            with torch.inference_mode():
-                self.policy.run(self.queue)
-        except Exception:  # a bug in a policy: fail what is left rather than hang clients
-            log.exception("the %s scheduler stopped", self.mode)
-            for job in self.queue.close() + list(self.policy.running):
-                job.fail(SchedulerStopped(f"the {self.mode} scheduler stopped on an internal error"))
+        """The model thread: the policy's loop until the queue closes. A policy that raises
+        (a bug) fails its running jobs (a 500 for their clients), gives back everything they
+        held (KV blocks, recurrent-state slots, the cycle in flight) and runs again over the
+        same queue: queued requests and later ones are still served."""
+        while True:
+            try:
+                with torch.inference_mode():
+                    self.policy.run(self.queue)
+                return
+            except Exception as exc:
+                log.exception("the %s scheduler's policy raised; failing its %d running request(s) and going on",
+                              self.mode, len(self.policy.running))
+                self.policy.abort(PolicyCrash(f"the {self.mode} scheduler failed this request: "
+                                              f"{type(exc).__name__}: {exc}"))
+                self.policies_crashed += 1
 
     @property
     def alive(self) -> bool:

@@ -61,6 +61,7 @@ class Generator:
         self._flight: CycleLaunch | None = None
         self._released: set[int] = set()
         self._drained: list[Sequence] = []  # rows a drain committed, for callers that step groups apart
+        self.live: dict[int, Sequence] = {}  # admitted and not yet released, by seq_id
 
     # -- lifecycle ----------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -72,6 +73,7 @@ class Generator:
         # blocks go to a separate prefix cache, so an MTP request never drafts from them
         namespace = "trunk_only" if self.runner.head is not None and seq.mode != "mtp" else None
         cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids, namespace=namespace)
+        self.live[seq.seq_id] = seq
         try:
             self._set_up(seq, cached)
         except BaseException:
@@ -93,14 +95,24 @@ class Generator:
             seq.counts = torch.zeros(self.vocab_size, dtype=torch.long, device=self.runner.device)
 
     def release(self, seq: Sequence) -> None:
-        """Return the sequence's blocks (committed full blocks stay in the prefix cache). A
-        cycle in flight over the row still writes to them, ahead of any later use (one stream)."""
+        """Return the sequence's blocks (committed full blocks stay in the prefix cache) and its
+        state slot; a no-op for a sequence not admitted (or already released). A cycle in flight
+        over the row still writes to them, ahead of any later use (one stream)."""
+        if self.live.pop(seq.seq_id, None) is None:
+            return
         if self._flight is not None and any(s is seq for s in self._flight.seqs):
             self._released.add(seq.seq_id)
             if all(s.seq_id in self._released for s in self._flight.seqs):
                 self._flight, self._released = None, set()
         self.runner.blocks.free(seq.seq_id)
         self.runner.free_state(seq)
+
+    def release_all(self) -> None:
+        """Release every admitted sequence and forget the cycle in flight (after a crash:
+        nothing the device still computes is read)."""
+        self._flight, self._released = None, set()
+        for seq in list(self.live.values()):
+            self.release(seq)
 
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.

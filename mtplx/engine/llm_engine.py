@@ -190,6 +190,11 @@ class Engine:
             finally:
                 self.generator.release(seq)
 
+    def release_all(self) -> None:
+        """Give back every sequence's KV blocks and state slot and drop the cycle in flight
+        (the scheduler's recovery after its policy raised)."""
+        self.generator.release_all()
+
     def text_tracker(self, req: Request) -> TextTracker:
         """The detokeniser of one request's output (stop strings applied)."""
         return TextTracker(self.tokenizer, req.stop, len(req.prompt_ids), self.generator.fault_hook)
