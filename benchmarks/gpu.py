@@ -17,7 +17,6 @@ acceptance by depth.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 
@@ -25,7 +24,6 @@ import torch
 
 from mtplx.engine.generator import stack_padded
 from mtplx.engine.llm_engine import Engine
-from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.loading.checkpoint import LoadedModel
@@ -114,14 +112,16 @@ def step_costs(engine: Engine, context: int = 128) -> dict:
     seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
                    generator=torch.Generator(device=engine.device))
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    runner.blocks.ensure_capacity(seq.seq_id, context + 8)  # the steps, verifies and drafts timed below
     with torch.inference_mode():
         runner.trunk([seq], [seq.prompt_ids], [0])
         out = {}
         ar = timed(lambda: runner.logits(runner.trunk([seq], [[5]], [context])[:, -1]))
         out["ar_step_s"] = ar
         out["trunk_forward_only_s"] = timed(lambda: runner.trunk([seq], [[5]], [context]))
-        out["trunk_forward_eager_s"] = timed(lambda: ModelRunner.trunk(runner, [seq], [[5]], [context]))
-        out["runner"] = type(runner).__name__
+        with runner.eager():
+            out["trunk_forward_eager_s"] = timed(lambda: runner.trunk([seq], [[5]], [context]))
+        out["runner"] = "cuda_graphs" if runner.graphs is not None else "eager"
         for d in (1, 2, 3):
             t = timed(lambda: runner.logits(runner.trunk([seq], [[5] * (d + 1)], [context])))
             out[f"verify_1+{d}_over_ar"] = t / ar
@@ -202,6 +202,7 @@ def check_against_reference(engine: Engine) -> dict:
             seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1,
                            generator=torch.Generator(device=eng.device))
             eng.runner.blocks.allocate(seq.seq_id, prompt)
+            eng.runner.blocks.ensure_capacity(seq.seq_id, 48)  # the verifies and the head step below
             outs = [eng.runner.logits(eng.runner.trunk([seq], [prompt], [0])).float()]
             rows = [[prompt[-1]], prompt[-4:], prompt[-2:]]
             outs += [eng.runner.logits(eng.runner.trunk([seq], [r], [40])).float() for r in rows]
@@ -231,7 +232,7 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
     bucket, and cuBLAS rounds 3 rows and 4 differently. A flipped draft changes the verify's
     input, so the verify outputs are compared only where every draft agreed."""
     gen, runner = engine.generator, engine.runner
-    runner.chain_cycles = False  # each cycle from the host's state, to compare with the eager one
+    gen.chain.enabled = False  # each cycle from the host's state, to compare with the eager one
     worst, flips, drafted = 0.0, 0, 0
     g = torch.Generator().manual_seed(int(time.time()))
     for rows in (1, 3):
@@ -245,10 +246,13 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
                 gen.prefill(seq)
                 seqs.append(seq)
             with torch.inference_mode():
-                gen.mtp_cycle(seqs)  # eager (a prompt-wide catch-up); leaves a cycle-sized backlog
+                engine.step(seqs)  # eager (a prompt-wide catch-up); leaves a cycle-sized backlog
                 backlog = stack_padded([s.hidden_backlog for s in seqs])
+                for s in seqs:  # the blocks the cycle writes (the generator reserves them before a cycle)
+                    engine.kv.reserve(s, s.trunk_len + depth + 1)
                 fast = [t.clone() for t in runner.greedy_cycle(seqs, backlog, depth)]
-                ref = ModelRunner.greedy_cycle(runner, seqs, backlog, depth)
+                with runner.eager():
+                    ref = runner.greedy_cycle(seqs, backlog, depth)
             same = (fast[2][:, :depth] == ref[2][:, :depth]).all(dim=1)
             errs = [float((a[same].float() - b[same].float()).norm() / b[same].float().norm()) if same.any()
                     else 0.0 for a, b in zip(fast[:2], ref[:2])]
@@ -259,7 +263,7 @@ def check_cycle_graph(engine: Engine, report_only: bool = False) -> dict:
             drafted += rows * depth
             for s in seqs:
                 gen.release(s)
-    runner.chain_cycles = True
+    gen.chain.enabled = True
     print(f"  whole-cycle graph vs eager cycle: worst relative error where drafts agree {worst:.4f}, drafts differing "
           f"{flips}/{drafted}", flush=True)
     if (worst > 0.05 or flips > drafted // 4) and not report_only:
@@ -288,28 +292,28 @@ def check_chain(engine: Engine, report_only: bool = False) -> dict:
     One exception, reported and not failed: unchained AR over several rows computes its logits
     eagerly over those rows, the chained graph over the rows bucket (3 rows vs 4 in cuBLAS's
     lm_head GEMM round differently), so a near-tie may flip there."""
-    runner = engine.runner
+    chain = engine.generator.chain
     g = torch.Generator().manual_seed(int(time.time()) + 1)
     differing, repeat = {}, {}
     for rows in (1, 3):
         for depth in (0, 1, 2, 3):
             prompts = [torch.randint(0, engine.config.vocab_size, (12,), generator=g).tolist() for _ in range(rows)]
             out = {}
-            for chain in (False, True):
-                runner.chain_cycles = chain
-                out[chain] = decode_rows(engine, prompts, depth, 64)
+            for chained in (False, True):
+                chain.enabled = chained
+                out[chained] = decode_rows(engine, prompts, depth, 64)
             differing[f"rows{rows}_depth{depth}"] = sum(a != b for a, b in zip(out[False], out[True]))
             if rows > 1:  # the unchained path twice: how far run-to-run nondeterminism alone goes
-                runner.chain_cycles = False
+                chain.enabled = False
                 again = decode_rows(engine, prompts, depth, 64)
                 repeat[f"rows{rows}_depth{depth}"] = sum(a != b for a, b in zip(out[False], again))
                 together = {}  # rows ending together: no chain restart over fewer rows
-                for chain in (False, True):
-                    runner.chain_cycles = chain
-                    together[chain] = decode_rows(engine, prompts, depth, 64, apart=False)
+                for chained in (False, True):
+                    chain.enabled = chained
+                    together[chained] = decode_rows(engine, prompts, depth, 64, apart=False)
                 repeat[f"rows{rows}_depth{depth}_ending_together_chained_vs_not"] = sum(
                     a != b for a, b in zip(together[False], together[True]))
-    runner.chain_cycles = True
+    chain.enabled = True
     failing = {k: v for k, v in differing.items() if v and not (k.endswith("depth0") and not k.startswith("rows1"))}
     print(f"  chained vs unchained decoding, rows differing per case: {differing}", flush=True)
     print(f"  unchained vs unchained (same prompts, run again): {repeat}", flush=True)
@@ -355,8 +359,10 @@ def check_prefill_graphs(engine: Engine) -> dict:
                     return fn(seqs, h[:, : max(len(r[part]) for r in rows)], [r[part] for r in rows],
                               [part.start or 0] * len(rows))
 
-                eager_fn = functools.partial(ModelRunner.trunk, runner) if kind == "trunk" else \
-                    functools.partial(ModelRunner.head_forward, runner)
+                def eager_fn(*args, _fn=runner.trunk if kind == "trunk" else runner.head_forward):
+                    with runner.eager():
+                        return _fn(*args)
+
                 graph_fn = runner.trunk if kind == "trunk" else runner.head_forward
                 if start:
                     forward(eager_fn, slice(0, start))
@@ -551,7 +557,8 @@ def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024, 4096)) -> dict:
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
         with torch.inference_mode():
             forward = timed(lambda: runner.trunk([seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
-            eager = timed(lambda: ModelRunner.trunk(runner, [seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
+            with runner.eager():
+                eager = timed(lambda: runner.trunk([seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 runner.trunk([seq], [seq.prompt_ids], [0])
                 torch.cuda.synchronize()
@@ -661,9 +668,9 @@ def main() -> None:
         entry["engine_build_s"] = engine.build_s
         for streams in (1, 2, 4, 8):
             entry[f"ar_tok_s_x{streams}"] = ar_tok_s(engine, streams)
-        engine.runner.chain_cycles = False  # each step started from the host's state, for comparison
+        engine.generator.chain.enabled = False  # each step started from the host's state, for comparison
         entry["ar_tok_s_x1_unchained"] = ar_tok_s(engine, 1)
-        engine.runner.chain_cycles = True
+        engine.generator.chain.enabled = True
         entry["roofline_tok_s"] = bw / weight_bytes(engine)
         entry["ar_share_of_roofline"] = entry["ar_tok_s_x1"] / entry["roofline_tok_s"]
         del engine
@@ -680,9 +687,9 @@ def main() -> None:
         report["default_model_checks"] = check_prefill_graphs(engine)
         report["default_model"] = measure(engine, max_tokens=128, repeats=2)
         print(render_table(report["default_model"]), flush=True)
-        engine.runner.chain_cycles = False  # the same, each cycle started from the host's state
+        engine.generator.chain.enabled = False  # the same, each cycle started from the host's state
         report["default_model"]["unchained"] = measure(engine, max_tokens=128, repeats=2)
-        engine.runner.chain_cycles = True
+        engine.generator.chain.enabled = True
         print("unchained cycles:\n" + render_table(report["default_model"]["unchained"]), flush=True)
         configs = report["default_model"]["configs"]
         best = max((c for c in configs if c != "ar"), key=lambda c: configs[c]["tok_s"])
@@ -691,9 +698,9 @@ def main() -> None:
         report["default_model"]["prefill_variants"] = prefill_variants(engine)
         report["default_model"]["scheduler_modes"] = scheduler_modes(engine, depth)
         print(json.dumps(report["default_model"]["scheduler_modes"]), flush=True)
-        engine.runner.chain_cycles = False  # the batch modes again, unchained, for comparison
+        engine.generator.chain.enabled = False  # the batch modes again, unchained, for comparison
         report["default_model"]["scheduler_modes_unchained"] = scheduler_modes(engine, depth, batch_only=True)
-        engine.runner.chain_cycles = True
+        engine.generator.chain.enabled = True
         print("unchained:", json.dumps(report["default_model"]["scheduler_modes_unchained"]), flush=True)
         # sampled decoding (the chain is greedy-only): AR and MTP at temperature 0.7, top-p 0.95
         sampled = dict(temperature=0.7, top_p=0.95, seed=1234)

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu import SHAPES, copy_bandwidth, random_engine, timed
-from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
 
@@ -195,6 +194,7 @@ def prefilled(engine, context: int = 128) -> Sequence:
     seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
                    generator=torch.Generator(device=engine.device))
     engine.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    engine.runner.blocks.ensure_capacity(seq.seq_id, context + 8)  # the steps profiled after it
     with torch.inference_mode():
         engine.runner.trunk([seq], [seq.prompt_ids], [0])
     return seq
@@ -208,7 +208,7 @@ def host_overhead(engine) -> dict:
     out = {}
     with torch.inference_mode():
         runner.trunk([seq], [[5]], [128])
-        g = runner.graphs[("trunk", 1, 1)]
+        g = runner.graphs.graphs[("trunk", 1, 1)]
         out["replay_only_us"] = timed(g.graph.replay) * 1e6
         out["runner_trunk_us"] = timed(lambda: runner.trunk([seq], [[5]], [128])) * 1e6
 
@@ -271,7 +271,8 @@ def main() -> None:
         runner = engine.runner
         seq = prefilled(engine)
         with torch.inference_mode():
-            entry["eager_step"] = kernel_breakdown(lambda: ModelRunner.trunk(runner, [seq], [[5]], [128]))
+            with runner.eager():
+                entry["eager_step"] = kernel_breakdown(lambda: runner.trunk([seq], [[5]], [128]))
             entry["graph_step"] = kernel_breakdown(lambda: runner.trunk([seq], [[5]], [128]))
         runner.blocks.free(seq.seq_id)
         entry["host"] = host_overhead(engine)

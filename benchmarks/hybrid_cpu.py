@@ -90,7 +90,8 @@ def step_costs(model, repeats: int) -> dict:
         seq = Sequence(prompt_ids=list(range(1, PROMPT_TOKENS + 1)), params=SamplingParams(), max_tokens=1,
                        generator=torch.Generator())
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
-        runner.allocate_state(seq)
+        runner.blocks.ensure_capacity(seq.seq_id, PROMPT_TOKENS + 16)  # the verifies' slots
+        seq.state_slot = runner.states.allocate()
         runner.trunk([seq], [seq.prompt_ids], [0])
         seqs[mode] = seq
     pos = PROMPT_TOKENS

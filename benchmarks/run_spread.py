@@ -38,20 +38,16 @@ def main() -> None:
             pauses.append(time.perf_counter() - started.pop("t", time.perf_counter()))
 
     gc.callbacks.append(on_gc)
-    gen = engine.generator
     commits: list[float] = []
     starts = [0]
-    original_commit, original_start = gen._commit, gen._start_chain
 
-    def commit(seq, tokens):
-        commits.append(time.perf_counter())
-        return original_commit(seq, tokens)
+    def observe(event, seq):  # the generator's public observer: the path is the production path
+        if event == "commit":
+            commits.append(time.perf_counter())
+        elif event == "chain_start":
+            starts[0] += 1
 
-    def start_chain(seqs, depth):
-        starts[0] += 1
-        return original_start(seqs, depth)
-
-    gen._commit, gen._start_chain = commit, start_chain
+    engine.generator.observers.append(observe)
     runs = []
     messages = [[{"role": "user", "content": p}] for p in BENCH_PROMPTS]
     engine.generate(messages[0], chat=True, mode="mtp", depth=3, max_tokens=8)

@@ -89,7 +89,7 @@ def script_drafts(engine, choose) -> None:
     """Replace the engine's draft choice by ``choose(generated + earlier drafts) -> token``
     (a one-hot draft). The head still runs, so its cache stays as in real decoding; the test
     controls which drafts are right, to exercise partial and full acceptance."""
-    engine.generator._draft_token = lambda seq, logits, previous: (
+    engine.generator._draft_token = lambda seq, logits, previous, *_: (
         torch.tensor([int(choose(seq.generated + previous))], device=logits.device), None)
 
 

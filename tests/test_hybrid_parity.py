@@ -24,10 +24,14 @@ def _seq(prompt):
     return Sequence(prompt_ids=list(prompt), params=SamplingParams(), max_tokens=1, generator=torch.Generator())
 
 
-def _admit(runner, prompt):
+def _admit(runner, prompt, room: int = 40):
+    """Admit a sequence straight into the runner's pool: its prompt's blocks, ``room`` more
+    slots for what the test decodes after it (the engine's allocator does this in an engine),
+    and a recurrent-state slot."""
     seq = _seq(prompt)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    runner.allocate_state(seq)
+    runner.blocks.ensure_capacity(seq.seq_id, len(prompt) + room)
+    seq.state_slot = runner.states.allocate()
     return seq
 
 

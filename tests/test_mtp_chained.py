@@ -1,12 +1,14 @@
 """Chained greedy cycles: each cycle's tail writes the next cycle's inputs on the device, and
 the generator starts the next cycle before it reads the last one's outcome (one cycle behind).
 Greedy AR steps chain the same way, as cycles of depth 0. On the CPU the runner runs the same
-chain eagerly (``chain_cycles``); decoding must not change."""
+chain eagerly (``Engine(chain=True)``, ``generator.chain.enabled``); decoding must not change."""
 
 import pytest
 import torch
 
+from mtplx.engine.generator import StepResult
 from mtplx.engine.runner import CYCLE_FIELDS, CycleLaunch, advance_cycle
+from mtplx.engine.speculative import CycleOutcome
 from tests.tiny_models import repeat_head, tiny_engine
 
 PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 8, 9, 10, 11, 40], list(range(20, 39))]
@@ -32,9 +34,9 @@ def test_chained_decoding_equals_unchained_and_ar(head, depth):
     engine = chained_engine(head)
     for prompt in PROMPTS:
         ar = engine.generate(prompt, mode="ar", max_tokens=37)
-        engine.runner.chain_cycles = True
+        engine.generator.chain.enabled = True
         chained = engine.generate(prompt, mode="mtp", depth=depth, max_tokens=37)
-        engine.runner.chain_cycles = False
+        engine.generator.chain.enabled = False
         assert chained.token_ids == ar.token_ids, (prompt, depth)
         assert chained.stats["verify_calls"] > 0
         assert engine.runner.blocks.num_used_blocks == 0
@@ -47,13 +49,13 @@ def test_chained_ar_steps_equal_unchained_ones(rows):
     transformers' greedy decoding, tests/test_mtp_greedy.py), rows ending apart included."""
     engine = chained_engine()
     alone = [engine.generate(p, mode="ar", max_tokens=30 - 7 * i).token_ids for i, p in enumerate(PROMPTS[:rows])]
-    engine.runner.chain_cycles = True
+    engine.generator.chain.enabled = True
     seqs = [start(engine, p, mode="ar", max_tokens=30 - 7 * i) for i, p in enumerate(PROMPTS[:rows])]
     chained_steps = 0
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
             engine.step([s for s in seqs if not s.finished])
-            chained_steps += engine.generator._flight is not None
+            chained_steps += engine.generator.chain.flight is not None
     assert [s.generated for s in seqs] == alone
     assert chained_steps > 10
     for s in seqs:
@@ -68,13 +70,13 @@ def test_the_device_written_ar_inputs_are_what_the_host_would_build():
     seqs = [start(engine, p, mode="ar", max_tokens=400) for p in PROMPTS]
     b = runner.cycle_buffers(len(seqs), 0)
     for step in range(6):
-        assert runner.extend_tables(seqs, 0)
+        assert gen.chain.reserve(seqs, 0)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values), width)
         packed = torch.tensor([[0, 11 + step + r] for r in range(len(seqs))])
         advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
         gen._commit_launch(CycleLaunch(seqs, 0, torch.zeros(len(seqs), 1, 64), packed, None), seqs,
-                           packed.tolist(), last=False)
+                           CycleOutcome.unpack(packed.tolist(), [0] * len(seqs)), None, True, StepResult())
         fields, tables = runner.cycle_layout(seqs, 1, 0)
         for name in CYCLE_FIELDS:
             assert b.fields[name].tolist() == fields[name], name
@@ -96,7 +98,7 @@ def test_the_device_written_inputs_are_what_the_host_would_build():
     for accepted in [(0, 0, 0), (3, 1, 2), (1, 0, 1), (2, 1, 0), (3, 0, 2), (0, 1, 1)]:
         for s in seqs:  # the host's state as a cycle starts: the head caught up to the primary
             s.head_len, s.hidden_backlog = s.trunk_len, torch.zeros(1, 64)
-        assert runner.extend_tables(seqs, depth)
+        assert gen.chain.reserve(seqs, depth)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values), width)
         drafts = torch.randint(1, 90, (len(seqs), depth), generator=g)
@@ -104,7 +106,8 @@ def test_the_device_written_inputs_are_what_the_host_would_build():
                                                                                   generator=g)], dim=1)
         advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
         launch = CycleLaunch(seqs, depth, torch.zeros(len(seqs), depth + 1, 64), packed, None)
-        gen._commit_launch(launch, seqs, packed.tolist(), last=False)
+        gen._commit_launch(launch, seqs, CycleOutcome.unpack(packed.tolist(), [s.depth for s in seqs]), None, True,
+                           StepResult())
         fields, tables = runner.cycle_layout(seqs, depth + 1, depth)
         for name in CYCLE_FIELDS:
             assert b.fields[name].tolist() == fields[name], (name, accepted)
@@ -122,7 +125,7 @@ def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
     engine = chained_engine()
     alone = {i: engine.generate(p, mode="ar", max_tokens=n).token_ids
              for i, (p, n) in enumerate(zip(PROMPTS, (9, 30, 17)))}
-    engine.runner.chain_cycles = True
+    engine.generator.chain.enabled = True
     seqs = [start(engine, p, mode="mtp", depth=d, max_tokens=n)
             for p, d, n in zip(PROMPTS, (1, 3, 2), (9, 30, 17))]
     extra = start(engine, [7, 7, 8], mode="mtp", depth=2, max_tokens=50)
@@ -133,7 +136,7 @@ def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
             engine.step(live)
             steps += 1
             if steps == 3:  # cancel one row while its next cycle is in flight
-                assert engine.generator._flight is not None
+                assert engine.generator.chain.flight is not None
                 engine.generator.release(extra)
                 extra.finish_reason = "cancelled"
             for s in live:
@@ -142,7 +145,7 @@ def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
             live = [s for s in live if not s.finished]
     for i, s in enumerate(seqs):
         assert s.generated == alone[i], i
-    assert engine.generator._flight is None or all(s.finished for s in engine.generator._flight.seqs)
+    assert engine.generator.chain.flight is None or all(s.finished for s in engine.generator.chain.flight.seqs)
     assert engine.runner.blocks.num_used_blocks == 0
     engine.runner.blocks.check_invariants()
 
@@ -150,16 +153,16 @@ def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
 def test_an_ar_step_commits_the_cycle_in_flight_first():
     engine = chained_engine()
     reference = engine.generate(PROMPTS[1], mode="ar", max_tokens=24).token_ids
-    engine.runner.chain_cycles = True
+    engine.generator.chain.enabled = True
     seq = start(engine, PROMPTS[1], mode="mtp", depth=2, max_tokens=24)
     with torch.inference_mode():
         engine.step([seq])
-        assert engine.generator._flight is not None
+        assert engine.generator.chain.flight is not None
         committed = seq.num_generated
-        engine.generator.ar_step([seq])  # the same row decoded AR from here on
-        flight = engine.generator._flight
+        seq.mode = "ar"  # the same row decoded AR from here on
+        engine.step([seq])
+        flight = engine.generator.chain.flight
         assert (flight is None or flight.depth == 0) and seq.num_generated > committed + 1
-        seq.mode = "ar"
         while not seq.finished:
             engine.step([seq])
     assert seq.generated == reference

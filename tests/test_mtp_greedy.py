@@ -72,7 +72,7 @@ def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, chained, monkey
     drains the queue of launched work."""
     engine, _ = tiny_engine("qwen3")
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
-    engine.runner.chain_cycles = chained
+    engine.generator.chain.enabled = chained
     seqs = []
     for i in range(rows):
         seq = engine.new_sequence(engine.make_request([3 + i, 4, 5, 6], mode="mtp", depth=3, max_tokens=30))
@@ -87,7 +87,7 @@ def test_a_greedy_mtp_cycle_brings_values_to_the_host_once(rows, chained, monkey
         for _ in range(4):
             transfers.clear()
             before = [s.num_generated for s in seqs]
-            engine.generator.mtp_cycle(seqs)
+            engine.step(seqs)
             assert transfers == ["tolist"]
             assert all(s.num_generated > b for s, b in zip(seqs, before))
 
@@ -119,7 +119,7 @@ def test_every_greedy_cycle_fits_the_cycle_graph(monkeypatch):
         engine.generator.prefill(seq)
         seqs.append(seq)
     with torch.inference_mode():
-        engine.generator.mtp_cycle(seqs)
+        engine.step(seqs)
     assert widths and all(width <= depth + 1 for width, depth in widths)
 
 
@@ -144,7 +144,7 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
         seqs.append(seq)
     g = torch.Generator().manual_seed(depth * 10 + rows)
     with torch.inference_mode():
-        gen.mtp_cycle(seqs)  # past the first cycle
+        gen.step(seqs)  # past the first cycle
         # catch-ups of different widths up to depth + 1, as after partial and full acceptance:
         # step each row's head back (its entries are rewritten) with hidden states to feed
         widths = [depth + 1, 1, min(2, depth + 1)][:rows]
@@ -154,6 +154,8 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
         backlog = torch.randn(rows, width, engine.config.hidden_size, generator=g)
         bucket = next(b for b in ROW_BUCKETS if b >= rows)
         buffers = CycleBuffers(runner, bucket, depth, table_width=engine.max_context // runner.block_size)
+        for s in seqs:  # the blocks the cycle writes (the generator reserves them before a cycle)
+            engine.kv.reserve(s, s.trunk_len + depth + 1)
         values, used = buffers.values(seqs)
         buffers.fill(torch.tensor(values), used)
         buffers.backlog[:rows, :width] = backlog
@@ -161,7 +163,7 @@ def test_the_cycle_graphs_input_layout_matches_the_eager_cycle(rows, depth):
         ref = runner.greedy_cycle(seqs, backlog, depth)
         for s in seqs:  # the step-by-step draft path, written separately, drafts from the same pairs
             s.hidden_backlog = backlog[seqs.index(s), : s.trunk_len + 1 - s.head_len]
-        step_by_step, _ = gen._draft(seqs, {})
+        step_by_step, _ = gen._draft(seqs, depth, {})
     assert got[2][:rows].tolist() == ref[2].tolist()
     assert got[2][:rows, :depth].tolist() == step_by_step
     for a, b in zip(got[:2], ref[:2]):

@@ -44,7 +44,7 @@ def sample_mtp(engine, n: int, depth: int, policy: str, **sampler) -> list[tuple
     live = [s for s in seqs if not s.finished]
     with torch.inference_mode():
         while live:
-            gen.mtp_cycle(live)
+            gen.step(live)
             live = [s for s in live if not s.finished]
     for s in seqs:
         gen.release(s)

@@ -49,9 +49,9 @@ def started(engine, mode, **knobs) -> Scheduler:
 def chained(engine, request):
     """Both ways of stepping greedy rows: each cycle from the host's state, or chained cycles
     (the host one cycle behind, as on a GPU; tests/test_mtp_chained.py), run eagerly here."""
-    engine.runner.chain_cycles = request.param
+    engine.generator.chain.enabled = request.param
     yield request.param
-    engine.runner.chain_cycles = False
+    engine.generator.chain.enabled = False
 
 
 @pytest.mark.parametrize("mode", SchedulerMode.choices())

@@ -5,7 +5,6 @@ keeps serving: requests queued behind and after it complete as they would alone.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx

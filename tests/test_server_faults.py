@@ -4,8 +4,9 @@ naming the request, the log names it too, the requests beside it finish exactly 
 alone (greedy), no KV block leaks and the server goes on serving.
 
 Faults are injected with ``Engine.fault_hook`` at the generator's per-request points
-(generator.FAULT_POINTS). A fault at "forward" stands for a batched forward that raised: no
-row can be blamed, so every request of that step fails, and only those.
+(faults.FAULT_POINTS). A fault at "forward" stands for a batched forward that raised: no
+row can be blamed, so every request of that step fails, and only those. Every case runs with
+greedy cycles chained (the path a GPU runs: the host one cycle behind) and unchained.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from mtplx.batching.state import SchedulerSettings
-from mtplx.engine.generator import FAULT_POINTS
+from mtplx.engine.faults import FAULT_POINTS
 from mtplx.server.app import create_app
 from tests.hybrid_models import hybrid_engine
 from tests.test_server_cancel import wait_idle
@@ -150,9 +151,11 @@ def assert_others_as_alone(outs: list[dict], refs: list) -> None:
         assert ref.text.startswith(out["text"])
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_text_engine(head="repeat", context=512)
+@pytest.fixture(scope="module", params=[False, True], ids=["unchained", "chained"])
+def engine(request):
+    engine = tiny_text_engine(head="repeat", context=512)
+    engine.generator.chain.enabled = request.param
+    return engine
 
 
 @pytest.fixture(scope="module")

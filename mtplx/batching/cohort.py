@@ -13,7 +13,6 @@ from mtplx.batching.job import Job
 from mtplx.batching.policy import Policy
 from mtplx.batching.queue import JobQueue
 from mtplx.batching.telemetry import Histogram
-from mtplx.engine.generator import SequenceFault
 from mtplx.engine.llm_engine import Engine, Request, TextTracker
 from mtplx.engine.sequence import Sequence
 
@@ -49,18 +48,13 @@ class Row:
 
 
 def blocks_needed(engine: Engine, request: Request) -> int:
-    """KV blocks one request can occupy: prompt + max_tokens + the draft slots, capped by
-    the context (Engine.step ends a row before it would pass max_context)."""
-    tokens = min(len(request.prompt_ids) + request.max_tokens + request.depth + 1, engine.max_context)
-    return -(-tokens // engine.runner.block_size)
+    """KV blocks one request can occupy over its whole run (the engine's allocator says)."""
+    return engine.kv.blocks_needed(len(request.prompt_ids), request.max_tokens, request.depth)
 
 
 def kv_headroom(engine: Engine, rows: list[Row]) -> int:
     """Free blocks (evictable cached ones included) not promised to the running rows."""
-    blocks = engine.runner.blocks
-    promised = sum(max(0, blocks_needed(engine, r.job.request) - len(blocks.block_table(r.seq.seq_id)))
-                   for r in rows)
-    return blocks.num_free_blocks - promised
+    return engine.kv.headroom((r.seq, blocks_needed(engine, r.job.request)) for r in rows)
 
 
 def take_jobs(queue: JobQueue, limit: int, engine: Engine, rows: list[Row]) -> list[Job]:
@@ -109,30 +103,30 @@ class RowPolicy(Policy):
             self.drop(row, exc)
 
     def step(self, rows: list[Row]) -> None:
-        """One engine step for ``rows`` (all of one generation mode), then publish each row.
+        """One engine step for ``rows`` (all of one generation mode), then publish each row it
+        advanced: its own rows, and rows of another group whose chained cycle it committed first.
 
-        A row whose own work failed (SequenceFault) fails alone; the others stepped and go
-        on. Any other exception came from a batched forward: every row of the step fails
-        (their state is no longer trustworthy), and the rows of other steps go on."""
-        failed: dict[int, BaseException] = {}
+        A row whose own work failed fails alone; the others stepped and go on. Any other
+        exception came from a batched forward: every row of the step fails (their state is no
+        longer trustworthy), and the rows of other steps go on."""
+        rows = [r for r in rows if r in self.rows]  # a row dropped since the caller grouped them
+        if not rows:
+            return
         try:
-            self.engine.step([r.seq for r in rows])
-        except SequenceFault as fault:
-            failed = fault.errors
+            result = self.engine.step([r.seq for r in rows])
         except Exception as exc:
             for row in rows:
                 self.drop(row, exc)
             return
         self.batch_histogram.add(len(rows))
-        for row in rows:
-            if row.seq.seq_id in failed:
-                self.drop(row, failed[row.seq.seq_id])
-            else:
+        by_id = {r.seq.seq_id: r for r in self.rows}
+        for seq_id, error in result.failed.items():
+            if seq_id in by_id:
+                self.drop(by_id.pop(seq_id), error)
+        stepped = {r.seq.seq_id for r in rows}
+        for row in rows + [by_id[s.seq_id] for s in result.advanced if s.seq_id not in stepped and s.seq_id in by_id]:
+            if row.seq.seq_id in by_id:
                 self.publish(row)
-        # rows of another group whose chained cycle this step committed (see Generator.take_drained)
-        drained = {s.seq_id for s in self.engine.generator.take_drained()}
-        for row in [r for r in self.rows if r.seq.seq_id in drained and r not in rows]:
-            self.publish(row)
 
     def publish(self, row: Row) -> None:
         """Send a row's new output; detokenising is the row's own work, so a failure there

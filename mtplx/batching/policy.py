@@ -14,7 +14,6 @@ from mtplx.batching.job import Job, JobResult
 from mtplx.batching.queue import JobQueue
 from mtplx.batching.state import SchedulerMode, SchedulerSettings
 from mtplx.batching.telemetry import JobCounters
-from mtplx.engine.generator import SequenceFault
 from mtplx.engine.llm_engine import Engine, Request
 from mtplx.engine.sequence import Sequence
 
@@ -93,9 +92,7 @@ class Policy:
 
     def fail(self, job: Job, error: BaseException) -> None:
         """Report a job that failed (its blocks must already be released), with a log line
-        that names it. A SequenceFault of its sequence alone reports the row's own error."""
-        if isinstance(error, SequenceFault) and len(error.errors) == 1:
-            [error] = error.errors.values()
+        that names it."""
         log.error("request %s failed: %s: %s", job.request_id, type(error).__name__, error, exc_info=error)
         job.fail(error)
         self.jobs.count("failed")
@@ -129,9 +126,5 @@ class Policy:
 
 
 def kv_stats(engine: Engine) -> dict:
-    """The block manager's counts, plus ``state_slots_used`` (recurrent-state slots held by
-    running sequences) on hybrid models."""
-    stats = engine.runner.blocks.stats()
-    if engine.runner.states is not None:
-        stats["state_slots_used"] = engine.runner.states.num_used_slots
-    return stats
+    """The KV allocator's counts (``state_slots_used`` too on hybrid models)."""
+    return engine.kv.stats()

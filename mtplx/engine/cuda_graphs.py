@@ -64,43 +64,72 @@ class _CycleGraph:
     turn: int = 0
 
 
-class CudaGraphRunner(ModelRunner):
-    """A ModelRunner that replays CUDA graphs for the shapes ``capture_all`` captured (forwards
-    of <= 8 query tokens over <= 8 rows, whole greedy cycles); other forwards run eagerly."""
+class GraphCache:
+    """CUDA graphs captured at start-up for the forwards of decoding and prefill, which
+    ``ModelRunner`` consults before it runs a forward eagerly (``runner.graphs``): forwards of
+    <= 8 query tokens over <= 8 rows, one-row prefill chunks, whole greedy cycles (chained or
+    not). Only the shapes ``capture_all`` captured are replayed; every method answers None
+    (run eagerly) for any other. Hybrid models keep the eager path (``enabled`` False)."""
 
-    def __init__(self, *args, max_context: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, runner: ModelRunner, max_context: int):
+        self.runner = runner
         self.max_context = max_context
-        self.table_width = -(-max_context // self.block_size)
-        self.graphs: dict[tuple, _Graph] = {}
+        self.table_width = -(-max_context // runner.block_size)
+        self.graphs: dict[tuple, _Graph | _CycleGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.enabled = self.states is None  # hybrid models keep the eager path
+        self.enabled = runner.states is None
 
-    # -- public forwards (same contract as ModelRunner) -----------------------------------------
-    @torch.inference_mode()
-    def trunk(self, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-              keep_states: bool = False) -> torch.Tensor:
-        return self._forward("trunk", seqs, token_rows, starts, None,
-                             lambda: ModelRunner.trunk(self, seqs, token_rows, starts, keep_states))
-
-    @torch.inference_mode()
-    def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int]) -> torch.Tensor:
-        return self._forward("head", seqs, token_rows, starts, hidden,
-                             lambda: ModelRunner.head_forward(self, seqs, hidden, token_rows, starts))
-
-    def _forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
-                 hidden: torch.Tensor | None, eager) -> torch.Tensor:
-        """A trunk or head forward: the graph captured for its shape, else row by row through
-        the prefill graphs where those take it, else ``eager()``."""
+    # -- what ModelRunner consults -----------------------------------------------------------
+    def forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
+                hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A trunk or head forward (``ModelRunner.trunk`` / ``head_forward``'s contract): the
+        graph captured for its shape, else row by row through the prefill graphs where those
+        take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
         g = self._captured(kind, len(seqs), q)
         if g is not None:
             return self._replay(g, seqs, token_rows, starts, hidden)
         if self._prefills(len(seqs), q, kind):
             return self._prefill(kind, seqs, token_rows, starts, hidden)
-        return eager()
+        return None
 
+    def cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int):
+        """``ModelRunner.greedy_cycle`` through its captured graph, or None: over 8 rows, or a
+        catch-up longer than the graph's (not pre-fed)."""
+        g = self._captured("cycle", len(seqs), depth)
+        if g is None or backlog.shape[1] > depth + 1:
+            return None
+        self._fill_cycle(g, seqs, backlog)
+        g.graph.replay()
+        return tuple(t[: len(seqs)] for t in g.out)
+
+    def chained(self, rows: int, depth: int) -> _CycleGraph | None:
+        """The cycle graph chained cycles over this many rows at this depth replay, or None."""
+        return self._captured("cycle", rows, depth)
+
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
+        """``ModelRunner.start_cycle`` through the cycle graph (``chained`` must have one)."""
+        self._fill_cycle(self.chained(len(seqs), depth), seqs, backlog)
+        return self.run_chained(seqs, depth)
+
+    def run_chained(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
+        """Replay the cycle graph from its device-side inputs; its outcome goes to one of two
+        pinned host buffers in turn (one is read while the other is written)."""
+        g = self.chained(len(seqs), depth)
+        g.graph.replay()
+        host, done = g.outcomes[g.turn], g.done[g.turn]
+        g.turn ^= 1
+        host.copy_(g.out[2], non_blocking=True)
+        done.record()
+        return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
+
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
+        g = self.chained(rows, depth)
+        g.copied.synchronize()  # the staging buffer's last copies are done (they preceded a finished cycle)
+        g.buffers.set_tables(tables, g.staging)
+        g.copied.record()
+
+    # -- replaying ------------------------------------------------------------------------------
     def _prefills(self, rows: int, q: int, kind: str) -> bool:
         """Whether a forward of q tokens per row with no graph of its own runs row by row, in
         chunks, through the prefill graphs: prompt-length forwards (a prompt, a pre-feed), and
@@ -116,8 +145,9 @@ class CudaGraphRunner(ModelRunner):
         tensor (the graphs' output buffers are overwritten by the next replay; a shorter row's
         padding positions are zero). Rows are independent, so this equals one batched forward
         up to GEMM shapes' rounding."""
+        r_ = self.runner
         q = max(len(r) for r in token_rows)
-        out = torch.zeros(len(seqs), q, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        out = torch.zeros(len(seqs), q, r_.model.config.hidden_size, dtype=r_.dtype, device=r_.device)
         for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
             for done in range(0, len(row), PREFILL_BUCKETS[-1]):
                 n = min(len(row) - done, PREFILL_BUCKETS[-1])
@@ -134,16 +164,6 @@ class CudaGraphRunner(ModelRunner):
         g.graph.replay()
         return g.out[: len(seqs)]
 
-    @torch.inference_mode()
-    def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
-                     depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        g = self._captured("cycle", len(seqs), depth)
-        if g is None or backlog.shape[1] > depth + 1:
-            return super().greedy_cycle(seqs, backlog, depth)  # over 8 rows, or a catch-up not pre-fed
-        self._fill_cycle(g, seqs, backlog)
-        g.graph.replay()
-        return tuple(t[: len(seqs)] for t in g.out)
-
     def _fill_cycle(self, g: _CycleGraph, seqs: list[Sequence], backlog: torch.Tensor | None) -> None:
         """A cycle graph's inputs from the host's state: the integers through pinned staging,
         then the head's backlog (none at depth 0)."""
@@ -153,63 +173,6 @@ class CudaGraphRunner(ModelRunner):
         if backlog is not None:
             g.buffers.backlog[: len(seqs), : backlog.shape[1]].copy_(backlog)
 
-    # -- chained greedy cycles (ModelRunner.start_cycle / next_cycle) --------------------------
-    chain_cycles = True  # benchmarks switch it off to compare
-
-    @property
-    def max_row_slots(self) -> int:
-        return self.max_context  # within the graphs' tables (table_width * block_size >= it)
-
-    def can_chain(self, rows: int, depth: int) -> bool:
-        return self.chain_cycles and self._captured("cycle", rows, depth) is not None
-
-    def cycle_buffers(self, rows: int, depth: int) -> CycleBuffers:
-        return self._captured("cycle", rows, depth).buffers
-
-    @torch.inference_mode()
-    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int):
-        g = self._captured("cycle", len(seqs), depth)
-        self._fill_cycle(g, seqs, backlog)
-        return self._run_chained(g.buffers, seqs, depth)
-
-    def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
-        g = self._captured("cycle", rows, depth)
-        g.copied.synchronize()  # the staging buffer's last copies are done (they preceded a finished cycle)
-        g.buffers.set_tables(tables, g.staging)
-        g.copied.record()
-
-    def _run_chained(self, b: CycleBuffers, seqs: list[Sequence], depth: int) -> CycleLaunch:
-        g = self._captured("cycle", len(seqs), depth)
-        g.graph.replay()
-        host, done = g.outcomes[g.turn], g.done[g.turn]
-        g.turn ^= 1
-        host.copy_(g.out[2], non_blocking=True)
-        done.record()
-        return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
-
-    def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
-        """Capture the graphs a server will need, at start-up. Only these are ever replayed:
-        other shapes (a depth above those captured, a pre-feed of a few pairs) run eagerly
-        rather than stall a request on a capture."""
-        depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
-        for r in rows:
-            self._graph("trunk", r, 1)
-            self._cycle_graph(r, 0)  # a greedy AR step
-            for d in depths:
-                self._graph("trunk", r, d + 1)
-                if self.head is not None:
-                    self._graph("head", r, d + 1)
-            if self.head is not None:
-                self._graph("head", r, 1)
-                for d in depths:
-                    self._cycle_graph(r, d)
-        for q in PREFILL_BUCKETS:
-            self._graph("trunk", 1, q)
-            if self.head is not None:
-                self._graph("head", 1, q)
-        return len(self.graphs)
-
-    # -- internals -------------------------------------------------------------------------
     def _captured(self, kind: str, rows: int, q: int):
         """The captured graph for ``kind`` ("trunk", "head": q query tokens; "cycle": depth q)
         over this many rows, or None."""
@@ -223,20 +186,47 @@ class CudaGraphRunner(ModelRunner):
         scratch block; table columns past a row's length may hold stale entries, which the
         attention kernel never reads (it stops at the row's last position)."""
         R, q = g.ids.shape
+        cache = self.runner.cache
         ids, pos, slots, tables = [], [], [], []
         for seq, row, start in zip(seqs, token_rows, starts):
-            table, positions, row_slots = self.row_layout(seq, start, len(row), q)
+            table, positions, row_slots = self.runner.row_layout(seq, start, len(row), q)
             ids += pad_row(row, q)
             pos += positions
             slots += row_slots
             tables.append(table)
         pad = (R - len(seqs)) * q
-        flat, width = flat_tables(tables, R, self.cache.scratch_block)
-        values = ids + [0] * pad + pos + [0] * pad + slots + [self.cache.scratch_slot] * pad + flat
+        flat, width = flat_tables(tables, R, cache.scratch_block)
+        values = ids + [0] * pad + pos + [0] * pad + slots + [cache.scratch_slot] * pad + flat
         copy_in(_staged(g, values), g.rows_in, g.tables, width)
         g.copied.record()
         if g.hidden_in is not None:
             g.hidden_in.zero_()
+
+    # -- capturing ------------------------------------------------------------------------------
+    def capture_all(self, depths=(1, 2, 3), rows=ROW_BUCKETS) -> int:
+        """Capture the graphs a server will need, at start-up. Only these are ever replayed:
+        other shapes (a depth above those captured, a pre-feed of a few pairs) run eagerly
+        rather than stall a request on a capture. Returns how many graphs there are."""
+        if not self.enabled:
+            return 0
+        head = self.runner.head is not None
+        depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
+        for r in rows:
+            self._graph("trunk", r, 1)
+            self._cycle_graph(r, 0)  # a greedy AR step
+            for d in depths:
+                self._graph("trunk", r, d + 1)
+                if head:
+                    self._graph("head", r, d + 1)
+            if head:
+                self._graph("head", r, 1)
+                for d in depths:
+                    self._cycle_graph(r, d)
+        for q in PREFILL_BUCKETS:
+            self._graph("trunk", 1, q)
+            if head:
+                self._graph("head", 1, q)
+        return len(self.graphs)
 
     def _graph(self, kind: str, rows: int, q: int) -> _Graph:
         R = _bucket(rows)
@@ -246,19 +236,20 @@ class CudaGraphRunner(ModelRunner):
         return self.graphs[key]
 
     def _capture(self, kind: str, R: int, q: int) -> _Graph:
-        dev, H = self.device, self.model.config.hidden_size
+        r_ = self.runner
+        dev, H = r_.device, r_.model.config.hidden_size
         long = dict(dtype=torch.long, device=dev)
         rows_in = torch.zeros(3, R, q, **long)
         ids, positions, slots = rows_in.unbind(0)
-        slots.fill_(self.cache.scratch_slot)
-        tables = torch.full((R, self.table_width), self.cache.scratch_block, **long)
-        hidden_in = torch.zeros(R, q, H, dtype=self.dtype, device=dev) if kind == "head" else None
+        slots.fill_(r_.cache.scratch_slot)
+        tables = torch.full((R, self.table_width), r_.cache.scratch_block, **long)
+        hidden_in = torch.zeros(R, q, H, dtype=r_.dtype, device=dev) if kind == "head" else None
         meta = AttentionMetadata(positions, slots, tables)
 
         def forward():
             if kind == "head":
-                return self.head(self.model, hidden_in, ids, meta, self.cache)
-            return self.model(ids, meta, self.cache)
+                return r_.head(r_.model, hidden_in, ids, meta, r_.cache)
+            return r_.model(ids, meta, r_.cache)
 
         graph, out = self._capture_forward(forward)
         staging = torch.empty(3 * R * q + R * self.table_width, dtype=torch.long, pin_memory=True)
@@ -281,7 +272,6 @@ class CudaGraphRunner(ModelRunner):
                 out = forward()
         return graph, out
 
-    # -- whole greedy MTP cycles -----------------------------------------------------------
     def _cycle_graph(self, rows: int, depth: int) -> _CycleGraph:
         R = _bucket(rows)
         key = ("cycle", R, depth)
@@ -290,8 +280,8 @@ class CudaGraphRunner(ModelRunner):
         return self.graphs[key]
 
     def _capture_cycle(self, R: int, depth: int) -> _CycleGraph:
-        buffers = CycleBuffers(self, R, depth, self.table_width)
-        graph, out = self._capture_forward(lambda: self.cycle_and_advance(buffers, depth))
+        buffers = CycleBuffers(self.runner, R, depth, self.table_width)
+        graph, out = self._capture_forward(lambda: self.runner.cycle_and_advance(buffers, depth))
         staging = torch.empty(buffers.ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record()

@@ -7,7 +7,9 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from mtplx.engine.generator import FaultHook, Generator
+from mtplx.engine.faults import FaultHook
+from mtplx.engine.generator import Generator, StepResult
+from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams, make_generator
 from mtplx.engine.sequence import Sequence
@@ -47,9 +49,12 @@ class Engine:
     """One model, one KV cache, one decode step. Not thread-safe: one owner thread drives it."""
 
     def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
-                 block_size: int = 16, cuda_graphs: bool = True, default_mode: str | None = None,
-                 sampled_mode: str | None = None, sampled_depth: int | None = None):
-        """default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
+                 block_size: int = 16, cuda_graphs: bool = True, chain: bool | None = None,
+                 default_mode: str | None = None, sampled_mode: str | None = None,
+                 sampled_depth: int | None = None):
+        """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
+        where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
+        default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
         has a head; ``mtplx.load`` passes "ar" where ``mtplx tune`` found MTP slower).
         sampled_mode, sampled_depth: the same for requests with temperature > 0 (None: as
         greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning."""
@@ -68,23 +73,23 @@ class Engine:
             fuse_projections(loaded.model)
             if loaded.head is not None:
                 fuse_projections(loaded.head)
+        self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
+        self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
         if self.device.type == "cuda" and cuda_graphs:
-            from mtplx.engine.cuda_graphs import CudaGraphRunner
+            from mtplx.engine.cuda_graphs import GraphCache
 
-            self.runner = CudaGraphRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size,
-                                          max_context=min(self.config.max_position_embeddings, num_blocks * block_size))
-        else:
-            self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
+            self.runner.graphs = GraphCache(self.runner, max_context=self.max_context)
+        self.kv = KVAllocator(self.runner.blocks, self.runner.states, self.max_context)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set(self.config.eos_token_ids)
-        self.generator = Generator(self.runner, eos)
+        chain = self.runner.graphs is not None if chain is None else chain
+        self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
-        self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.runner.compile_kernels()
-        if getattr(self.runner, "enabled", False):  # capture now: the first request runs as fast as the rest
+        if self.runner.graphs is not None:  # capture now: the first request runs as fast as the rest
             deepest = max(3, self.default_depth, sampled_depth or 0)
-            self.runner.capture_all(depths=tuple(range(1, deepest + 1)))
+            self.runner.graphs.capture_all(depths=tuple(range(1, deepest + 1)))
 
     @property
     def has_mtp(self) -> bool:
@@ -93,14 +98,14 @@ class Engine:
     @property
     def fault_hook(self) -> FaultHook | None:
         """``hook(point, seq)``, called on the model thread before each per-request stage
-        (generator.FAULT_POINTS); an exception it raises fails that request alone ("forward":
+        (faults.FAULT_POINTS); an exception it raises fails that request alone ("forward":
         every request of that step), as a real fault there would. For tests and chaos drills;
         set it before the requests it targets. None (the default) costs nothing."""
         return self.generator.fault_hook
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
-        self.generator.fault_hook = hook
+        self.generator.inject_faults(hook)
 
     # -- request building ------------------------------------------------------------------
     def encode_prompt(self, prompt, *, chat: bool = False) -> list[int]:
@@ -185,7 +190,9 @@ class Engine:
                 self.generator.prefill(seq)
                 yield seq, text.update(seq)
                 while not seq.finished:
-                    self.step([seq])
+                    failed = self.step([seq]).failed
+                    if failed:
+                        raise failed[seq.seq_id]
                     yield seq, text.update(seq)
             finally:
                 self.generator.release(seq)
@@ -199,19 +206,15 @@ class Engine:
         """The detokeniser of one request's output (stop strings applied)."""
         return TextTracker(self.tokenizer, req.stop, len(req.prompt_ids), self.generator.fault_hook)
 
-    def step(self, seqs: list[Sequence]) -> None:
+    def step(self, seqs: list[Sequence]) -> StepResult:
         """One decode step for rows of the same mode; ends rows that hit the context limit.
-        Raises generator.SequenceFault when some rows' own work failed (the others stepped)."""
+        Returns the rows it advanced and the rows whose own work failed (the others stepped);
+        an exception from a batched forward propagates (no row can be blamed)."""
         for seq in seqs:
             if len(seq.tokens) + seq.depth + 1 > self.max_context:
                 seq.finish_reason = "length"
         live = [s for s in seqs if not s.finished]
-        if not live:
-            return
-        if live[0].mode == "mtp":
-            self.generator.mtp_cycle(live)
-        else:
-            self.generator.ar_step(live)
+        return self.generator.step(live) if live else StepResult()
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         """Generate a completion. See ``make_request`` for the parameters."""

@@ -4,6 +4,7 @@ hybrid models, the recurrent state of their linear-attention layers (state_cache
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
+from mtplx.engine.speculative import greedy_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
@@ -92,11 +94,24 @@ class ModelRunner:
         )
         self.states = make_state_cache(cfg, self.dtype, self.device) if cfg.is_hybrid else None
         self._chain_buffers: dict[tuple[int, int], object] = {}  # eager chained cycles' inputs
+        # CUDA graphs captured at start-up (cuda_graphs.GraphCache), consulted before a forward
+        # runs eagerly; None: every forward is eager
+        self.graphs = None
         self.cache.states = self.states
         if state_commit not in STATE_COMMIT_MODES:
             raise ValueError(f"state_commit must be one of {', '.join(STATE_COMMIT_MODES)}, got {state_commit!r}")
         self.state_commit = state_commit
         self._pending: _PendingVerify | None = None
+
+    @contextmanager
+    def eager(self):
+        """Inside, every forward runs eagerly (the captured graphs are not consulted): for
+        checks and benchmarks that compare the two."""
+        graphs, self.graphs = self.graphs, None
+        try:
+            yield
+        finally:
+            self.graphs = graphs
 
     def compile_kernels(self) -> int:
         """On CUDA, compile at start-up the attention kernel variants forwards can launch, so
@@ -111,17 +126,6 @@ class ModelRunner:
             self.device, max_query=attention.triton_kernel.SHORT_QUERY)
 
     # -- recurrent state (hybrid models; no-ops otherwise) ---------------------------------
-    def allocate_state(self, seq: Sequence) -> None:
-        """Give an admitted sequence a zeroed recurrent-state slot."""
-        if self.states is not None and seq.state_slot is None:
-            seq.state_slot = self.states.allocate()
-
-    def free_state(self, seq: Sequence) -> None:
-        """Return the sequence's slot (release or cancel); safe to call twice."""
-        if self.states is not None and seq.state_slot is not None:
-            self.states.free(seq.state_slot)
-            seq.state_slot = None
-
     @torch.inference_mode()
     def commit_state(self, seqs: list[Sequence], kept: list[int]) -> None:
         """After a ``trunk(..., keep_states=True)`` verify over the same rows: keep each row's
@@ -164,7 +168,7 @@ class ModelRunner:
         meta = AttentionMetadata(as_tensor(positions), as_tensor(slots), as_tensor(tables))
         if self.states is not None:
             if any(s.state_slot is None for s in seqs):
-                raise ValueError("a sequence has no recurrent-state slot: admit it first (runner.allocate_state)")
+                raise ValueError("a sequence has no recurrent-state slot: admit it first (KVAllocator.admit)")
             meta.state_slots = as_tensor([s.state_slot for s in seqs])
             meta.query_lens = as_tensor(lens)
         return meta
@@ -174,8 +178,10 @@ class ModelRunner:
         padded to q (padding repeats the last position and writes to the scratch slot; n = 0:
         a placeholder row at position start - 1 that writes nothing)."""
         bs = self.block_size
-        self.blocks.ensure_capacity(seq.seq_id, start + n)
         table = self.blocks.block_table(seq.seq_id)
+        if start + n > len(table) * bs:  # a bug: the engine's allocator reserves before every forward
+            raise RuntimeError(f"sequence {seq.seq_id}: KV slots up to {start + n} are not reserved "
+                               f"(its table covers {len(table) * bs}); reserve before the forward")
         pos = list(range(start, start + n))
         slots = [table[p // bs] * bs + p % bs for p in pos] + [self.cache.scratch_slot] * (q - n)
         return table, pos + [start + n - 1] * (q - n), slots
@@ -191,6 +197,8 @@ class ModelRunner:
 
         keep_states: a verify forward; the recurrent state (hybrid models) is then cut back to
         the accepted tokens by ``commit_state``."""
+        if self.graphs is not None and (out := self.graphs.forward("trunk", seqs, token_rows, starts)) is not None:
+            return out
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
         if keep_states and self.states is not None:
@@ -207,6 +215,8 @@ class ModelRunner:
                      starts: list[int]) -> torch.Tensor:
         """MTP head over pairs (hidden[r, i], token_rows[r][i]); the pair's entry goes to the
         token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H]."""
+        if self.graphs is not None and (out := self.graphs.forward("head", seqs, token_rows, starts, hidden)) is not None:
+            return out
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
         return self.head(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
@@ -225,6 +235,8 @@ class ModelRunner:
         penalties or recurrent state (the generator checks). Returns (verify hidden
         [rows, depth + 1, H], verify logits [rows, depth + 1, V], packed [rows, depth + 2]:
         the drafts, the accepted count capped at the row's own depth, the next token)."""
+        if self.graphs is not None and (out := self.graphs.cycle(seqs, backlog, depth)) is not None:
+            return out
         return self.cycle_forward(self.cycle_inputs(seqs, backlog.shape[1], depth), backlog, depth)
 
     def cycle_inputs(self, seqs: list[Sequence], width: int, depth: int) -> CycleInputs:
@@ -237,8 +249,8 @@ class ModelRunner:
     def cycle_layout(self, seqs: list[Sequence], width: int,
                      depth: int) -> tuple[dict[str, list[list[int]]], list[list[int]]]:
         """A greedy cycle's integer inputs, per field a list of rows (the catch-up padded to
-        ``width`` pairs, the verify to depth + 1 tokens), and each row's block table. Takes
-        the blocks the cycle writes."""
+        ``width`` pairs, the verify to depth + 1 tokens), and each row's block table (which
+        must already cover the cycle's writes)."""
         fields: dict[str, list[list[int]]] = {name: [] for name in CYCLE_FIELDS}
         tables = []
         width = width if depth else 0
@@ -257,16 +269,17 @@ class ModelRunner:
             tables.append(table)
         return fields, tables
 
-    # -- chained greedy cycles -----------------------------------------------------------------
-    # The generator starts a cycle from the host's state (``start_cycle``), then starts each
-    # next one before it reads the last one's outcome (``next_cycle``): the cycle's own tail
-    # (``advance_cycle``) wrote the next inputs on the device, so the host's work on one cycle's
-    # outcome overlaps the device's work on the next. Runners with CUDA graphs replay one
-    # graph per cycle; the eager form (``chain_cycles``, off by default) is what CPU tests run.
-    chain_cycles = False
+    # -- chained greedy cycles (engine/chain.py) ------------------------------------------------
+    # A cycle is started from the host's state (``start_cycle``), then each next one before the
+    # last one's outcome is read (``next_cycle``): the cycle's own tail (``advance_cycle``)
+    # wrote the next inputs on the device. With CUDA graphs each is one replay; eagerly (CPU
+    # tests, shapes without a graph) the same work runs op by op.
 
     def cycle_buffers(self, rows: int, depth: int):
-        """The static inputs chained cycles over these rows run from (CycleBuffers)."""
+        """The static inputs chained cycles over these rows run from (CycleBuffers): the
+        captured cycle graph's, else the eager chain's own."""
+        if self.graphs is not None and (g := self.graphs.chained(rows, depth)) is not None:
+            return g.buffers
         key = (rows, depth)
         if key not in self._chain_buffers:
             with torch.inference_mode(False):  # written in place outside inference mode too
@@ -283,7 +296,9 @@ class ModelRunner:
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
         """A greedy cycle from the host's state (``greedy_cycle``'s contract; the catch-up at
         most depth + 1 pairs), leaving the next cycle's inputs on the device. The rows' tables
-        must cover ``lookahead`` (``extend_tables``)."""
+        must cover ``lookahead`` (``CycleChain.reserve``)."""
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth) is not None:
+            return self.graphs.start_cycle(seqs, backlog, depth)
         b = self.cycle_buffers(len(seqs), depth)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values, dtype=torch.long), width)
@@ -294,30 +309,30 @@ class ModelRunner:
     @torch.inference_mode()
     def next_cycle(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
         """The cycle after the last one started over these rows, from its device-side inputs.
-        As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``extend_tables``)."""
+        As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``CycleChain.reserve``)."""
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth) is not None:
+            return self.graphs.run_chained(seqs, depth)
         return self._run_chained(self.cycle_buffers(len(seqs), depth), seqs, depth)
 
-    def extend_tables(self, seqs: list[Sequence], depth: int) -> bool:
-        """Take the blocks the next chained cycle may write (``lookahead``) and copy the grown
-        tables in. False (nothing taken) where a row's lookahead passes the runner's slots per
-        row; OutOfBlocks where the pool runs dry."""
-        if any(self.lookahead(s, depth) > self.max_row_slots for s in seqs):
-            return False
-        grown = sum(self.blocks.ensure_capacity(s.seq_id, self.lookahead(s, depth)) for s in seqs)
-        if grown:
-            self._upload_tables(len(seqs), depth, [self.blocks.block_table(s.seq_id) for s in seqs])
-        return True
-
-    def _upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
-        self.cycle_buffers(rows, depth).set_tables(tables)
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
+        """Copy grown block tables into the chained cycles' inputs for these rows (the rest of
+        the inputs stay as the last cycle wrote them)."""
+        if self.graphs is not None and self.graphs.chained(rows, depth) is not None:
+            self.graphs.upload_tables(rows, depth, tables)
+        else:
+            self.cycle_buffers(rows, depth).set_tables(tables)
 
     def can_chain(self, rows: int, depth: int) -> bool:
-        return self.chain_cycles
+        """Whether cycles over this many rows at this depth can chain: with CUDA graphs, where
+        their cycle graph was captured; eagerly, always."""
+        return self.graphs.chained(rows, depth) is not None if self.graphs is not None else True
 
     @property
     def max_row_slots(self) -> int:
-        """The most KV slots one row may take: the pool, capped by the model's context."""
-        return min(self.model.config.max_position_embeddings, self.blocks.num_blocks * self.block_size)
+        """The most KV slots one row may take: the pool, capped by the model's context (and
+        by the captured graphs' block tables)."""
+        slots = min(self.model.config.max_position_embeddings, self.blocks.num_blocks * self.block_size)
+        return min(slots, self.graphs.max_context) if self.graphs is not None else slots
 
     def _run_chained(self, b, seqs: list[Sequence], depth: int) -> CycleLaunch:
         hidden, _, packed = self.cycle_and_advance(b, depth)
@@ -348,10 +363,7 @@ class ModelRunner:
         drafts = torch.stack(tokens, dim=1) if tokens else c.primary[:, :0]
         hidden = self.model(torch.cat([c.primary, drafts], dim=1), c.verify, self.cache)
         logits = self.model.compute_logits(hidden)
-        target = logits.argmax(-1)  # ties to the lowest index, as verify_greedy
-        leading = (target[:, :depth] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
-        accepted = torch.minimum(leading, c.depths)
-        return hidden, logits, torch.cat([drafts, accepted, target.gather(1, accepted)], dim=1)
+        return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
 
 
 class CycleBuffers:
@@ -381,7 +393,7 @@ class CycleBuffers:
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
-        columns in use, row by row; that column count). Takes the blocks the cycle writes."""
+        columns in use, row by row; that column count)."""
         scratch_slot, scratch_block = self.runner.cache.scratch_slot, self.runner.cache.scratch_block
         fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
         pad = self.tables.shape[0] - len(seqs)

@@ -195,3 +195,72 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """
     race = torch.empty_like(probs).exponential_(generator=generator)
     return torch.argmax(probs / race, dim=-1)
+
+
+class SamplerBatch:
+    """The sampler settings of a batch of rows as tensors, built once per batch change: one
+    ``probs`` call processes every row's logits (each with its own temperature, top-k, top-p
+    and min-p, in ``logits_to_probs``'s order), one ``sample`` call draws every row's token.
+
+    Each row still draws its noise from its own generator, in row order, the same draws as
+    ``sample`` on that row alone, so a seed fixes a row's output whatever rows run beside it.
+    Filters no row asks for are skipped; a filter some rows ask for leaves the others
+    unchanged (their threshold keeps everything)."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device):
+        self.params, self.generators = params, generators
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
+        self.greedy_rows = [p.greedy for p in params]
+        self.all_greedy = all(self.greedy_rows)
+        self.greedy = column(self.greedy_rows, torch.bool)
+        self.temperature = column([p.temperature or 1.0 for p in params], torch.float32)
+        self.top_k = [p.top_k for p in params]
+        self.top_p = column([p.top_p for p in params], torch.float32)
+        self.has_top_p = column([p.top_p < 1 for p in params], torch.bool)
+        self.min_p = column([p.min_p for p in params], torch.float32)
+        self.any_top_p = any(p.top_p < 1 and not p.greedy for p in params)
+        self.any_min_p = any(p.min_p > 0 and not p.greedy for p in params)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processed distributions: logits [rows, V] or [rows, positions, V] (penalties already
+        applied) -> float32 probs of the same shape. Greedy rows get a one-hot of the argmax."""
+        logits = logits.float()
+        squeeze = logits.dim() == 2
+        if squeeze:
+            logits = logits[:, None]
+        hot = one_hot_argmax(logits)
+        if self.all_greedy:
+            return hot[:, 0] if squeeze else hot
+        temperature = self.temperature[:, :, None]
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+        vocab = logits.shape[-1]
+        if any(0 < k < vocab for k in self.top_k):
+            k = [k if 0 < k < vocab else vocab for k in self.top_k]
+            index = torch.tensor(k, device=logits.device).view(-1, 1, 1).expand(-1, scaled.shape[1], 1) - 1
+            kth = torch.topk(scaled, max(k), dim=-1).values.gather(-1, index)
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if self.any_top_p:
+            sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            n_keep = (mass_before < self.top_p[:, :, None]).sum(dim=-1, keepdim=True)
+            kept = _renormalise(probs.masked_fill(probs < sorted_probs.gather(-1, n_keep - 1), 0.0))
+            probs = torch.where(self.has_top_p[:, :, None], kept, probs)
+        if self.any_min_p:
+            kept = _renormalise(probs.masked_fill(probs < self.min_p[:, :, None] * probs.amax(dim=-1, keepdim=True),
+                                                  0.0))
+            probs = torch.where(self.min_p[:, :, None] > 0, kept, probs)
+        probs = torch.where(self.greedy[:, :, None], hot, probs)
+        return probs[:, 0] if squeeze else probs
+
+    def sample(self, probs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """One token per row from probs [rows, V] -> [rows] long on the device (no host sync):
+        greedy rows take the argmax, the others an exponential race with their own
+        generator's noise. ``rows``: the batch rows ``probs`` holds (default: all)."""
+        rows = list(range(len(self.params))) if rows is None else rows
+        tokens = probs.argmax(dim=-1)
+        if all(self.greedy_rows[r] for r in rows):
+            return tokens
+        picks = [tokens[i:i + 1] if self.greedy_rows[r] else sample(probs[i:i + 1], self.generators[r])
+                 for i, r in enumerate(rows)]
+        return torch.cat(picks)

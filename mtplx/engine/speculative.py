@@ -27,6 +27,7 @@ the engine two integers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -41,19 +42,53 @@ class VerifyOutcome(NamedTuple):
     next_token: int
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyOutcome:
-    """Greedy verification. target_logits: [k+1, V] (logits or probs); draft_tokens: [k] long.
+@dataclass
+class CycleOutcome:
+    """What one cycle decided for each of its rows, on the host: the drafts (each cut to its
+    row's own depth; empty for an AR step, a cycle of depth 0), how many of them were
+    accepted, and the token emitted after them (the correction, or the bonus token). A row
+    whose own work failed has ``next_tokens[r] is None`` and is not committed."""
 
-    Accepts drafts left to right while each equals the target's argmax (ties toward the lowest
-    index, as torch.argmax); the next token is the argmax at the first miss, or at row k (the
-    bonus) when all k match. The emitted tokens equal greedy autoregressive decoding's.
-    """
+    drafts: list[list[int]]
+    accepted: list[int]
+    next_tokens: list[int | None]
+
+    @classmethod
+    def unpack(cls, rows: list[list[int]], depths: list[int]) -> CycleOutcome:
+        """From packed device rows ``[drafts (k), accepted, next]`` (``greedy_outcome``'s
+        layout, k the cycle's depth), each row's drafts cut to ``depths[r]``."""
+        k = len(rows[0]) - 2 if rows else 0
+        return cls([row[:d] for row, d in zip(rows, depths)], [row[k] for row in rows], [row[k + 1] for row in rows])
+
+    def row(self, r: int) -> tuple[list[int], int, int | None]:
+        return self.drafts[r], self.accepted[r], self.next_tokens[r]
+
+
+def greedy_outcome(target_tokens: torch.Tensor, drafts: torch.Tensor, depths: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Greedy acceptance for rows at once, on the device (no host sync; CUDA graphs capture it).
+
+    target_tokens: [rows, k+1] long, the target's argmax at each draft position and the bonus
+    position; drafts: [rows, k] long; depths: [rows, 1] long, each row's own depth (its
+    acceptance is capped there: a batch drafts to its deepest row), or None (all k). Accepts
+    drafts left to right while each equals the target's argmax; the next token is the argmax
+    at the first miss, or the bonus when all are accepted. Returns the packed outcome
+    [rows, k + 2]: drafts, accepted count, next token (``CycleOutcome.unpack`` reads it)."""
+    k = drafts.shape[1]
+    accepted = (target_tokens[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
+    if depths is not None:
+        accepted = torch.minimum(accepted, depths)
+    return torch.cat([drafts, accepted, target_tokens.gather(1, accepted)], dim=1)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyOutcome:
+    """Greedy verification of one row. target_logits: [k+1, V] (logits or probs);
+    draft_tokens: [k] long. ``greedy_outcome`` for one row (argmax ties toward the lowest
+    index, as torch.argmax): the emitted tokens equal greedy autoregressive decoding's."""
     _check_shapes(target_logits, None, draft_tokens)
     k = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
-    accepted = _count_leading_true(target_tokens[:k] == draft_tokens)
-    next_token = target_tokens.gather(0, accepted.view(1))  # gather, not [], to avoid a sync
-    return _to_host(accepted, next_token)
+    packed = greedy_outcome(target_logits.argmax(dim=-1)[None], draft_tokens.long()[None])[0]
+    return _to_host(packed[k], packed[k + 1])
 
 
 def verify_sampled(

@@ -1,0 +1,92 @@
+"""Chained cycles: the next cycle starts on the device before the host reads the last one.
+
+A cycle whose whole work runs on the device (greedy rows: argmax drafts, verify, greedy
+acceptance; depth 0 is an AR step) ends by writing the next cycle's inputs from its own
+outcome (``runner.advance_cycle``). So the host can launch cycle n+1 and only then read and
+commit cycle n: its commit, detokenizing and streaming overlap the device's next cycle. The
+host is one cycle behind the device; ``CycleChain`` owns that cycle in flight:
+
+- ``start``: the first cycle, from the host's state;
+- ``advance``: launch the next cycle over the same rows, hand back the one to commit;
+- ``drain``: no next cycle (the rows changed, or an AR step comes): hand back the one in
+  flight, for its rows still live;
+- ``forget``: a row released while its cycle is in flight (its outcome is dropped; the
+  device's writes land past the row's committed length, in blocks the row gives back).
+
+Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
+the one starting, and the slots its tail computes for the one after. ``reserve`` takes those
+blocks through the engine's allocator before any launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtplx.cache.block_manager import OutOfBlocks
+from mtplx.engine.kv_allocator import KVAllocator
+from mtplx.engine.runner import CycleLaunch, ModelRunner
+from mtplx.engine.sequence import Sequence
+
+
+class CycleChain:
+    def __init__(self, runner: ModelRunner, kv: KVAllocator, enabled: bool):
+        self.runner, self.kv, self.enabled = runner, kv, enabled
+        self.flight: CycleLaunch | None = None
+        self._released: set[int] = set()
+
+    def takes(self, seqs: list[Sequence], depth: int) -> bool:
+        """Whether chaining is on and the runner can chain these rows at this depth."""
+        return self.enabled and self.runner.can_chain(len(seqs), depth)
+
+    def continues(self, seqs: list[Sequence], depth: int) -> bool:
+        """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
+        flight = self.flight
+        return (flight is not None and flight.depth == depth and len(seqs) == len(flight.seqs)
+                and all(a is b for a, b in zip(seqs, flight.seqs))
+                and not self._released and not any(s.finished for s in seqs))
+
+    def reserve(self, seqs: list[Sequence], depth: int) -> bool:
+        """Take the blocks a chained cycle over these rows may write and copy the grown tables
+        to the device. False (nothing taken) where a row's lookahead passes the slots one row
+        may hold or the pool runs dry: the chain cannot go on."""
+        if any(self.runner.lookahead(s, depth) > self.runner.max_row_slots for s in seqs):
+            return False
+        try:
+            grown = sum(self.kv.reserve(s, self.runner.lookahead(s, depth)) for s in seqs)
+        except OutOfBlocks:
+            return False
+        if grown:
+            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs])
+        return True
+
+    def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
+        """Launch the first cycle from the host's state (``reserve`` first)."""
+        self.flight = self.runner.start_cycle(seqs, backlog, depth)
+
+    def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
+        """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
+        the one in flight, to commit; True when another cycle now runs on from its outcome."""
+        last = self.flight
+        following = self.runner.next_cycle(seqs, last.depth) if self.reserve(seqs, last.depth) else None
+        self.flight = following
+        return last, following is not None
+
+    def drain(self) -> tuple[CycleLaunch, list[int]] | None:
+        """Hand back the cycle in flight and the indices of its rows still live (neither
+        released nor finished), leaving nothing in flight; None when nothing was."""
+        flight, released = self.flight, self._released
+        self.flight, self._released = None, set()
+        if flight is None:
+            return None
+        return flight, [r for r, s in enumerate(flight.seqs) if s.seq_id not in released and not s.finished]
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` is released: drop its outcome from the cycle in flight."""
+        if self.flight is not None and any(s is seq for s in self.flight.seqs):
+            self._released.add(seq.seq_id)
+            if all(s.seq_id in self._released for s in self.flight.seqs):
+                self.flight, self._released = None, set()
+
+    def clear(self) -> None:
+        """Forget the cycle in flight without reading it (after a crash)."""
+        self.flight, self._released = None, set()

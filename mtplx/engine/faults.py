@@ -1,0 +1,53 @@
+"""Fault injection for tests and chaos drills, without changing the decode path.
+
+``hook(point, seq)`` is called on the model thread at each point of ``FAULT_POINTS``; what it
+raises is that point's fault. Per-row points (a row's own work: admission, its prompt, its
+drafts, their acceptance, its sampled token, its commit, its detokenizing) fail that row
+alone. "forward" comes from ``FaultyRunner``, which wraps the runner: a forward over the
+row raises before it launches, which no row can be blamed for, so every row of the step
+fails. Chained cycles keep running under injection: fault tests run the production path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mtplx.engine.sequence import Sequence
+
+FaultHook = Callable[[str, Sequence], None]
+FAULT_POINTS = ("admit", "prefill", "forward", "draft", "accept", "sample", "commit", "detokenize")
+
+
+class FaultyRunner:
+    """A runner whose forwards (trunk, head, whole cycles, chained or not) first call
+    ``hook("forward", seq)`` for each of their rows; everything else is the runner's own."""
+
+    def __init__(self, runner, hook: FaultHook):
+        self.runner, self.hook = runner, hook
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def _forward(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.hook("forward", seq)
+
+    def trunk(self, seqs, *args, **kwargs):
+        self._forward(seqs)
+        return self.runner.trunk(seqs, *args, **kwargs)
+
+    def head_forward(self, seqs, *args, **kwargs):
+        self._forward(seqs)
+        return self.runner.head_forward(seqs, *args, **kwargs)
+
+    def greedy_cycle(self, seqs, *args, **kwargs):
+        self._forward(seqs)
+        return self.runner.greedy_cycle(seqs, *args, **kwargs)
+
+    def start_cycle(self, seqs, *args, **kwargs):
+        self._forward(seqs)
+        return self.runner.start_cycle(seqs, *args, **kwargs)
+
+    def next_cycle(self, seqs, *args, **kwargs):
+        self._forward(seqs)
+        return self.runner.next_cycle(seqs, *args, **kwargs)
