@@ -702,10 +702,18 @@ def main() -> None:
         report["default_model"]["scheduler_modes_unchained"] = scheduler_modes(engine, depth, batch_only=True)
         engine.generator.chain.enabled = True
         print("unchained:", json.dumps(report["default_model"]["scheduler_modes_unchained"]), flush=True)
-        # sampled decoding (the chain is greedy-only): AR and MTP at temperature 0.7, top-p 0.95
+        # sampled decoding (chained on the device): AR and MTP at temperature 0.7, top-p 0.95
         sampled = dict(temperature=0.7, top_p=0.95, seed=1234)
         report["default_model"]["sampled"] = measure(engine, max_tokens=128, repeats=2, **sampled)
         print("temperature 0.7, top-p 0.95:\n" + render_table(report["default_model"]["sampled"]), flush=True)
+        engine.generator.chain.enabled = False  # sampled cycles each from the host's state, for comparison
+        report["default_model"]["sampled_unchained"] = measure(engine, max_tokens=128, repeats=2, **sampled)
+        engine.generator.chain.enabled = True
+        print("unchained, temperature 0.7, top-p 0.95:\n" + render_table(report["default_model"]["sampled_unchained"]),
+              flush=True)
+        hot = dict(temperature=1.0, seed=1234)  # the server's default temperature
+        report["default_model"]["sampled_t1"] = measure(engine, max_tokens=128, repeats=2, **hot)
+        print("temperature 1.0:\n" + render_table(report["default_model"]["sampled_t1"]), flush=True)
         if args.profile:
             report["default_model"]["profile"] = profile_decode(engine)
             report["default_model"]["profile_sampled"] = profile_decode(engine, **sampled)

@@ -168,3 +168,37 @@ def test_an_ar_step_commits_the_cycle_in_flight_first():
     assert seq.generated == reference
     engine.generator.release(seq)
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+SAMPLED = [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=1.0, top_k=20, seed=2),
+           dict(temperature=0.0), dict(temperature=1.3, min_p=0.05, seed=3)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth):
+    """Rows at temperature > 0 chain too: exact rejection sampling of their drafts (or, AR,
+    their token's sample) runs on the device from noise each row draws from its own generator
+    just before the launch, in the host path's order. A seed gives the same tokens chained or
+    not, for rows of different settings (a greedy one among them) in one batch."""
+    engine = chained_engine()
+    mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+    prompts = PROMPTS + [PROMPTS[0]]
+
+    def decode(chain: bool):
+        engine.generator.chain.enabled = chain
+        seqs = [start(engine, p, max_tokens=30 - 4 * i, **mode, **kw) for i, (p, kw) in enumerate(zip(prompts, SAMPLED))]
+        chained = 0
+        with torch.inference_mode():
+            while live := [s for s in seqs if not s.finished]:
+                engine.step(live)
+                chained += engine.generator.chain.flight is not None
+        for s in seqs:
+            engine.generator.release(s)
+        engine.generator.chain.enabled = False
+        return [s.generated for s in seqs], chained
+
+    unchained, none = decode(False)
+    chained, steps = decode(True)
+    assert none == 0 and steps > 5
+    assert chained == unchained
+    assert engine.runner.blocks.num_used_blocks == 0

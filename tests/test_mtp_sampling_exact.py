@@ -30,13 +30,15 @@ def exact_distribution(hf, params: SamplingParams, length: int = 3) -> dict[tupl
     return dist
 
 
-def sample_mtp(engine, n: int, depth: int, policy: str, **sampler) -> list[tuple]:
-    """n independent 3-token MTP continuations, decoded as rows of one batch."""
+def sample_mtp(engine, n: int, depth: int, policy: str, samplers: list[dict] | None = None, **sampler) -> list[tuple]:
+    """n independent 3-token MTP continuations, decoded as rows of one batch (row i with
+    ``samplers[i % len(samplers)]`` where given)."""
     gen = engine.generator
     seqs = []
     for i in range(n):
+        row_sampler = samplers[i % len(samplers)] if samplers else sampler
         req = engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=3, seed=10_000 + i,
-                                  draft_policy=policy, **sampler)
+                                  draft_policy=policy, **row_sampler)
         seq = engine.new_sequence(req)
         gen.admit(seq)
         gen.prefill(seq)
@@ -75,8 +77,9 @@ def assert_fits(samples: list[tuple], dist: dict[tuple, float]):
     assert p > 1e-3, f"chi-square p={p:.2e} over {len(obs)} bins"
 
 
-def _engine(head_sharpness: float = 1.0, head: str = "random"):
-    engine, hf = tiny_engine("llama", seed=3, head_seed=4, block_size=4, kv_cache_tokens=N * 12, **TINY_VOCAB)
+def _engine(head_sharpness: float = 1.0, head: str = "random", kv_tokens_per_row: int = 12):
+    engine, hf = tiny_engine("llama", seed=3, head_seed=4, block_size=4, kv_cache_tokens=N * kv_tokens_per_row,
+                             **TINY_VOCAB)
     with torch.no_grad():  # peaked, varied next-token distributions (random init is near uniform)
         hf.lm_head.weight.mul_(25.0)
         engine.loaded.model.lm_head.weight.mul_(25.0)
@@ -129,3 +132,19 @@ def test_chi_square_detects_a_wrong_distribution():
     samples = sample_mtp(engine, N, 2, "mirror", temperature=1.0)
     with pytest.raises(AssertionError):
         assert_fits(samples, exact_distribution(hf, SamplingParams(temperature=0.5)))
+
+
+@pytest.mark.parametrize("depth,head", [(1, "random"), (3, "repeat")])
+def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head):
+    """The chained path (the one a GPU runs): rows of two different samplers in one batch, each
+    row's drafts accepted by rejection sampling on the device from its own noise; each half of
+    the rows fits its own sampler's exact AR distribution."""
+    engine, hf = _engine(head=head, kv_tokens_per_row=24)  # a chain holds three cycles' slots per row
+    engine.generator.chain.enabled = True
+    launches = []
+    engine.generator.observers.append(lambda event, seq: launches.append(event == "chain_start"))
+    samplers = [dict(temperature=1.0), dict(temperature=1.5, top_p=0.9, top_k=5)]
+    samples = sample_mtp(engine, N, depth, "greedy", samplers=samplers)
+    assert any(launches)  # the rows decoded chained
+    for i, sampler in enumerate(samplers):
+        assert_fits(samples[i::2], exact_distribution(hf, SamplingParams(**sampler)))

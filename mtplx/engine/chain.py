@@ -1,7 +1,8 @@
 """Chained cycles: the next cycle starts on the device before the host reads the last one.
 
-A cycle whose whole work runs on the device (greedy rows: argmax drafts, verify, greedy
-acceptance; depth 0 is an AR step) ends by writing the next cycle's inputs from its own
+A cycle whose whole work runs on the device (argmax drafts, verify, and acceptance: greedy, or
+for rows that sample exact rejection sampling from noise drawn just before the launch; depth 0
+is an AR step) ends by writing the next cycle's inputs from its own
 outcome (``runner.advance_cycle``). So the host can launch cycle n+1 and only then read and
 commit cycle n: its commit, detokenizing and streaming overlap the device's next cycle. The
 host is one cycle behind the device; ``CycleChain`` owns that cycle in flight:
@@ -36,7 +37,7 @@ class CycleChain:
 
     def takes(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether chaining is on and the runner can chain these rows at this depth."""
-        return self.enabled and self.runner.can_chain(len(seqs), depth)
+        return self.enabled and self.runner.can_chain(len(seqs), depth, sampled(seqs))
 
     def continues(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
@@ -52,22 +53,22 @@ class CycleChain:
         if any(self.runner.lookahead(s, depth) > self.runner.max_row_slots for s in seqs):
             return False
         try:
-            grown = sum(self.kv.reserve(s, self.runner.lookahead(s, depth)) for s in seqs)
+            grown = self.kv.reserve_rows([(s, self.runner.lookahead(s, depth)) for s in seqs])
         except OutOfBlocks:
             return False
         if grown:
-            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs])
+            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], sampled(seqs))
         return True
 
     def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
         """Launch the first cycle from the host's state (``reserve`` first)."""
-        self.flight = self.runner.start_cycle(seqs, backlog, depth)
+        self.flight = self.runner.start_cycle(seqs, backlog, depth, sampled(seqs))
 
     def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
         """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
         last = self.flight
-        following = self.runner.next_cycle(seqs, last.depth) if self.reserve(seqs, last.depth) else None
+        following = self.runner.next_cycle(seqs, last.depth, sampled(seqs)) if self.reserve(seqs, last.depth) else None
         self.flight = following
         return last, following is not None
 
@@ -90,3 +91,9 @@ class CycleChain:
     def clear(self) -> None:
         """Forget the cycle in flight without reading it (after a crash)."""
         self.flight, self._released = None, set()
+
+
+def sampled(seqs: list[Sequence]) -> bool:
+    """Whether any row samples: its cycles run the sampling variant (rejection sampling and the
+    rows' noise on the device); all-greedy rows run the greedy one."""
+    return not all(s.params.greedy for s in seqs)

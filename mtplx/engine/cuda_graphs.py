@@ -103,19 +103,23 @@ class GraphCache:
         g.graph.replay()
         return tuple(t[: len(seqs)] for t in g.out)
 
-    def chained(self, rows: int, depth: int) -> _CycleGraph | None:
-        """The cycle graph chained cycles over this many rows at this depth replay, or None."""
-        return self._captured("cycle", rows, depth)
+    def chained(self, rows: int, depth: int, sampled: bool = False) -> _CycleGraph | None:
+        """The cycle graph chained cycles over this many rows at this depth replay (sampled:
+        the variant whose rows may sample), or None."""
+        return self._captured("sampled_cycle" if sampled else "cycle", rows, depth)
 
-    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int,
+                    sampled: bool = False) -> CycleLaunch:
         """``ModelRunner.start_cycle`` through the cycle graph (``chained`` must have one)."""
-        self._fill_cycle(self.chained(len(seqs), depth), seqs, backlog)
-        return self.run_chained(seqs, depth)
+        self._fill_cycle(self.chained(len(seqs), depth, sampled), seqs, backlog)
+        return self.run_chained(seqs, depth, sampled)
 
-    def run_chained(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
-        """Replay the cycle graph from its device-side inputs; its outcome goes to one of two
-        pinned host buffers in turn (one is read while the other is written)."""
-        g = self.chained(len(seqs), depth)
+    def run_chained(self, seqs: list[Sequence], depth: int, sampled: bool = False) -> CycleLaunch:
+        """Replay the cycle graph from its device-side inputs (drawing the sampling rows' noise
+        first); its outcome goes to one of two pinned host buffers in turn (one is read while
+        the other is written)."""
+        g = self.chained(len(seqs), depth, sampled)
+        g.buffers.draw_noise(seqs)
         g.graph.replay()
         host, done = g.outcomes[g.turn], g.done[g.turn]
         g.turn ^= 1
@@ -123,8 +127,8 @@ class GraphCache:
         done.record()
         return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
 
-    def upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
-        g = self.chained(rows, depth)
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], sampled: bool = False) -> None:
+        g = self.chained(rows, depth, sampled)
         g.copied.synchronize()  # the staging buffer's last copies are done (they preceded a finished cycle)
         g.buffers.set_tables(tables, g.staging)
         g.copied.record()
@@ -222,6 +226,8 @@ class GraphCache:
                 self._graph("head", r, 1)
                 for d in depths:
                     self._cycle_graph(r, d)
+            for d in [0] + (depths if head else []):  # cycles whose rows may sample
+                self._cycle_graph(r, d, sampled=True)
         for q in PREFILL_BUCKETS:
             self._graph("trunk", 1, q)
             if head:
@@ -272,15 +278,15 @@ class GraphCache:
                 out = forward()
         return graph, out
 
-    def _cycle_graph(self, rows: int, depth: int) -> _CycleGraph:
+    def _cycle_graph(self, rows: int, depth: int, sampled: bool = False) -> _CycleGraph:
         R = _bucket(rows)
-        key = ("cycle", R, depth)
+        key = ("sampled_cycle" if sampled else "cycle", R, depth)
         if key not in self.graphs:
-            self.graphs[key] = self._capture_cycle(R, depth)
+            self.graphs[key] = self._capture_cycle(R, depth, sampled)
         return self.graphs[key]
 
-    def _capture_cycle(self, R: int, depth: int) -> _CycleGraph:
-        buffers = CycleBuffers(self.runner, R, depth, self.table_width)
+    def _capture_cycle(self, R: int, depth: int, sampled: bool = False) -> _CycleGraph:
+        buffers = CycleBuffers(self.runner, R, depth, self.table_width, sampled)
         graph, out = self._capture_forward(lambda: self.runner.cycle_and_advance(buffers, depth))
         staging = torch.empty(buffers.ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()

@@ -17,7 +17,7 @@ Three ways a cycle runs, one predicate each (``_cycle``):
 - on the device: argmax drafts, the verify and greedy acceptance in one
   ``runner.greedy_cycle`` (one CUDA graph where captured); sampled rows' rejection sampling
   is queued behind it; one transfer brings every row's outcome;
-- chained (greedy rows, where the engine chains): as on the device, but the next cycle is
+- chained (where the engine chains; sampled rows accept on the device too): as on the device, but the next cycle is
   launched before the last one is read (``chain.py``).
 Functions take lists of sequences (rows) so batching modes reuse them unchanged.
 
@@ -162,12 +162,12 @@ class Generator:
         faults = result.failed
         # argmax drafts stay on the device: the cycle syncs with the host once (not with
         # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
-        # needs them on the host)
-        on_device = self.runner.states is None and all(
-            s.counts is None and (s.params.greedy or (depth and s.draft_policy == "greedy")) for s in seqs)
-        if (on_device and all(s.params.greedy for s in seqs) and self.chain.takes(seqs, depth)
-                and self._start_chain(seqs, depth, result)):
+        # needs them on the host); sampled rows too, their acceptance chained on the device
+        device = self.runner.states is None and all(
+            s.counts is None and (s.params.greedy or s.draft_policy == "greedy" or not depth) for s in seqs)
+        if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
+        on_device = device and depth > 0
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
             self.kv.reserve(seq, seq.trunk_len + min(seq.depth, depth) + 1)
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from mtplx.cache.block_manager import BlockManager
+from mtplx.cache.block_manager import BlockManager, OutOfBlocks
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.engine.sequence import Sequence
 
@@ -36,6 +36,15 @@ class KVAllocator:
         the committed length). Returns the blocks added; OutOfBlocks (nothing taken) when the
         pool runs dry."""
         return self.blocks.ensure_capacity(seq.seq_id, length)
+
+    def reserve_rows(self, rows: list[tuple[Sequence, int]]) -> int:
+        """``reserve`` for several rows, all or nothing: OutOfBlocks, with nothing taken, when
+        the pool cannot cover every row. Returns the blocks added."""
+        bs = self.block_size
+        need = sum(max(0, -(-length // bs) - len(self.blocks.block_table(seq.seq_id))) for seq, length in rows)
+        if need > self.blocks.num_free_blocks:
+            raise OutOfBlocks(need, self.blocks.num_free_blocks, self.blocks.num_blocks)
+        return sum(self.reserve(seq, length) for seq, length in rows)
 
     def trim(self, seq: Sequence, length: int) -> None:
         """The valid KV length is ``length``: give back the blocks past it (no copy)."""

@@ -15,7 +15,8 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.speculative import greedy_outcome
+from mtplx.engine.sampling import SamplerTensors, process_logits
+from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
@@ -275,15 +276,17 @@ class ModelRunner:
     # wrote the next inputs on the device. With CUDA graphs each is one replay; eagerly (CPU
     # tests, shapes without a graph) the same work runs op by op.
 
-    def cycle_buffers(self, rows: int, depth: int):
+    def cycle_buffers(self, rows: int, depth: int, sampled: bool = False):
         """The static inputs chained cycles over these rows run from (CycleBuffers): the
-        captured cycle graph's, else the eager chain's own."""
-        if self.graphs is not None and (g := self.graphs.chained(rows, depth)) is not None:
+        captured cycle graph's, else the eager chain's own. sampled: the variant whose rows may
+        sample (their settings and noise are inputs too)."""
+        if self.graphs is not None and (g := self.graphs.chained(rows, depth, sampled)) is not None:
             return g.buffers
-        key = (rows, depth)
+        key = (rows, depth, sampled)
         if key not in self._chain_buffers:
             with torch.inference_mode(False):  # written in place outside inference mode too
-                self._chain_buffers[key] = CycleBuffers(self, rows, depth, self.blocks.num_blocks)
+                width = -(-self.max_row_slots // self.block_size)  # the most blocks a row's table holds
+                self._chain_buffers[key] = CycleBuffers(self, rows, depth, width, sampled)
         return self._chain_buffers[key]
 
     def lookahead(self, seq: Sequence, depth: int) -> int:
@@ -293,13 +296,18 @@ class ModelRunner:
         return seq.trunk_len + 3 * (depth + 1)
 
     @torch.inference_mode()
-    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> CycleLaunch:
-        """A greedy cycle from the host's state (``greedy_cycle``'s contract; the catch-up at
-        most depth + 1 pairs), leaving the next cycle's inputs on the device. The rows' tables
+    def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int,
+                    sampled: bool = False) -> CycleLaunch:
+        """A cycle from the host's state (``greedy_cycle``'s contract, argmax drafts; the
+        catch-up at most depth + 1 pairs), leaving the next cycle's inputs on the device.
+        sampled: rows may sample (exact rejection sampling of their drafts, all on the device;
+        their settings are written now, their noise drawn before each launch). The rows' tables
         must cover ``lookahead`` (``CycleChain.reserve``)."""
-        if self.graphs is not None and self.graphs.chained(len(seqs), depth) is not None:
-            return self.graphs.start_cycle(seqs, backlog, depth)
-        b = self.cycle_buffers(len(seqs), depth)
+        b = self.cycle_buffers(len(seqs), depth, sampled)
+        if sampled:
+            b.sampler.write([s.params for s in seqs])
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth, sampled) is not None:
+            return self.graphs.start_cycle(seqs, backlog, depth, sampled)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values, dtype=torch.long), width)
         if backlog is not None:  # none at depth 0
@@ -307,25 +315,25 @@ class ModelRunner:
         return self._run_chained(b, seqs, depth)
 
     @torch.inference_mode()
-    def next_cycle(self, seqs: list[Sequence], depth: int) -> CycleLaunch:
+    def next_cycle(self, seqs: list[Sequence], depth: int, sampled: bool = False) -> CycleLaunch:
         """The cycle after the last one started over these rows, from its device-side inputs.
         As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``CycleChain.reserve``)."""
-        if self.graphs is not None and self.graphs.chained(len(seqs), depth) is not None:
-            return self.graphs.run_chained(seqs, depth)
-        return self._run_chained(self.cycle_buffers(len(seqs), depth), seqs, depth)
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth, sampled) is not None:
+            return self.graphs.run_chained(seqs, depth, sampled)
+        return self._run_chained(self.cycle_buffers(len(seqs), depth, sampled), seqs, depth)
 
-    def upload_tables(self, rows: int, depth: int, tables: list[list[int]]) -> None:
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], sampled: bool = False) -> None:
         """Copy grown block tables into the chained cycles' inputs for these rows (the rest of
         the inputs stay as the last cycle wrote them)."""
-        if self.graphs is not None and self.graphs.chained(rows, depth) is not None:
-            self.graphs.upload_tables(rows, depth, tables)
+        if self.graphs is not None and self.graphs.chained(rows, depth, sampled) is not None:
+            self.graphs.upload_tables(rows, depth, tables, sampled)
         else:
-            self.cycle_buffers(rows, depth).set_tables(tables)
+            self.cycle_buffers(rows, depth, sampled).set_tables(tables)
 
-    def can_chain(self, rows: int, depth: int) -> bool:
+    def can_chain(self, rows: int, depth: int, sampled: bool = False) -> bool:
         """Whether cycles over this many rows at this depth can chain: with CUDA graphs, where
         their cycle graph was captured; eagerly, always."""
-        return self.graphs.chained(rows, depth) is not None if self.graphs is not None else True
+        return self.graphs.chained(rows, depth, sampled) is not None if self.graphs is not None else True
 
     @property
     def max_row_slots(self) -> int:
@@ -335,22 +343,27 @@ class ModelRunner:
         return min(slots, self.graphs.max_context) if self.graphs is not None else slots
 
     def _run_chained(self, b, seqs: list[Sequence], depth: int) -> CycleLaunch:
+        b.draw_noise(seqs)
         hidden, _, packed = self.cycle_and_advance(b, depth)
         return CycleLaunch(list(seqs), depth, hidden[: len(seqs)], packed.clone(), None)
 
     def cycle_and_advance(self, b, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One cycle from CycleBuffers ``b``, then the next cycle's inputs written into them
         (the work a chained cycle's CUDA graph captures)."""
-        hidden, logits, packed = self.cycle_forward(b.inputs, b.backlog, depth)
+        hidden, logits, packed = self.cycle_forward(b.inputs, b.backlog, depth, b.sampling)
         advance_cycle(b.fields, b.tables, packed, self.block_size, self.cache.scratch_slot)
         if depth:
             b.backlog.copy_(hidden)
         return hidden, logits, packed
 
-    def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor,
-                      depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor, depth: int,
+                      sampling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this).
-        Depth 0 is a greedy AR step: no head work, the outcome (0, next token)."""
+        Depth 0 is an AR step: no head work, the outcome (0, next token). sampling: (the rows'
+        SamplerTensors, uniforms [R, >= depth], race [R, V]) for rows that may sample: the
+        verify's logits are processed per row and the drafts accepted by exact rejection
+        sampling from that noise (greedy rows' one-hot distributions give the greedy outcome);
+        None: greedy acceptance."""
         tokens = []
         if depth:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
@@ -363,7 +376,10 @@ class ModelRunner:
         drafts = torch.stack(tokens, dim=1) if tokens else c.primary[:, :0]
         hidden = self.model(torch.cat([c.primary, drafts], dim=1), c.verify, self.cache)
         logits = self.model.compute_logits(hidden)
-        return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
+        if sampling is None:
+            return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
+        sampler, uniforms, race = sampling
+        return hidden, logits, rejection_outcome(process_logits(logits, sampler), None, drafts, c.depths, uniforms, race)
 
 
 class CycleBuffers:
@@ -373,7 +389,7 @@ class CycleBuffers:
     for the block-table columns in use). Nothing here is CUDA-specific: CPU tests run
     ``cycle_forward`` over these buffers to check the layout against the eager cycle."""
 
-    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int):
+    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int, sampled: bool = False):
         dev, W = runner.device, depth + 1
         C = W if depth else 0  # depth 0 (an AR step) has no head catch-up
         self.runner, self.depth = runner, depth
@@ -390,6 +406,25 @@ class CycleBuffers:
         self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
         self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
+        self.sampling = None
+        if sampled:  # the rows' settings, and their noise, drawn before each launch (draw_noise)
+            vocab = runner.model.config.vocab_size
+            self.sampler = SamplerTensors(rows, dev)
+            self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=dev)
+            self.race = torch.ones(rows, vocab, dtype=torch.float32, device=dev)
+            self.sampling = (self.sampler, self.uniforms, self.race)
+
+    def draw_noise(self, seqs: list[Sequence]) -> None:
+        """Each sampling row's noise for the cycle about to launch, from its own generator, in
+        the order the host path draws it (``speculative.draw_noise``): the same draws, so a seed
+        gives the same tokens chained or not. Queued on the stream after the cycle before it,
+        which read the last noise."""
+        if self.sampling is None:
+            return
+        for r, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                n = min(seq.depth, self.depth)
+                draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table

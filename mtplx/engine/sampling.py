@@ -197,61 +197,84 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.argmax(probs / race, dim=-1)
 
 
+class SamplerTensors:
+    """Per-row sampler settings as [rows, 1] tensors on the device: what ``process_logits``
+    reads. A CUDA cycle graph reads one set of these as static inputs (``write`` refills them in
+    place when its rows change); ``SamplerBatch`` builds its own."""
+
+    def __init__(self, rows: int, device: torch.device):
+        column = lambda dtype, fill: torch.full((rows, 1), fill, dtype=dtype, device=device)  # noqa: E731
+        self.greedy = column(torch.bool, True)
+        self.temperature = column(torch.float32, 1.0)
+        self.top_k = column(torch.long, 0)  # 0: off
+        self.top_p = column(torch.float32, 1.0)
+        self.min_p = column(torch.float32, 0.0)
+
+    def write(self, params: list[SamplingParams]) -> None:
+        """These rows' settings (rows past ``params``, a bucket's padding, become greedy)."""
+        pad = self.greedy.shape[0] - len(params)
+        rows = [(p.greedy, p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
+        rows += [(True, 1.0, 0, 1.0, 0.0)] * pad
+        for i, target in enumerate((self.greedy, self.temperature, self.top_k, self.top_p, self.min_p)):
+            target.copy_(torch.tensor([[r[i]] for r in rows], dtype=target.dtype), non_blocking=True)
+
+
+def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, top_p: bool = True,
+                   min_p: bool = True, greedy: bool = True) -> torch.Tensor:
+    """``logits_to_probs`` for rows of different settings at once: logits [rows, positions, V]
+    (penalties already applied) -> float32 probs [rows, positions, V], each row processed with
+    its own temperature, top-k, top-p and min-p in that order, greedy rows a one-hot of the
+    argmax. The flags skip a filter no row asks for (a CUDA graph takes them all: any row may);
+    a row that does not ask for a filter is left unchanged by it."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]
+    if top_k:
+        k = torch.where(s.top_k > 0, s.top_k.clamp(max=vocab), vocab)[:, :, None].expand(-1, scaled.shape[1], 1)
+        kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, k - 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p:
+        sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        n_keep = (mass_before < s.top_p[:, :, None]).sum(dim=-1, keepdim=True)
+        kept = _renormalise(probs.masked_fill(probs < sorted_probs.gather(-1, n_keep - 1), 0.0))
+        probs = torch.where(s.top_p[:, :, None] < 1, kept, probs)
+    if min_p:
+        kept = _renormalise(probs.masked_fill(probs < s.min_p[:, :, None] * probs.amax(dim=-1, keepdim=True), 0.0))
+        probs = torch.where(s.min_p[:, :, None] > 0, kept, probs)
+    if greedy:
+        probs = torch.where(s.greedy[:, :, None], one_hot_argmax(logits), probs)
+    return probs
+
+
 class SamplerBatch:
     """The sampler settings of a batch of rows as tensors, built once per batch change: one
-    ``probs`` call processes every row's logits (each with its own temperature, top-k, top-p
-    and min-p, in ``logits_to_probs``'s order), one ``sample`` call draws every row's token.
+    ``probs`` call processes every row's logits (``process_logits``), one ``sample`` call draws
+    every row's token.
 
     Each row still draws its noise from its own generator, in row order, the same draws as
     ``sample`` on that row alone, so a seed fixes a row's output whatever rows run beside it.
-    Filters no row asks for are skipped; a filter some rows ask for leaves the others
-    unchanged (their threshold keeps everything)."""
+    Filters no row asks for are skipped."""
 
     def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device):
         self.params, self.generators = params, generators
-        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
+        self.tensors = SamplerTensors(len(params), device)
+        self.tensors.write(params)
         self.greedy_rows = [p.greedy for p in params]
         self.all_greedy, self.any_greedy = all(self.greedy_rows), any(self.greedy_rows)
-        self.greedy = column(self.greedy_rows, torch.bool)
-        self.temperature = column([p.temperature or 1.0 for p in params], torch.float32)
-        self.top_k = [p.top_k for p in params]
-        self.top_p = column([p.top_p for p in params], torch.float32)
-        self.has_top_p = column([p.top_p < 1 for p in params], torch.bool)
-        self.min_p = column([p.min_p for p in params], torch.float32)
-        self.any_top_p = any(p.top_p < 1 and not p.greedy for p in params)
-        self.any_min_p = any(p.min_p > 0 and not p.greedy for p in params)
+        sampled = [p for p in params if not p.greedy]
+        self.filters = dict(top_k=any(p.top_k > 0 for p in sampled), top_p=any(p.top_p < 1 for p in sampled),
+                            min_p=any(p.min_p > 0 for p in sampled), greedy=self.any_greedy)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed distributions: logits [rows, V] or [rows, positions, V] (penalties already
         applied) -> float32 probs of the same shape. Greedy rows get a one-hot of the argmax."""
-        logits = logits.float()
         squeeze = logits.dim() == 2
         if squeeze:
             logits = logits[:, None]
-        if self.all_greedy:
-            hot = one_hot_argmax(logits)
-            return hot[:, 0] if squeeze else hot
-        temperature = self.temperature[:, :, None]
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-        vocab = logits.shape[-1]
-        if any(0 < k < vocab for k in self.top_k):
-            k = [k if 0 < k < vocab else vocab for k in self.top_k]
-            index = torch.tensor(k, device=logits.device).view(-1, 1, 1).expand(-1, scaled.shape[1], 1) - 1
-            kth = torch.topk(scaled, max(k), dim=-1).values.gather(-1, index)
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if self.any_top_p:
-            sorted_probs = torch.sort(probs, dim=-1, descending=True).values
-            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            n_keep = (mass_before < self.top_p[:, :, None]).sum(dim=-1, keepdim=True)
-            kept = _renormalise(probs.masked_fill(probs < sorted_probs.gather(-1, n_keep - 1), 0.0))
-            probs = torch.where(self.has_top_p[:, :, None], kept, probs)
-        if self.any_min_p:
-            kept = _renormalise(probs.masked_fill(probs < self.min_p[:, :, None] * probs.amax(dim=-1, keepdim=True),
-                                                  0.0))
-            probs = torch.where(self.min_p[:, :, None] > 0, kept, probs)
-        if self.any_greedy:
-            probs = torch.where(self.greedy[:, :, None], one_hot_argmax(logits), probs)
+        probs = one_hot_argmax(logits.float()) if self.all_greedy else process_logits(logits, self.tensors,
+                                                                                       **self.filters)
         return probs[:, 0] if squeeze else probs
 
     def sample(self, probs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

@@ -112,14 +112,70 @@ def sampled_outcome(
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``verify_sampled`` left on the device: (accepted, next token) as 0-dim long tensors, for
-    a caller that brings several rows' outcomes to the host in one transfer."""
+    a caller that brings several rows' outcomes to the host in one transfer. Draws k uniforms,
+    then one exponential race over V, with ``generator`` (``draw_noise``), and decides with
+    ``rejection_outcome``, as a CUDA cycle graph does for many rows."""
     _check_shapes(target_probs, draft_probs, draft_tokens)
-    k = draft_tokens.shape[0]
-    accept_probs = acceptance_probs(target_probs, draft_probs, draft_tokens)  # [k]
-    uniforms = torch.rand(k, generator=generator, device=accept_probs.device, dtype=accept_probs.dtype)
-    accepted = _count_leading_true(uniforms < accept_probs)  # u < a happens with probability a
-    next_probs = next_token_distribution(target_probs, draft_probs, draft_tokens, accepted)
-    return accepted.view(()), sample(next_probs, generator).view(())
+    k, vocab = draft_tokens.shape[0], target_probs.shape[1]
+    uniforms, race = draw_noise(k, vocab, generator, target_probs.device, target_probs.dtype)
+    packed = rejection_outcome(target_probs[None], None if draft_probs is None else draft_probs[None],
+                               draft_tokens.long()[None], None, uniforms[None], race[None])
+    return packed[0, k], packed[0, k + 1]
+
+
+def draw_noise(k: int, vocab: int, generator: torch.Generator, device: torch.device,
+               dtype: torch.dtype = torch.float32, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's noise for one exact rejection-sampling decision, in the order every path draws
+    it: k uniforms (one per draft), then an exponential race over the vocabulary (the emitted
+    token's sample). ``out``: (uniforms [>= k], race [vocab]) buffers to draw into in place (a
+    CUDA graph's static inputs), else new tensors of ``dtype`` (the probabilities')."""
+    uniforms, race = out if out is not None else (torch.empty(k, device=device, dtype=dtype),
+                                                  torch.empty(vocab, device=device, dtype=dtype))
+    if k:
+        uniforms[:k].uniform_(0, 1, generator=generator)
+    race.exponential_(generator=generator)
+    return uniforms, race
+
+
+def rejection_outcome(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, drafts: torch.Tensor,
+                      depths: torch.Tensor | None, uniforms: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """Exact rejection sampling for rows at once, from noise drawn beforehand (no host sync, no
+    generator: a CUDA graph captures it). target_probs: [rows, k+1, V]; draft_probs: [rows, k, V]
+    or None (one-hot drafts); drafts: [rows, k] long; depths: [rows, 1] long, each row's own
+    number of drafts (None: all k); uniforms: [rows, >= k]; race: [rows, V] exponentials.
+
+    Draft i is accepted when u_i < min(1, p_i(x_i) / q_i(x_i)) (probability exactly that),
+    left to right; at the first rejection the emitted token is drawn from the residual
+    max(0, p_i - q_i) renormalised (for a one-hot draft, p_i with x_i removed), after all of a
+    row's drafts from the bonus distribution p_k; the draw is argmax(dist / race), an
+    exponential race. Returns the packed outcome [rows, k + 2]: drafts, accepted, next token
+    (``greedy_outcome``'s layout). Rows whose p is a one-hot (greedy rows) get the greedy
+    outcome."""
+    rows, k1, vocab = target_probs.shape
+    k = k1 - 1
+    depths = torch.full((rows, 1), k, dtype=torch.long, device=drafts.device) if depths is None else depths
+    index = drafts[:, :, None]
+    p_x = target_probs[:, :k].gather(2, index).squeeze(2)
+    if draft_probs is None:
+        accept = p_x.clamp(max=1.0)
+    else:
+        q_x = draft_probs.gather(2, index).squeeze(2)
+        accept = (p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
+    accepted = (uniforms[:, :k] < accept).long().cumprod(dim=1).sum(dim=1, keepdim=True)
+    accepted = torch.minimum(accepted, depths)
+    p = target_probs.gather(1, accepted[:, :, None].expand(rows, 1, vocab)).squeeze(1)
+    if k:
+        at = accepted.clamp(max=k - 1)  # the bonus row has no draft: its residual is computed, then discarded
+        if draft_probs is None:
+            residual = p.scatter(1, drafts.gather(1, at), 0.0)
+        else:
+            residual = (p - draft_probs.gather(1, at[:, :, None].expand(rows, 1, vocab)).squeeze(1)).clamp(min=0.0)
+        mass = residual.sum(dim=1, keepdim=True)
+        # a rejection implies residual mass in exact arithmetic; should rounding leave none, p itself
+        residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
+        p = torch.where(accepted == depths, p, residual)
+    return torch.cat([drafts, accepted, torch.argmax(p / race, dim=1, keepdim=True)], dim=1)
 
 
 def acceptance_probs(
