@@ -331,7 +331,7 @@ def check_prefill_graphs(engine: Engine) -> dict:
     on a random-weight model grows through the layers to the size of bf16's own error (about
     0.045 against float32 at the 8B shape); a wrong position or table gives errors near 1."""
     runner = engine.runner
-    if not hasattr(runner, "graphs"):
+    if runner.graphs is None:
         return {}
     g = torch.Generator().manual_seed(11)
     H = engine.config.hidden_size
@@ -664,7 +664,7 @@ def main() -> None:
                  **check_chain(engine, report_only=args.cycle_check_report_only),
                  **check_prefill_graphs(engine)}
         entry.update(step_costs(engine))
-        entry["graphs_captured"] = len(getattr(engine.runner, "graphs", {}))
+        entry["graphs_captured"] = len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0
         entry["engine_build_s"] = engine.build_s
         for streams in (1, 2, 4, 8):
             entry[f"ar_tok_s_x{streams}"] = ar_tok_s(engine, streams)

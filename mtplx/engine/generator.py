@@ -395,15 +395,16 @@ class Generator:
         their one-hot drafts, queued on the device behind the cycle; then the cycle's one
         transfer brings every row's drafts and outcome to the host."""
         k = packed.shape[1] - 2
-        sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
-        probs = self._sampler_for(seqs).probs(logits[sampled]) if sampled else None
-        at = {r: i for i, r in enumerate(sampled)}
+        sampler = self._sampler_for(seqs)
+        # every row's distributions in one pass (a greedy row's are one-hots, unused): indexing
+        # the sampled rows out would copy an index to the device, a host sync behind the cycle
+        probs = sampler.probs(logits) if not sampler.all_greedy else None
 
         def accept(r: int, seq: Sequence) -> torch.Tensor:
             if seq.params.greedy:
                 return packed[r, k:]
             n = seq.depth
-            return torch.stack(sampled_outcome(probs[at[r], : n + 1], None, packed[r, :n], seq.generator))
+            return torch.stack(sampled_outcome(probs[r, : n + 1], None, packed[r, :n], seq.generator))
 
         work = [self._row_work(seq, "accept", lambda: accept(r, seq), faults) for r, seq in enumerate(seqs)]
         return self._gather_outcomes(seqs, None, work, packed)

@@ -211,7 +211,7 @@ class SamplerBatch:
         self.params, self.generators = params, generators
         column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
         self.greedy_rows = [p.greedy for p in params]
-        self.all_greedy = all(self.greedy_rows)
+        self.all_greedy, self.any_greedy = all(self.greedy_rows), any(self.greedy_rows)
         self.greedy = column(self.greedy_rows, torch.bool)
         self.temperature = column([p.temperature or 1.0 for p in params], torch.float32)
         self.top_k = [p.top_k for p in params]
@@ -228,8 +228,8 @@ class SamplerBatch:
         squeeze = logits.dim() == 2
         if squeeze:
             logits = logits[:, None]
-        hot = one_hot_argmax(logits)
         if self.all_greedy:
+            hot = one_hot_argmax(logits)
             return hot[:, 0] if squeeze else hot
         temperature = self.temperature[:, :, None]
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
@@ -250,7 +250,8 @@ class SamplerBatch:
             kept = _renormalise(probs.masked_fill(probs < self.min_p[:, :, None] * probs.amax(dim=-1, keepdim=True),
                                                   0.0))
             probs = torch.where(self.min_p[:, :, None] > 0, kept, probs)
-        probs = torch.where(self.greedy[:, :, None], hot, probs)
+        if self.any_greedy:
+            probs = torch.where(self.greedy[:, :, None], one_hot_argmax(logits), probs)
         return probs[:, 0] if squeeze else probs
 
     def sample(self, probs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -258,9 +259,8 @@ class SamplerBatch:
         greedy rows take the argmax, the others an exponential race with their own
         generator's noise. ``rows``: the batch rows ``probs`` holds (default: all)."""
         rows = list(range(len(self.params))) if rows is None else rows
-        tokens = probs.argmax(dim=-1)
         if all(self.greedy_rows[r] for r in rows):
-            return tokens
-        picks = [tokens[i:i + 1] if self.greedy_rows[r] else sample(probs[i:i + 1], self.generators[r])
+            return probs.argmax(dim=-1)
+        picks = [probs[i:i + 1].argmax(dim=-1) if self.greedy_rows[r] else sample(probs[i:i + 1], self.generators[r])
                  for i, r in enumerate(rows)]
-        return torch.cat(picks)
+        return picks[0] if len(picks) == 1 else torch.cat(picks)
