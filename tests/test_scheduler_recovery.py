@@ -77,7 +77,7 @@ def assert_recovered(engine, crash, outs, snap, after, up, scheduler, reference:
     engine.runner.blocks.check_invariants()
     if engine.runner.states is not None:
         assert engine.runner.states.num_used_slots == 0
-    assert engine.generator.live == {} and engine.generator._flight is None
+    assert engine.generator.live == {} and engine.generator.chain.flight is None
     # and the scheduler still serves, with the output a request gets alone
     assert health.status_code == 200
     assert after["status"] == 200 and after["token_ids"] == reference
