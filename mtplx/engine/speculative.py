@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import torch
 
-from mtplx.engine.sampling import sample
 
 
 class VerifyOutcome(NamedTuple):
