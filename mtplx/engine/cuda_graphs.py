@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.cache.attention import AttentionMetadata
-from mtplx.engine.runner import CycleBuffers, CycleLaunch, ModelRunner, copy_in, flat_tables, pad_row
+from mtplx.engine.runner import CYCLE_VARIANTS, CycleBuffers, CycleLaunch, ModelRunner, copy_in, flat_tables, pad_row
 from mtplx.engine.sequence import Sequence
 
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -103,22 +103,22 @@ class GraphCache:
         g.graph.replay()
         return tuple(t[: len(seqs)] for t in g.out)
 
-    def chained(self, rows: int, depth: int, sampled: bool = False) -> _CycleGraph | None:
-        """The cycle graph chained cycles over this many rows at this depth replay (sampled:
-        the variant whose rows may sample), or None."""
-        return self._captured("sampled_cycle" if sampled else "cycle", rows, depth)
+    def chained(self, rows: int, depth: int, variant: str = "greedy") -> _CycleGraph | None:
+        """The cycle graph chained cycles over this many rows at this depth replay (variant: a
+        ``runner.CYCLE_VARIANTS``), or None."""
+        return self._captured(_cycle_kind(variant), rows, depth)
 
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int,
-                    sampled: bool = False) -> CycleLaunch:
+                    variant: str = "greedy") -> CycleLaunch:
         """``ModelRunner.start_cycle`` through the cycle graph (``chained`` must have one)."""
-        self._fill_cycle(self.chained(len(seqs), depth, sampled), seqs, backlog)
-        return self.run_chained(seqs, depth, sampled)
+        self._fill_cycle(self.chained(len(seqs), depth, variant), seqs, backlog)
+        return self.run_chained(seqs, depth, variant)
 
-    def run_chained(self, seqs: list[Sequence], depth: int, sampled: bool = False) -> CycleLaunch:
+    def run_chained(self, seqs: list[Sequence], depth: int, variant: str = "greedy") -> CycleLaunch:
         """Replay the cycle graph from its device-side inputs (drawing the sampling rows' noise
         first); its outcome goes to one of two pinned host buffers in turn (one is read while
         the other is written)."""
-        g = self.chained(len(seqs), depth, sampled)
+        g = self.chained(len(seqs), depth, variant)
         g.buffers.draw_noise(seqs)
         g.graph.replay()
         host, done = g.outcomes[g.turn], g.done[g.turn]
@@ -127,8 +127,8 @@ class GraphCache:
         done.record()
         return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
 
-    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], sampled: bool = False) -> None:
-        g = self.chained(rows, depth, sampled)
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], variant: str = "greedy") -> None:
+        g = self.chained(rows, depth, variant)
         g.copied.synchronize()  # the staging buffer's last copies are done (they preceded a finished cycle)
         g.buffers.set_tables(tables, g.staging)
         g.copied.record()
@@ -226,8 +226,9 @@ class GraphCache:
                 self._graph("head", r, 1)
                 for d in depths:
                     self._cycle_graph(r, d)
-            for d in [0] + (depths if head else []):  # cycles whose rows may sample
-                self._cycle_graph(r, d, sampled=True)
+            for variant in CYCLE_VARIANTS[1:]:  # cycles whose rows may sample
+                for d in [0] + (depths if head else []):
+                    self._cycle_graph(r, d, variant)
         for q in PREFILL_BUCKETS:
             self._graph("trunk", 1, q)
             if head:
@@ -278,15 +279,15 @@ class GraphCache:
                 out = forward()
         return graph, out
 
-    def _cycle_graph(self, rows: int, depth: int, sampled: bool = False) -> _CycleGraph:
+    def _cycle_graph(self, rows: int, depth: int, variant: str = "greedy") -> _CycleGraph:
         R = _bucket(rows)
-        key = ("sampled_cycle" if sampled else "cycle", R, depth)
+        key = (_cycle_kind(variant), R, depth)
         if key not in self.graphs:
-            self.graphs[key] = self._capture_cycle(R, depth, sampled)
+            self.graphs[key] = self._capture_cycle(R, depth, variant)
         return self.graphs[key]
 
-    def _capture_cycle(self, R: int, depth: int, sampled: bool = False) -> _CycleGraph:
-        buffers = CycleBuffers(self.runner, R, depth, self.table_width, sampled)
+    def _capture_cycle(self, R: int, depth: int, variant: str = "greedy") -> _CycleGraph:
+        buffers = CycleBuffers(self.runner, R, depth, self.table_width, variant)
         graph, out = self._capture_forward(lambda: self.runner.cycle_and_advance(buffers, depth))
         staging = torch.empty(buffers.ints.numel() + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
@@ -306,3 +307,8 @@ def _staged(g, values: list[int]) -> torch.Tensor:
 def _bucket(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int:
     """The smallest bucket that holds n (rows, or a prompt chunk's tokens)."""
     return next(b for b in buckets if b >= n)
+
+
+def _cycle_kind(variant: str) -> str:
+    """A chained cycle graph's key kind: "cycle" (greedy), "sample_cycle", "sample_top_k_cycle"."""
+    return "cycle" if variant == "greedy" else f"{variant}_cycle"

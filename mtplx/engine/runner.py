@@ -31,6 +31,11 @@ STATE_COMMIT_MODES = ("capture", "reforward")
 DEFAULT_STATE_COMMIT = "capture"
 
 
+# the kinds of chained cycle (each its own graph): every row greedy; rows may sample, none with
+# top-k (no sort for it); rows may sample, some with top-k
+CYCLE_VARIANTS = ("greedy", "sample", "sample_top_k")
+
+
 # a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
 CYCLE_FIELDS = ("catch_up_ids", "catch_up_pos", "catch_up_slots", "last", "draft_pos", "draft_slots", "primary",
                 "verify_pos", "verify_slots", "depths")
@@ -276,17 +281,17 @@ class ModelRunner:
     # wrote the next inputs on the device. With CUDA graphs each is one replay; eagerly (CPU
     # tests, shapes without a graph) the same work runs op by op.
 
-    def cycle_buffers(self, rows: int, depth: int, sampled: bool = False):
+    def cycle_buffers(self, rows: int, depth: int, variant: str = "greedy"):
         """The static inputs chained cycles over these rows run from (CycleBuffers): the
-        captured cycle graph's, else the eager chain's own. sampled: the variant whose rows may
-        sample (their settings and noise are inputs too)."""
-        if self.graphs is not None and (g := self.graphs.chained(rows, depth, sampled)) is not None:
+        captured cycle graph's, else the eager chain's own. variant: ``CYCLE_VARIANTS`` (rows
+        that sample have their settings and noise as inputs too)."""
+        if self.graphs is not None and (g := self.graphs.chained(rows, depth, variant)) is not None:
             return g.buffers
-        key = (rows, depth, sampled)
+        key = (rows, depth, variant)
         if key not in self._chain_buffers:
             with torch.inference_mode(False):  # written in place outside inference mode too
                 width = -(-self.max_row_slots // self.block_size)  # the most blocks a row's table holds
-                self._chain_buffers[key] = CycleBuffers(self, rows, depth, width, sampled)
+                self._chain_buffers[key] = CycleBuffers(self, rows, depth, width, variant)
         return self._chain_buffers[key]
 
     def lookahead(self, seq: Sequence, depth: int) -> int:
@@ -297,17 +302,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def start_cycle(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int,
-                    sampled: bool = False) -> CycleLaunch:
+                    variant: str = "greedy") -> CycleLaunch:
         """A cycle from the host's state (``greedy_cycle``'s contract, argmax drafts; the
         catch-up at most depth + 1 pairs), leaving the next cycle's inputs on the device.
-        sampled: rows may sample (exact rejection sampling of their drafts, all on the device;
-        their settings are written now, their noise drawn before each launch). The rows' tables
+        variant "sample" / "sample_top_k": rows may sample (exact rejection sampling of their
+        drafts, all on the device; their settings are written now, their noise drawn before
+        each launch). The rows' tables
         must cover ``lookahead`` (``CycleChain.reserve``)."""
-        b = self.cycle_buffers(len(seqs), depth, sampled)
-        if sampled:
+        b = self.cycle_buffers(len(seqs), depth, variant)
+        if variant != "greedy":
             b.sampler.write([s.params for s in seqs])
-        if self.graphs is not None and self.graphs.chained(len(seqs), depth, sampled) is not None:
-            return self.graphs.start_cycle(seqs, backlog, depth, sampled)
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth, variant) is not None:
+            return self.graphs.start_cycle(seqs, backlog, depth, variant)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values, dtype=torch.long), width)
         if backlog is not None:  # none at depth 0
@@ -315,25 +321,25 @@ class ModelRunner:
         return self._run_chained(b, seqs, depth)
 
     @torch.inference_mode()
-    def next_cycle(self, seqs: list[Sequence], depth: int, sampled: bool = False) -> CycleLaunch:
+    def next_cycle(self, seqs: list[Sequence], depth: int, variant: str = "greedy") -> CycleLaunch:
         """The cycle after the last one started over these rows, from its device-side inputs.
         As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``CycleChain.reserve``)."""
-        if self.graphs is not None and self.graphs.chained(len(seqs), depth, sampled) is not None:
-            return self.graphs.run_chained(seqs, depth, sampled)
-        return self._run_chained(self.cycle_buffers(len(seqs), depth, sampled), seqs, depth)
+        if self.graphs is not None and self.graphs.chained(len(seqs), depth, variant) is not None:
+            return self.graphs.run_chained(seqs, depth, variant)
+        return self._run_chained(self.cycle_buffers(len(seqs), depth, variant), seqs, depth)
 
-    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], sampled: bool = False) -> None:
+    def upload_tables(self, rows: int, depth: int, tables: list[list[int]], variant: str = "greedy") -> None:
         """Copy grown block tables into the chained cycles' inputs for these rows (the rest of
         the inputs stay as the last cycle wrote them)."""
-        if self.graphs is not None and self.graphs.chained(rows, depth, sampled) is not None:
-            self.graphs.upload_tables(rows, depth, tables, sampled)
+        if self.graphs is not None and self.graphs.chained(rows, depth, variant) is not None:
+            self.graphs.upload_tables(rows, depth, tables, variant)
         else:
-            self.cycle_buffers(rows, depth, sampled).set_tables(tables)
+            self.cycle_buffers(rows, depth, variant).set_tables(tables)
 
-    def can_chain(self, rows: int, depth: int, sampled: bool = False) -> bool:
+    def can_chain(self, rows: int, depth: int, variant: str = "greedy") -> bool:
         """Whether cycles over this many rows at this depth can chain: with CUDA graphs, where
         their cycle graph was captured; eagerly, always."""
-        return self.graphs.chained(rows, depth, sampled) is not None if self.graphs is not None else True
+        return self.graphs.chained(rows, depth, variant) is not None if self.graphs is not None else True
 
     @property
     def max_row_slots(self) -> int:
@@ -378,8 +384,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
-        sampler, uniforms, race = sampling
-        return hidden, logits, rejection_outcome(process_logits(logits, sampler), None, drafts, c.depths, uniforms, race)
+        sampler, uniforms, race, top_k = sampling
+        probs = process_logits(logits, sampler, top_k=top_k)
+        return hidden, logits, rejection_outcome(probs, None, drafts, c.depths, uniforms, race)
 
 
 class CycleBuffers:
@@ -389,7 +396,7 @@ class CycleBuffers:
     for the block-table columns in use). Nothing here is CUDA-specific: CPU tests run
     ``cycle_forward`` over these buffers to check the layout against the eager cycle."""
 
-    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int, sampled: bool = False):
+    def __init__(self, runner: ModelRunner, rows: int, depth: int, table_width: int, variant: str = "greedy"):
         dev, W = runner.device, depth + 1
         C = W if depth else 0  # depth 0 (an AR step) has no head catch-up
         self.runner, self.depth = runner, depth
@@ -407,12 +414,13 @@ class CycleBuffers:
         self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
         self.sampling = None
-        if sampled:  # the rows' settings, and their noise, drawn before each launch (draw_noise)
+        self.top_k = variant == "sample_top_k"  # only that variant sorts for top-k
+        if variant != "greedy":  # the rows' settings, and their noise, drawn before each launch (draw_noise)
             vocab = runner.model.config.vocab_size
             self.sampler = SamplerTensors(rows, dev)
             self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=dev)
             self.race = torch.ones(rows, vocab, dtype=torch.float32, device=dev)
-            self.sampling = (self.sampler, self.uniforms, self.race)
+            self.sampling = (self.sampler, self.uniforms, self.race, self.top_k)
 
     def draw_noise(self, seqs: list[Sequence]) -> None:
         """Each sampling row's noise for the cycle about to launch, from its own generator, in
