@@ -12,23 +12,16 @@ import pytest
 import torch
 
 from mtplx.engine.sampling import SamplerBatch, SamplingParams, logits_to_probs, make_generator, sample
-from tests.tiny_models import repeat_head, tiny_engine
+from tests.test_mtp_chained import PROMPTS, start
+from tests.test_mtp_chained import chained_engine as repeat_head_engine
+from tests.tiny_models import tiny_engine
 
-PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 8, 9, 10, 11, 40], list(range(20, 39))]
 
 
 def chained_engine():
-    engine, _ = tiny_engine("qwen3")
-    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    engine = repeat_head_engine()
     engine.generator.chain.enabled = True
     return engine
-
-
-def start(engine, prompt, **kw):
-    seq = engine.new_sequence(engine.make_request(prompt, **kw))
-    engine.generator.admit(seq)
-    engine.generator.prefill(seq)
-    return seq
 
 
 # -- the chain object ------------------------------------------------------------------------

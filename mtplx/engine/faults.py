@@ -19,35 +19,22 @@ FAULT_POINTS = ("admit", "prefill", "forward", "draft", "accept", "sample", "com
 
 
 class FaultyRunner:
-    """A runner whose forwards (trunk, head, whole cycles, chained or not) first call
-    ``hook("forward", seq)`` for each of their rows; everything else is the runner's own."""
+    """A runner whose forwards (``FORWARDS``: trunk, head, whole cycles, chained or not) first
+    call ``hook("forward", seq)`` for each of their rows; everything else is the runner's own."""
+
+    FORWARDS = ("trunk", "head_forward", "greedy_cycle", "start_cycle", "next_cycle")
 
     def __init__(self, runner, hook: FaultHook):
         self.runner, self.hook = runner, hook
 
     def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+        attr = getattr(self.runner, name)
+        if name not in self.FORWARDS:
+            return attr
 
-    def _forward(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self.hook("forward", seq)
+        def forward(seqs: list[Sequence], *args, **kwargs):
+            for seq in seqs:
+                self.hook("forward", seq)
+            return attr(seqs, *args, **kwargs)
 
-    def trunk(self, seqs, *args, **kwargs):
-        self._forward(seqs)
-        return self.runner.trunk(seqs, *args, **kwargs)
-
-    def head_forward(self, seqs, *args, **kwargs):
-        self._forward(seqs)
-        return self.runner.head_forward(seqs, *args, **kwargs)
-
-    def greedy_cycle(self, seqs, *args, **kwargs):
-        self._forward(seqs)
-        return self.runner.greedy_cycle(seqs, *args, **kwargs)
-
-    def start_cycle(self, seqs, *args, **kwargs):
-        self._forward(seqs)
-        return self.runner.start_cycle(seqs, *args, **kwargs)
-
-    def next_cycle(self, seqs, *args, **kwargs):
-        self._forward(seqs)
-        return self.runner.next_cycle(seqs, *args, **kwargs)
+        return forward
