@@ -174,14 +174,17 @@ SAMPLED = [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=1.0, top_k
            dict(temperature=0.0), dict(temperature=1.3, min_p=0.05, seed=3)]
 
 
-@pytest.mark.parametrize("depth", [0, 1, 3])
-def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth):
+@pytest.mark.parametrize("depth, mirror", [(0, False), (1, False), (3, False), (1, True), (3, True)])
+def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth, mirror):
     """Rows at temperature > 0 chain too: exact rejection sampling of their drafts (or, AR,
     their token's sample) runs on the device from noise each row draws from its own generator
-    just before the launch, in the host path's order. A seed gives the same tokens chained or
-    not, for rows of different settings (a greedy one among them) in one batch."""
+    just before the launch, in the host path's order; mirror rows (drafts sampled from the
+    head's distribution) draft there too. A seed gives the same tokens chained or not, for rows
+    of different settings (a greedy one among them) in one batch."""
     engine = chained_engine()
     mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+    if mirror:
+        mode["draft_policy"] = "mirror"
     prompts = PROMPTS + [PROMPTS[0]]
 
     def decode(chain: bool):

@@ -134,17 +134,19 @@ def test_chi_square_detects_a_wrong_distribution():
         assert_fits(samples, exact_distribution(hf, SamplingParams(temperature=0.5)))
 
 
-@pytest.mark.parametrize("depth,head", [(1, "random"), (3, "repeat")])
-def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head):
+@pytest.mark.parametrize("depth,head,policy", [(1, "random", "greedy"), (3, "repeat", "greedy"),
+                                               (2, "random", "mirror"), (3, "repeat", "mirror")])
+def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head, policy):
     """The chained path (the one a GPU runs): rows of two different samplers in one batch, each
-    row's drafts accepted by rejection sampling on the device from its own noise; each half of
-    the rows fits its own sampler's exact AR distribution."""
+    row's drafts (argmax, or under the mirror policy sampled from the head) accepted by
+    rejection sampling on the device from its own noise; each half of the rows fits its own
+    sampler's exact AR distribution."""
     engine, hf = _engine(head=head, kv_tokens_per_row=24)  # a chain holds three cycles' slots per row
     engine.generator.chain.enabled = True
     launches = []
     engine.generator.observers.append(lambda event, seq: launches.append(event == "chain_start"))
     samplers = [dict(temperature=1.0), dict(temperature=1.5, top_p=0.9, top_k=5)]
-    samples = sample_mtp(engine, N, depth, "greedy", samplers=samplers)
+    samples = sample_mtp(engine, N, depth, policy, samplers=samplers)
     assert any(launches)  # the rows decoded chained
     for i, sampler in enumerate(samplers):
         assert_fits(samples[i::2], exact_distribution(hf, SamplingParams(**sampler)))

@@ -37,7 +37,7 @@ class CycleChain:
 
     def takes(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether chaining is on and the runner can chain these rows at this depth."""
-        return self.enabled and self.runner.can_chain(len(seqs), depth, cycle_variant(seqs))
+        return self.enabled and self.runner.can_chain(len(seqs), depth, cycle_variant(seqs, depth))
 
     def continues(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
@@ -57,18 +57,18 @@ class CycleChain:
         except OutOfBlocks:
             return False
         if grown:
-            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], cycle_variant(seqs))
+            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], cycle_variant(seqs, depth))
         return True
 
     def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
         """Launch the first cycle from the host's state (``reserve`` first)."""
-        self.flight = self.runner.start_cycle(seqs, backlog, depth, cycle_variant(seqs))
+        self.flight = self.runner.start_cycle(seqs, backlog, depth, cycle_variant(seqs, depth))
 
     def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
         """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
         last = self.flight
-        following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs)) if self.reserve(seqs, last.depth) else None
+        following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs, last.depth)) if self.reserve(seqs, last.depth) else None
         self.flight = following
         return last, following is not None
 
@@ -93,11 +93,13 @@ class CycleChain:
         self.flight, self._released = None, set()
 
 
-def cycle_variant(seqs: list[Sequence]) -> str:
+def cycle_variant(seqs: list[Sequence], depth: int) -> str:
     """The rows' kind of chained cycle (``runner.CYCLE_VARIANTS``): "greedy" when every row is;
-    else "sample" (rejection sampling and the rows' noise on the device), "sample_top_k" when a
-    sampling row asks for top-k (its graph sorts the vocabulary for it)."""
-    sampling = [s.params for s in seqs if not s.params.greedy]
+    else "sample" (rejection sampling and the rows' noise on the device), "mirror" when a row
+    drafts from the head's distribution (a cycle with drafts), each "_top_k" when a sampling
+    row asks for top-k (its graph sorts the vocabulary for it)."""
+    sampling = [s for s in seqs if not s.params.greedy]
     if not sampling:
         return "greedy"
-    return "sample_top_k" if any(p.top_k for p in sampling) else "sample"
+    mirror = depth > 0 and any(s.draft_policy == "mirror" for s in sampling)
+    return ("mirror" if mirror else "sample") + ("_top_k" if any(s.params.top_k for s in sampling) else "")

@@ -226,8 +226,8 @@ class GraphCache:
                 self._graph("head", r, 1)
                 for d in depths:
                     self._cycle_graph(r, d)
-            for variant in CYCLE_VARIANTS[1:]:  # cycles whose rows may sample
-                for d in [0] + (depths if head else []):
+            for variant in CYCLE_VARIANTS[1:]:  # cycles whose rows may sample (mirror ones draft)
+                for d in ([] if variant.startswith("mirror") else [0]) + (depths if head else []):
                     self._cycle_graph(r, d, variant)
         for q in PREFILL_BUCKETS:
             self._graph("trunk", 1, q)

@@ -163,11 +163,10 @@ class Generator:
         # argmax drafts stay on the device: the cycle syncs with the host once (not with
         # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
         # needs them on the host); sampled rows too, their acceptance chained on the device
-        device = self.runner.states is None and all(
-            s.counts is None and (s.params.greedy or s.draft_policy == "greedy" or not depth) for s in seqs)
+        device = self.runner.states is None and all(s.counts is None for s in seqs)
         if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
-        on_device = device and depth > 0
+        on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
             self.kv.reserve(seq, seq.trunk_len + min(seq.depth, depth) + 1)
         t0 = time.perf_counter()

@@ -31,9 +31,11 @@ STATE_COMMIT_MODES = ("capture", "reforward")
 DEFAULT_STATE_COMMIT = "capture"
 
 
-# the kinds of chained cycle (each its own graph): every row greedy; rows may sample, none with
-# top-k (no sort for it); rows may sample, some with top-k
-CYCLE_VARIANTS = ("greedy", "sample", "sample_top_k")
+# the kinds of chained cycle (each its own graph): every row greedy; rows may sample, their
+# drafts the head's argmax ("sample") or, for rows of the mirror draft policy, sampled from the
+# head's distribution under the row's sampler ("mirror"); "_top_k": some row asks for top-k (the
+# graph sorts the vocabulary for it; the others skip that sort)
+CYCLE_VARIANTS = ("greedy", "sample", "sample_top_k", "mirror", "mirror_top_k")
 
 
 # a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
@@ -310,8 +312,8 @@ class ModelRunner:
         each launch). The rows' tables
         must cover ``lookahead`` (``CycleChain.reserve``)."""
         b = self.cycle_buffers(len(seqs), depth, variant)
-        if variant != "greedy":
-            b.sampler.write([s.params for s in seqs])
+        if b.sampling is not None:
+            b.sampling.write(seqs)
         if self.graphs is not None and self.graphs.chained(len(seqs), depth, variant) is not None:
             return self.graphs.start_cycle(seqs, backlog, depth, variant)
         values, width = b.values(seqs)
@@ -363,19 +365,23 @@ class ModelRunner:
         return hidden, logits, packed
 
     def cycle_forward(self, c: CycleInputs, backlog: torch.Tensor, depth: int,
-                      sampling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      sampling: CycleSampling | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``greedy_cycle``'s device work from prepared inputs (CUDA graphs capture this).
-        Depth 0 is an AR step: no head work, the outcome (0, next token). sampling: (the rows'
-        SamplerTensors, uniforms [R, >= depth], race [R, V]) for rows that may sample: the
-        verify's logits are processed per row and the drafts accepted by exact rejection
-        sampling from that noise (greedy rows' one-hot distributions give the greedy outcome);
-        None: greedy acceptance."""
-        tokens = []
+        Depth 0 is an AR step: no head work, the outcome (0, next token). sampling: for rows
+        that may sample, their settings and noise (``CycleSampling``): the verify's logits are
+        processed per row and the drafts accepted by exact rejection sampling from that noise
+        (greedy rows' one-hot distributions give the greedy outcome); mirror rows draft from the
+        head's processed distribution q, kept for their acceptance. None: greedy acceptance."""
+        tokens, draft_probs = [], []
         if depth:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
-            picks = self.model.compute_logits(h).argmax(-1)
+            head_logits = self.model.compute_logits(h)
+            picks = head_logits.argmax(-1)
+            if sampling is not None and sampling.mirror:
+                picks, q = sampling.draft(head_logits, picks, j)
+                draft_probs.append(q)
             tokens.append(picks)
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
@@ -384,9 +390,61 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
-        sampler, uniforms, race, top_k = sampling
-        probs = process_logits(logits, sampler, top_k=top_k)
-        return hidden, logits, rejection_outcome(probs, None, drafts, c.depths, uniforms, race)
+        probs = process_logits(logits, sampling.sampler, top_k=sampling.top_k)
+        q = torch.stack(draft_probs, dim=1) if draft_probs else None
+        return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
+
+
+class CycleSampling:
+    """What a chained cycle whose rows may sample reads besides its integers (static inputs of
+    its graph): the rows' sampler settings (written when the rows change), and the noise each
+    sampling row draws from its own generator before every launch (``draw``), in the order the
+    host path draws it: a mirror row's draft races depth by depth, then the uniforms of the
+    acceptance and the race of the emitted token (``speculative.draw_noise``). The same draws,
+    so a seed gives the same tokens chained or not."""
+
+    def __init__(self, rows: int, depth: int, vocab: int, variant: str, device: torch.device):
+        self.depth, self.top_k, self.mirror = depth, variant.endswith("top_k"), variant.startswith("mirror")
+        self.sampler = SamplerTensors(rows, device)
+        self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=device)
+        self.race = torch.ones(rows, vocab, dtype=torch.float32, device=device)
+        if self.mirror:
+            self.mirror_rows = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+            self.draft_race = torch.ones(rows, depth, vocab, dtype=torch.float32, device=device)
+
+    def write(self, seqs: list[Sequence]) -> None:
+        """These rows' settings (a bucket's padding rows are greedy)."""
+        self.sampler.write([s.params for s in seqs])
+        if self.mirror:
+            rows = [[_mirrors(s)] for s in seqs] + [[False]] * (self.mirror_rows.shape[0] - len(seqs))
+            self.mirror_rows.copy_(torch.tensor(rows), non_blocking=True)
+
+    def draw(self, seqs: list[Sequence]) -> None:
+        """Each sampling row's noise for the cycle about to launch. Queued on the stream after
+        the cycle before it, which read the last noise."""
+        for r, seq in enumerate(seqs):
+            if seq.params.greedy:
+                continue
+            n = min(seq.depth, self.depth)
+            if self.mirror and _mirrors(seq):
+                for j in range(n):
+                    self.draft_race[r, j].exponential_(generator=seq.generator)
+            draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
+
+    def draft(self, head_logits: torch.Tensor, argmax: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft j for every row from the head's logits [R, V]: a mirror row samples from its
+        processed distribution q (an exponential race); every other row keeps the argmax, its q
+        a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V])."""
+        q = process_logits(head_logits[:, None], self.sampler, top_k=self.top_k)[:, 0]
+        sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
+        picks = torch.where(self.mirror_rows[:, 0], sampled, argmax)
+        hot = torch.zeros_like(q).scatter_(1, picks[:, None], 1.0)
+        return picks, torch.where(self.mirror_rows, q, hot)
+
+
+def _mirrors(seq: Sequence) -> bool:
+    """Whether a row drafts from the head's distribution (the mirror policy at temperature > 0)."""
+    return not seq.params.greedy and seq.draft_policy == "mirror"
 
 
 class CycleBuffers:
@@ -414,25 +472,14 @@ class CycleBuffers:
         self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
         self.sampling = None
-        self.top_k = variant == "sample_top_k"  # only that variant sorts for top-k
-        if variant != "greedy":  # the rows' settings, and their noise, drawn before each launch (draw_noise)
-            vocab = runner.model.config.vocab_size
-            self.sampler = SamplerTensors(rows, dev)
-            self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=dev)
-            self.race = torch.ones(rows, vocab, dtype=torch.float32, device=dev)
-            self.sampling = (self.sampler, self.uniforms, self.race, self.top_k)
+        self.sampling = None  # rows that may sample: their settings and noise (CycleSampling)
+        if variant != "greedy":
+            self.sampling = CycleSampling(rows, depth, runner.model.config.vocab_size, variant, dev)
 
     def draw_noise(self, seqs: list[Sequence]) -> None:
-        """Each sampling row's noise for the cycle about to launch, from its own generator, in
-        the order the host path draws it (``speculative.draw_noise``): the same draws, so a seed
-        gives the same tokens chained or not. Queued on the stream after the cycle before it,
-        which read the last noise."""
-        if self.sampling is None:
-            return
-        for r, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                n = min(seq.depth, self.depth)
-                draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
+        """The sampling rows' noise for the cycle about to launch (``CycleSampling.draw``)."""
+        if self.sampling is not None:
+            self.sampling.draw(seqs)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
