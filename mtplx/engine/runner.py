@@ -80,7 +80,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, head: MTPHead | None, *, num_blocks: int, block_size: int = 16,
                  state_commit: str = DEFAULT_STATE_COMMIT):
         cfg = model.config
-        param = model.lm_head.weight
+        param = model.model.embed_tokens.weight  # lm_head may be quantized
         self.model, self.head = model, head
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size

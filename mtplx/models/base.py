@@ -63,6 +63,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] -> logits [..., vocab] float32."""
-        if gemv.usable(hidden, self.lm_head.weight):
+        if isinstance(self.lm_head, nn.Linear) and gemv.usable(hidden, self.lm_head.weight):
             return gemv.gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

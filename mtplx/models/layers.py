@@ -209,7 +209,8 @@ def fuse_projections(module: nn.Module) -> int:
     an earlier engine captured over the same model still read."""
     fused = 0
     for sub in module.modules():
-        if isinstance(sub, (Attention, MLP)) and not sub.training and not sub.is_fused:
+        if (isinstance(sub, (Attention, MLP)) and not sub.training and not sub.is_fused
+                and all(isinstance(m, (nn.Linear, RMSNorm)) for m in sub.children())):  # not quantized ones
             sub.fuse()
             fused += 1
     return fused
