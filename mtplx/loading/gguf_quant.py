@@ -31,6 +31,17 @@ REQUANTIZED = (Q.Q6_K,)
 SUPPORTED = EXACT + REQUANTIZED
 
 
+def runs_as(qtype: int) -> str:
+    """How a projection stored in ggml type ``qtype`` runs on the CPU: "int4 g32 (exact)",
+    "int8 g32 (re-quantized)", or "float" for the formats read as floats."""
+    qtype = Q(qtype)
+    if qtype in EXACT:
+        return f"int{4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8} g32 (exact)"
+    if qtype in REQUANTIZED:
+        return "int8 g32 (re-quantized)"
+    return "float" if qtype in (Q.F32, Q.F16, Q.BF16) else "float (dequantized)"
+
+
 def quantized_weight(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantizedWeight:
     """raw: the tensor's bytes (uint8, any shape); shape: [out, in] in torch order."""
     qtype = Q(qtype)
