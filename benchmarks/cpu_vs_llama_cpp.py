@@ -161,6 +161,7 @@ def main() -> None:
     llama_cpp, build_s = ensure_llama_cpp() if need_llama else (None, 0.0)
     path = default_model_path()
     engine = mtplx.load(None, device="cpu", depth=args.depth, kv_cache_tokens=args.long_prompt_tokens + 512)
+    engine_bf16 = mtplx.load(None, device="cpu", dtype="bfloat16", depth=args.depth, kv_cache_tokens=1024)
     llama = LlamaCpp(llama_cpp, path, args.threads, n_ctx=args.long_prompt_tokens + 512) if need_llama else None
     report = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
               "threads": args.threads, "torch": torch.__version__,
@@ -176,6 +177,9 @@ def main() -> None:
             "mtplx_ar_t0.7": lambda ids, s: mtplx_decode(engine, ids, args.tokens, "ar", 0.7, s),
             "mtplx_mtp_t0.7": lambda ids, s: mtplx_decode(engine, ids, args.tokens, "mtp", 0.7, s),
             "llama_cpp_t0.7": lambda ids, s: llama.decode(ids, args.tokens, 0.7),
+            # activations, KV cache and the MTP head in bf16 too (the weights are the same blocks)
+            "mtplx_ar_greedy_bf16": lambda ids, s: mtplx_decode(engine_bf16, ids, args.tokens, "ar", 0.0, s),
+            "mtplx_mtp_greedy_bf16": lambda ids, s: mtplx_decode(engine_bf16, ids, args.tokens, "mtp", 0.0, s),
         }
         prompts = [engine.encode_prompt([{"role": "user", "content": p}], chat=True) for p in PROMPTS]
         for fn in configs.values():  # warm-up
@@ -192,6 +196,8 @@ def main() -> None:
             v["x_llama_cpp_greedy"] = v["tok_s"] / llama_tok_s if llama_tok_s else None
         decode["mtp_greedy_x_ar"] = decode["mtplx_mtp_greedy"]["tok_s"] / decode["mtplx_ar_greedy"]["tok_s"]
         decode["mtp_t0.7_x_ar_t0.7"] = decode["mtplx_mtp_t0.7"]["tok_s"] / decode["mtplx_ar_t0.7"]["tok_s"]
+        decode["mtp_greedy_bf16_x_ar_bf16"] = (decode["mtplx_mtp_greedy_bf16"]["tok_s"]
+                                               / decode["mtplx_ar_greedy_bf16"]["tok_s"])
         decode["greedy_first_tokens_equal_llama_cpp"] = sum(
             a["token_ids"][:16] == b["token_ids"][:16] for a, b in zip(runs["mtplx_ar_greedy"], runs["llama_cpp_greedy"]))
         report["decode"] = decode
