@@ -105,12 +105,14 @@ def weight_traffic(engine, configs: dict) -> dict:
     """Bytes of linear-map weights read per generated token by each configuration, and that
     traffic as a share of the machine's measured memory read bandwidth (CPU). An AR step reads
     the trunk's weights once; an MTP cycle reads them once for its verify plus the head's layer
-    and the output matrix once per drafted token, and yields ``mean_acceptance_length`` tokens."""
+    and the drafts' output matrix once per drafted token, and yields ``mean_acceptance_length``
+    tokens."""
     from mtplx.models.quant import linear_weight_bytes
 
     model, head = engine.loaded.model, engine.loaded.head
-    trunk = linear_weight_bytes(model)
-    per_draft = (linear_weight_bytes(head) + linear_weight_bytes(model.lm_head)) if head is not None else 0
+    draft_out = model.draft_lm_head or model.lm_head  # the output matrix drafts read
+    trunk = linear_weight_bytes(model) - (linear_weight_bytes(model.draft_lm_head) if model.draft_lm_head else 0)
+    per_draft = (linear_weight_bytes(head) + linear_weight_bytes(draft_out)) if head is not None else 0
     bandwidth = memory_read_bandwidth() if engine.device.type == "cpu" else None
     out = {"trunk_bytes": trunk, "memory_read_gb_s": bandwidth, "configs": {}}
     for label, e in configs.items():

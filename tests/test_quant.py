@@ -154,9 +154,14 @@ def test_default_model_on_cpu_runs_quantized_and_the_head_stays_float(default_gg
     assert formats["model.layers.0.mlp.gate_up_proj"] == "int4 g32 (gguf Q4_1)"
     assert set(weight_formats(engine.loaded.head).values()) == {"float32"}
     # 4.5 bits per trunk weight (nibble + bf16 scale and offset per 32), 8.5 for the output matrix
-    assert linear_weight_bytes(engine.loaded.model) < 0.2 * 135e6 * 4
-    out = engine.generate("The capital of France is", max_tokens=8, mode="ar")
-    assert len(out.token_ids) == 8
+    model = engine.loaded.model
+    assert linear_weight_bytes(model) - linear_weight_bytes(model.draft_lm_head) < 0.2 * 135e6 * 4
+    assert formats["draft_lm_head"] == "int4 g32 (rtn)"  # drafts read half the output matrix's bytes
+    # the verify reads the exact output matrix: MTP's greedy output is AR's
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    ar = engine.generate(messages, chat=True, max_tokens=40, mode="ar", ignore_eos=True)
+    mtp = engine.generate(messages, chat=True, max_tokens=40, mode="mtp", depth=2, ignore_eos=True)
+    assert mtp.token_ids == ar.token_ids and mtp.stats["accepted_tokens"] > 0
 
 
 # --- --quantize on a 16-bit safetensors model --------------------------------------------------

@@ -442,7 +442,7 @@ class Generator:
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         depth = max(s.depth for s in seqs)
         for j in range(depth):
-            logits = self.runner.logits(h)
+            logits = self.runner.draft_logits(h)
             picks = []
             for r, seq in enumerate(seqs):
                 pick = None

@@ -217,6 +217,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_draft_logits(hidden)
+
+    @torch.inference_mode()
     def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
                      depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MTP cycle with argmax drafts, all on the device (no host sync): the head catches
@@ -342,7 +346,7 @@ class ModelRunner:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
-            picks = self.model.compute_logits(h).argmax(-1)
+            picks = self.model.compute_draft_logits(h).argmax(-1)
             tokens.append(picks)
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]

@@ -15,7 +15,7 @@ from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
-from mtplx.models.quant import QuantizedWeight, quantize_rtn
+from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_rtn
 
 QUANTIZE_CHOICES = (None, "none", "int4", "int8")
 QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
@@ -72,6 +72,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     if quantize in ("int4", "int8"):
         trunk_state = quantize_state(trunk_state, config, bits=int(quantize[3:]))
     model = materialize(build_model_on_meta(config), trunk_state, device, dtype, tied=config.tie_word_embeddings)
+    output = trunk_state.get("lm_head.weight")
 
     head_weights = native
     sidecar_dir = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
@@ -83,6 +84,9 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     head, head_info = None, {}
     if head_weights is not None:
         head = attach_head(model, head_weights, device, dtype)
+        if isinstance(output, QuantizedWeight) and output.bits == 8:
+            # drafts read the output matrix once more per drafted token: half the bytes in int4
+            model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device)
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
     return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info)
