@@ -59,13 +59,6 @@ class AttentionMetadata:
         return torch.arange(q_len, device=self.positions.device)[None, :] < self.query_lens[:, None]
 
 
-ROW_EXACT_QUERIES = 16  # decode, draft and verify forwards on the CPU take queries one by one
-
-
-def _one_query(meta: AttentionMetadata, i: int) -> AttentionMetadata:
-    return replace(meta, positions=meta.positions[:, i:i + 1], slot_mapping=meta.slot_mapping[:, i:i + 1])
-
-
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values into the pool.
@@ -101,23 +94,10 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     """
     rows, q_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
-    if not q.is_cuda and 1 < q_len <= ROW_EXACT_QUERIES:
-        # one query at a time, as an AR step computes it: SDPA's CPU kernel rounds differently
-        # for 1 and for several queries, and a verify must give each token the step's numbers
-        # (quantized models round activations to bf16, which turns those last-bit differences
-        # into different greedy tokens)
-        return torch.cat([paged_attention_reference(q[:, i:i + 1], k_pool, v_pool, _one_query(meta, i), scale)
-                          for i in range(q_len)], dim=1)
-    tables = meta.block_tables
-    if not q.is_cuda and q_len <= ROW_EXACT_QUERIES:
-        # keys past the last query are masked anyway: without them a query's numbers do not
-        # depend on how many blocks its forward's table holds (host read: no device to wait for)
-        length = int(meta.positions.max()) + 1
-        tables = tables[:, : -(-length // block_size)]
-    keys = k_pool[tables].reshape(rows, -1, kv_heads, head_dim)
-    values = v_pool[tables].reshape(rows, -1, kv_heads, head_dim)
-    if not q.is_cuda and q_len <= ROW_EXACT_QUERIES:
-        keys, values = keys[:, :length], values[:, :length]
+    if not q.is_cuda and rows == 1 and q_len <= ROW_EXACT_QUERIES:
+        return _one_row_by_query(q, k_pool, v_pool, meta, scale)
+    keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
+    values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)
     allowed = (key_idx.view(1, 1, -1) <= meta.positions.unsqueeze(-1)) & (key_idx >= meta.key_start)
     with sdpa_kernel(REFERENCE_BACKENDS) if q.is_cuda else nullcontext():
@@ -130,3 +110,25 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             enable_gqa=kv_heads != heads,
         )
     return out.transpose(1, 2)
+
+
+ROW_EXACT_QUERIES = 16  # one row's decode, draft and verify forwards on the CPU
+
+
+def _one_row_by_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` for one row of a few queries on the CPU: each query attends
+    exactly keys[key_start: its position + 1], alone. A verify then gives every token the
+    numbers an AR step gives it (SDPA's CPU kernel rounds differently for one and for several
+    queries, and over different key counts; a quantized model rounds activations to bf16, which
+    turns those last-bit differences into different greedy tokens). No mask is built."""
+    positions = meta.positions[0].tolist()  # host read: on the CPU there is no device to wait for
+    block_size = k_pool.shape[1]
+    table = meta.block_tables[0, : -(-(max(positions) + 1) // block_size)]
+    keys = k_pool[table].flatten(0, 1).transpose(0, 1)  # [kv_heads, keys, head_dim]
+    values = v_pool[table].flatten(0, 1).transpose(0, 1)
+    gqa = k_pool.shape[2] != q.shape[2]
+    outs = [F.scaled_dot_product_attention(q[0, i:i + 1].transpose(0, 1), keys[:, meta.key_start:p + 1],
+                                           values[:, meta.key_start:p + 1], scale=scale, enable_gqa=gqa)
+            for i, p in enumerate(positions)]
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0)
