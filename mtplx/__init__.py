@@ -16,7 +16,7 @@ def __getattr__(name):
 
 
 def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
-         kv_cache_tokens=16384, block_size=16):
+         kv_cache_tokens=16384, block_size=16, quantize=None):
     """Load a model and return an ``Engine``.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
@@ -27,6 +27,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
     decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
     ``depth`` is not given). head: a directory holding a forged ``mtp.safetensors``.
+    quantize: the trunk's linear weights: None (default) runs a GGUF file's own 4/8-bit blocks on
+    the CPU and float weights elsewhere; "none" dequantizes everything; "int4" / "int8" quantize
+    on load (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
     """
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint
@@ -39,7 +42,8 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
         model = default_model_path()
         head = head or default_head_dir()
-    loaded = load_checkpoint(model, device=dev, dtype=dt, head_dir=head, allow_unverified_head=allow_unverified_head)
+    loaded = load_checkpoint(model, device=dev, dtype=dt, head_dir=head, allow_unverified_head=allow_unverified_head,
+                             quantize=quantize)
     from mtplx.tuning import tuned
 
     choice = tuned(loaded, dev, dt)  # what `mtplx tune` saved for this model, device and dtype

@@ -72,6 +72,7 @@ def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int 
     ar = report["configs"]["ar"]["tok_s"]
     for label, entry in report["configs"].items():
         entry["speedup_vs_ar"] = entry["tok_s"] / ar if ar else None
+    report["weights"] = weight_traffic(engine, report["configs"])
     if sampling.get("temperature", 0.0) == 0.0 and engine.has_mtp:
         report["greedy_identical_to_ar"] = all(
             all(r["token_ids"] == a["token_ids"] for r, a in zip(runs[c.label], runs["ar"])) for c in configs)
@@ -100,6 +101,40 @@ def summarize(runs: list[dict], config: Config) -> dict:
     return out
 
 
+def weight_traffic(engine, configs: dict) -> dict:
+    """Bytes of linear-map weights read per generated token by each configuration, and that
+    traffic as a share of the machine's measured memory read bandwidth (CPU). An AR step reads
+    the trunk's weights once; an MTP cycle reads them once for its verify plus the head's layer
+    and the drafts' output matrix once per drafted token, and yields ``mean_acceptance_length``
+    tokens."""
+    from mtplx.models.quant import linear_weight_bytes
+
+    model, head = engine.loaded.model, engine.loaded.head
+    draft_out = model.draft_lm_head or model.lm_head  # the output matrix drafts read
+    trunk = linear_weight_bytes(model) - (linear_weight_bytes(model.draft_lm_head) if model.draft_lm_head else 0)
+    per_draft = (linear_weight_bytes(head) + linear_weight_bytes(draft_out)) if head is not None else 0
+    bandwidth = memory_read_bandwidth() if engine.device.type == "cpu" else None
+    out = {"trunk_bytes": trunk, "memory_read_gb_s": bandwidth, "configs": {}}
+    for label, e in configs.items():
+        per_token = trunk if e["mode"] == "ar" else (trunk + e["depth"] * per_draft) / (e["mean_acceptance_length"] or 1)
+        gb_s = per_token * e["tok_s"] / 1e9
+        out["configs"][label] = {"bytes_per_token": round(per_token), "weight_gb_s": gb_s,
+                                 "bandwidth_share": gb_s / bandwidth if bandwidth else None}
+    return out
+
+
+def memory_read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """GB/s of a sum over a buffer far larger than the caches, with the current thread count
+    (best of three)."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def machine_info(engine) -> dict:
     info = {"date": time.strftime("%Y-%m-%d"), "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
@@ -110,9 +145,18 @@ def machine_info(engine) -> dict:
 
 
 def render_table(report: dict) -> str:
-    rows = [f"{'config':<8} {'tok/s':>8} {'x AR':>6} {'accept len':>10}  acceptance by depth"]
+    traffic = report.get("weights", {}).get("configs", {})
+    rows = [f"{'config':<8} {'tok/s':>8} {'x AR':>6} {'accept len':>10} {'MB/token':>9} {'GB/s':>6} {'of bw':>6}"
+            "  acceptance by depth"]
     for label, e in report["configs"].items():
         mal = f"{e['mean_acceptance_length']:.2f}" if e.get("mean_acceptance_length") else "-"
         by = "/".join(f"{a:.2f}" for a in e.get("acceptance_by_depth", [])) or "-"
-        rows.append(f"{label:<8} {e['tok_s']:>8.1f} {e['speedup_vs_ar']:>6.2f} {mal:>10}  {by}")
+        t = traffic.get(label, {})
+        mb = f"{t['bytes_per_token'] / 1e6:.1f}" if t else "-"
+        gbs = f"{t['weight_gb_s']:.1f}" if t else "-"
+        share = f"{t['bandwidth_share']:.0%}" if t.get("bandwidth_share") is not None else "-"
+        rows.append(f"{label:<8} {e['tok_s']:>8.1f} {e['speedup_vs_ar']:>6.2f} {mal:>10} {mb:>9} {gbs:>6} {share:>6}  {by}")
+    bw = report.get("weights", {}).get("memory_read_gb_s")
+    if bw:
+        rows.append(f"(weights read per token; memory read bandwidth measured at {bw:.1f} GB/s)")
     return "\n".join(rows)

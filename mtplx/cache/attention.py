@@ -94,6 +94,8 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     """
     rows, q_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
+    if not q.is_cuda and rows == 1 and q_len <= ROW_EXACT_QUERIES:
+        return _one_row_by_query(q, k_pool, v_pool, meta, scale)
     keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)
@@ -108,3 +110,25 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             enable_gqa=kv_heads != heads,
         )
     return out.transpose(1, 2)
+
+
+ROW_EXACT_QUERIES = 16  # one row's decode, draft and verify forwards on the CPU
+
+
+def _one_row_by_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` for one row of a few queries on the CPU: each query attends
+    exactly keys[key_start: its position + 1], alone. A verify then gives every token the
+    numbers an AR step gives it (SDPA's CPU kernel rounds differently for one and for several
+    queries, and over different key counts; a quantized model rounds activations to bf16, which
+    turns those last-bit differences into different greedy tokens). No mask is built."""
+    positions = meta.positions[0].tolist()  # host read: on the CPU there is no device to wait for
+    block_size = k_pool.shape[1]
+    table = meta.block_tables[0, : -(-(max(positions) + 1) // block_size)]
+    keys = k_pool[table].flatten(0, 1).transpose(0, 1)  # [kv_heads, keys, head_dim]
+    values = v_pool[table].flatten(0, 1).transpose(0, 1)
+    gqa = k_pool.shape[2] != q.shape[2]
+    outs = [F.scaled_dot_product_attention(q[0, i:i + 1].transpose(0, 1), keys[:, meta.key_start:p + 1],
+                                           values[:, meta.key_start:p + 1], scale=scale, enable_gqa=gqa)
+            for i, p in enumerate(positions)]
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0)

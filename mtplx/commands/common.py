@@ -12,13 +12,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="attach a head trained against different trunk weights, labelled unverified")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--quantize", default=None, choices=("none", "int4", "int8"),
+                   help="trunk linear weights: int4/int8 quantize on load; none: all float (default: a GGUF "
+                        "file's own quantized blocks on the CPU, float otherwise)")
 
 
 def load_engine(args, depth=None):
     import mtplx
 
     return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
-                      allow_unverified_head=args.allow_unverified_head)
+                      allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None))
 
 
 # a token-id prompt suite for models without a tokenizer

@@ -48,6 +48,8 @@ def _render(info: dict) -> str:
         lines.append(line)
     if info.get("prefix_cache", {}).get("enabled") is False:
         lines.append(f"prefix cache: off ({info['prefix_cache']['reason']})")
+    for row in info.get("weights", []):
+        lines.append(f"weights:      {row['names']}: {row['stored']} -> {row['runs_as']}")
     mtp = info.get("mtp")
     if mtp:
         lines.append(f"mtp head:     {mtp['layout']} ({mtp['source']}), {mtp['layers']} layer(s), "

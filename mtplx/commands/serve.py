@@ -22,7 +22,7 @@ MIB = 1024 * 1024
 
 # flags that are also config keys (the flag wins when given)
 CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "host", "port", "max_active_requests",
-                "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "api_key")
+                "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "quantize", "api_key")
 
 
 def add_parser(sub) -> None:
@@ -90,7 +90,7 @@ def run(args) -> int:
 
     with sock:
         engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
-                            allow_unverified_head=args.allow_unverified_head)
+                            allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize)
         scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,

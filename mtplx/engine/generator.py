@@ -334,7 +334,7 @@ class Generator:
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         for j in range(depth):
-            logits = self._penalised_rows(seqs, self.runner.logits(h), drafts)
+            logits = self._penalised_rows(seqs, self.runner.draft_logits(h), drafts)
             q = sampler.probs(logits) if any(mirror) else None
             picks = []
             for r, seq in enumerate(seqs):

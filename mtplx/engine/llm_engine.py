@@ -66,8 +66,8 @@ class Engine:
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.device = loaded.model.lm_head.weight.device
-        self.dtype = loaded.model.lm_head.weight.dtype
+        self.device = loaded.model.model.embed_tokens.weight.device  # lm_head may be quantized
+        self.dtype = loaded.model.model.embed_tokens.weight.dtype
         num_blocks = max(2, -(-kv_cache_tokens // block_size))
         if self.device.type == "cuda":  # fewer, larger matmuls per step
             fuse_projections(loaded.model)

@@ -89,7 +89,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, head: MTPHead | None, *, num_blocks: int, block_size: int = 16,
                  state_commit: str = DEFAULT_STATE_COMMIT):
         cfg = model.config
-        param = model.lm_head.weight
+        param = model.model.embed_tokens.weight  # lm_head may be quantized
         self.model, self.head = model, head
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
@@ -232,6 +232,10 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_draft_logits(hidden)
 
     @torch.inference_mode()
     def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
@@ -377,7 +381,7 @@ class ModelRunner:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
-            head_logits = self.model.compute_logits(h)
+            head_logits = self.model.compute_draft_logits(h)
             picks = head_logits.argmax(-1)
             if sampling is not None and sampling.mirror:
                 picks, q = sampling.draft(head_logits, picks, j)

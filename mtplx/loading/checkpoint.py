@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from mtplx.errors import ModelLoadError
+from mtplx.errors import InvalidParameter, ModelLoadError
 from mtplx.loading import hf_dir
 from mtplx.loading.mtp_weights import extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
 from mtplx.loading.text_weights import text_model_state
@@ -15,6 +15,10 @@ from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
+from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_rtn
+
+QUANTIZE_CHOICES = (None, "none", "int4", "int8")
+QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
 
 
 @dataclass
@@ -29,17 +33,24 @@ class LoadedModel:
 
 
 def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
-                    head_dir: str | Path | None = None, allow_unverified_head: bool = False) -> LoadedModel:
+                    head_dir: str | Path | None = None, allow_unverified_head: bool = False,
+                    quantize: str | None = None) -> LoadedModel:
     """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
 
-    A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``)."""
+    A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
+    quantize: the trunk's linear weights (the MTP head's stay in ``dtype``):
+    None: a GGUF file's own quantized blocks on the CPU (models/quant.py), float elsewhere;
+    "none": all float; "int4" / "int8": round-to-nearest with groups of 32 inputs."""
     path = Path(path).expanduser()
+    if quantize not in QUANTIZE_CHOICES:
+        raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist (give a Hugging Face directory or a .gguf file)")
     if path.is_file() and path.suffix == ".gguf":
         from mtplx.loading.gguf_file import load_gguf
 
-        cfg_dict, state, metadata = load_gguf(path, dtype=dtype)
+        native = quantize is None and torch.device(device).type == "cpu"
+        cfg_dict, state, metadata = load_gguf(path, dtype=dtype, quantized=native)
         config = ModelConfig.from_hf(cfg_dict)
         tokenizer = Tokenizer.from_gguf(path, metadata)
         gen_defaults = {}
@@ -58,7 +69,10 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
 
     native = extract_native_head(state, config)
     trunk_state = {k: v for k, v in state.items() if not is_head_key(k, config)}
+    if quantize in ("int4", "int8"):
+        trunk_state = quantize_state(trunk_state, config, bits=int(quantize[3:]))
     model = materialize(build_model_on_meta(config), trunk_state, device, dtype, tied=config.tie_word_embeddings)
+    output = trunk_state.get("lm_head.weight")
 
     head_weights = native
     sidecar_dir = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
@@ -70,6 +84,9 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     head, head_info = None, {}
     if head_weights is not None:
         head = attach_head(model, head_weights, device, dtype)
+        if isinstance(output, QuantizedWeight) and output.bits == 8:
+            # drafts read the output matrix once more per drafted token: half the bytes in int4
+            model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device)
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
     return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info)
@@ -79,3 +96,21 @@ def _as_list(x) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def quantize_state(state: dict, config: ModelConfig, bits: int) -> dict:
+    """The trunk's projection and output weights (a tied embedding: as the output matrix) as
+    round-to-nearest ``QuantizedWeight``s; embeddings, norms and biases are left as they are.
+    A weight whose inputs are not a whole number of groups stays float."""
+    out = dict(state)
+    for name, tensor in state.items():
+        if isinstance(tensor, QuantizedWeight):
+            tensor = tensor.dequantize()  # a GGUF block weight re-quantized to the asked format
+        elif not (name.endswith("_proj.weight") or name == "lm_head.weight") or tensor.dim() != 2:
+            continue
+        if tensor.shape[1] % QUANTIZE_GROUP == 0:
+            out[name] = quantize_rtn(tensor, bits, QUANTIZE_GROUP)
+    embed = state.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and embed is not None and embed.shape[1] % QUANTIZE_GROUP == 0:
+        out["lm_head.weight"] = quantize_rtn(embed, bits, QUANTIZE_GROUP)
+    return out

@@ -30,6 +30,7 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
         return {**info, "tier": "unsupported", "reason": str(exc),
                 "supported_architectures": sorted(SUPPORTED_MODEL_TYPES)}
     trunk = {k: s for k, s in shapes.items() if not is_head_key(k, config)}
+    info["weights"] = _weight_formats(path, config)
     info["layer_mix"] = config.layer_mix()
     info["prefix_cache"] = ({"enabled": False, "reason": HYBRID_PREFIX_CACHE_REASON} if config.is_hybrid
                             else {"enabled": True})
@@ -92,3 +93,70 @@ def _dir_meta(path: Path) -> tuple[dict, dict]:
         except Exception as exc:  # safetensors raises several types for corrupt headers
             raise ModelLoadError(f"safetensors file {file} is truncated or corrupt: {exc}") from exc
     return cfg, shapes
+
+
+def _weight_formats(path: Path, config: ModelConfig) -> list[dict]:
+    """Each trunk linear map's stored format and what it runs as on the CPU by default, grouped:
+    [{"names": "layers 0-29: q,k,v,o,gate,up,down", "stored": "Q4_1", "runs_as": "int4 g32 (exact)"}]."""
+    per_tensor = _gguf_formats(path) if path.is_file() else _safetensors_formats(path)
+    rows: dict[tuple[str, str, str], list[int]] = {}
+    for name, (stored, runs) in per_tensor.items():
+        if is_head_key(name, config):
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and name.endswith("_proj.weight"):
+            key = (parts[-2].removesuffix("_proj"), stored, runs)
+            rows.setdefault(key, []).append(int(parts[2]))
+        elif name == "lm_head.weight":
+            rows.setdefault(("lm_head", stored, runs), [])
+    grouped: dict[tuple, list[str]] = {}
+    for (short, stored, runs), layers in rows.items():
+        grouped.setdefault((_span(layers), stored, runs), []).append(short)
+    return [{"names": f"{span}: {','.join(names)}" if span else ",".join(names), "stored": stored, "runs_as": runs}
+            for (span, stored, runs), names in grouped.items()]
+
+
+def _span(layers: list[int]) -> str:
+    if not layers:
+        return ""
+    layers = sorted(set(layers))
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+    return "layers " + ",".join(map(str, layers))
+
+
+def _gguf_formats(path: Path) -> dict[str, tuple[str, str]]:
+    from gguf import GGMLQuantizationType
+
+    from mtplx.loading.gguf_file import hf_tensor_name, read_gguf_header
+    from mtplx.loading.gguf_quant import runs_as
+
+    header = read_gguf_header(path)
+    names = {t.name for t in header.tensors}
+    out = {}
+    for t in header.tensors:
+        if t.name == "token_embd.weight" and "output.weight" not in names:
+            name = "lm_head.weight"  # a tied embedding is also the output matrix
+        else:
+            try:
+                name = hf_tensor_name(t.name, path)
+            except UnsupportedModel:
+                continue
+        if len(t.shape) == 2:
+            runs = runs_as(t.ggml_type) if t.shape[1] % 32 == 0 else "float (dequantized)"
+            out[name] = (GGMLQuantizationType(t.ggml_type).name, runs)
+    return out
+
+
+def _safetensors_formats(path: Path) -> dict[str, tuple[str, str]]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        if file.name == SIDECAR_WEIGHTS:
+            continue
+        with safe_open(file, framework="pt") as f:
+            for k in f.keys():
+                dtype = str(f.get_slice(k).get_dtype()).lower()
+                out[k] = (dtype, "float (--quantize int4|int8 to quantize on load)")
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

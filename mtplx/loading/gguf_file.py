@@ -79,13 +79,17 @@ class GGUFHeader:
     file_size: int
 
 
-def load_gguf(path: Path, *, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], dict]:
+def load_gguf(path: Path, *, dtype: torch.dtype, quantized: bool = False) -> tuple[dict, dict, dict]:
     """Load a llama/qwen2/qwen3 GGUF file.
 
     Returns ``(config, state_dict, metadata)``:
     - ``config``: HF-style config dict (``model_type``, ``hidden_size``, ...).
     - ``state_dict``: HF tensor names (``model.layers.0.self_attn.q_proj.weight``), every tensor
-      dequantised to ``dtype``; Linear weights are ``[out_features, in_features]``.
+      dequantised to ``dtype``; Linear weights are ``[out_features, in_features]``. With
+      ``quantized``, the projection and output weights stored in a format loading/gguf_quant.py
+      reads are ``QuantizedWeight``s instead (their blocks repacked, no float weight made); a
+      tied embedding is then both a float ``model.embed_tokens.weight`` (for the lookup) and a
+      quantized ``lm_head.weight``.
     - ``metadata``: the raw GGUF key/value fields (tokenizer vocabulary included, so a tokenizer
       can be built without re-reading the file), plus ``rope_freqs`` (float32 ``[head_dim // 2]``)
       when the file carries llama.cpp's rope-frequency factors.
@@ -101,13 +105,37 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> tuple[dict, dict[str, torch.
     state_dict: dict[str, torch.Tensor] = {}
     metadata = dict(header.metadata)
     for info in header.tensors:
+        name = hf_names.get(info.name)
+        if quantized and _keeps_quantized(info, name, config):
+            qw = _read_quantized(data, header, info)
+            qw.q, qw.scale, qw.zero = (_to_hf_layout(t, name, config) for t in (qw.q, qw.scale, qw.zero))
+            state_dict["lm_head.weight" if info.name == "token_embd.weight" else name] = qw
+            if info.name != "token_embd.weight":
+                continue
         tensor = _read_tensor(data, header, info)
-        if info.name in hf_names:
-            name = hf_names[info.name]
+        if name is not None:
             state_dict[name] = _to_hf_layout(tensor, name, config).to(dtype)
         else:
             metadata[_DERIVED_TENSORS[info.name]] = tensor
     return config, state_dict, metadata
+
+
+def _keeps_quantized(info: TensorInfo, hf_name: str | None, config: dict) -> bool:
+    """Projection weights (and the output matrix, or a tied embedding as the output matrix) in a
+    block format with whole groups of 32 inputs."""
+    from mtplx.loading.gguf_quant import SUPPORTED
+
+    if hf_name is None or len(info.shape) != 2 or info.shape[1] % 32 or info.ggml_type not in SUPPORTED:
+        return False
+    tied_embedding = info.name == "token_embd.weight" and config["tie_word_embeddings"]
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight" or tied_embedding
+
+
+def _read_quantized(data: np.ndarray, header: GGUFHeader, info: TensorInfo):
+    from mtplx.loading.gguf_quant import quantized_weight
+
+    start = header.data_start + info.offset
+    return quantized_weight(data[start : start + info.nbytes], info.ggml_type, info.shape)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:

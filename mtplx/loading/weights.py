@@ -9,8 +9,9 @@ from mtplx.errors import ModelLoadError
 from mtplx.loading.mtp_weights import HeadWeights
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
-from mtplx.models.layers import rope_inv_freq
+from mtplx.models.layers import MLP, Attention, rope_inv_freq
 from mtplx.models.mtp import MTPHead
+from mtplx.models.quant import QuantizedWeight, QuantLinear
 from mtplx.models.registry import build_model
 
 
@@ -25,11 +26,15 @@ def attach_head(model: CausalLM, weights: HeadWeights, device, dtype) -> MTPHead
     return materialize(head, weights.state_dict, device, dtype, tied=False, what="MTP head")
 
 
-def materialize(module: nn.Module, state: dict[str, torch.Tensor], device, dtype, *, tied: bool,
+def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,
                 what: str = "model") -> nn.Module:
     """Move a meta-device module onto ``device`` with the checkpoint's tensors, checking every
-    name and shape. Extra checkpoint tensors are ignored; missing or misshapen ones are errors."""
-    module = module.to_empty(device=device).to(dtype)
+    name and shape. Extra checkpoint tensors are ignored; missing or misshapen ones are errors.
+    A ``QuantizedWeight`` in ``state`` turns its Linear into a ``QuantLinear`` (no float copy of
+    that weight is ever allocated)."""
+    module = module.to(dtype)  # still on meta: only the dtypes change
+    quantized = _fuse_quantized(module, _take_quantized_linears(module, state, what))
+    module = module.to_empty(device=device)
     expected = module.state_dict()
     for name, target in expected.items():
         if name == "lm_head.weight" and tied:
@@ -42,9 +47,56 @@ def materialize(module: nn.Module, state: dict[str, torch.Tensor], device, dtype
                 f"{what} tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(tensor)
+    for name, (qw, bias) in quantized.items():
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child,
+                QuantLinear(qw, None if bias is None else bias.to(dtype), device=device))
     if isinstance(module, CausalLM):
-        if tied:
+        if tied and "lm_head" not in quantized:
             module.lm_head.weight = module.model.embed_tokens.weight
         module.rotary.inv_freq = rope_inv_freq(module.config).to(device)
     module.requires_grad_(False)  # inference weights; forge re-enables the head's
     return module.eval()
+
+
+def _take_quantized_linears(module: nn.Module, state: dict, what: str) -> dict:
+    """For each ``QuantizedWeight`` in ``state``: check it against its (meta) Linear, and put an
+    empty placeholder in the Linear's place. Returns {module name: (weight, bias or None)}."""
+    out = {}
+    for key, qw in state.items():
+        if not isinstance(qw, QuantizedWeight):
+            continue
+        name = key.removesuffix(".weight")
+        linear = module.get_submodule(name)
+        if tuple(qw.shape) != tuple(linear.weight.shape):
+            raise ModelLoadError(f"{what} tensor {key!r} has shape {qw.shape}, expected {tuple(linear.weight.shape)}")
+        bias = state.get(name + ".bias")
+        if (bias is None) != (linear.bias is None):
+            raise ModelLoadError(f"{what} tensor {name + '.bias'!r} is {'missing' if bias is None else 'unexpected'}")
+        out[name] = (qw, bias)
+        module.set_submodule(name, nn.Identity())
+    return out
+
+
+_FUSED = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"), (MLP, ("gate_proj", "up_proj"), "gate_up_proj"))
+
+
+def _fuse_quantized(module: nn.Module, quantized: dict) -> dict:
+    """Quantized q/k/v (and gate/up) of one block with the same format become one matrix, one
+    kernel call instead of three (two): on the CPU each call costs tens of microseconds."""
+    for name, sub in list(module.named_modules()):
+        for kind, parts, target in _FUSED:
+            keys = [f"{name}.{p}" for p in parts]
+            if type(sub) is not kind or not all(k in quantized for k in keys):
+                continue
+            weights, biases = zip(*(quantized[k] for k in keys))
+            if len({(w.bits, w.group_size) for w in weights}) > 1 or len({b is None for b in biases}) > 1:
+                continue
+            fused = QuantizedWeight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
+                                    torch.cat([w.zero for w in weights]), weights[0].bits, weights[0].group_size,
+                                    " + ".join(sorted({w.source for w in weights})))
+            quantized[f"{name}.{target}"] = (fused, None if biases[0] is None else torch.cat(biases))
+            for key, part in zip(keys, parts):
+                del quantized[key]
+                setattr(sub, part, None)
+    return quantized

@@ -37,6 +37,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # a cheaper copy of lm_head that only picks MTP drafts (loading/checkpoint.py sets it)
+        self.draft_lm_head: nn.Module | None = None
 
     @staticmethod
     def make_attention(config: ModelConfig) -> Attention:
@@ -63,6 +65,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] -> logits [..., vocab] float32."""
-        if gemv.usable(hidden, self.lm_head.weight):
+        if isinstance(self.lm_head, nn.Linear) and gemv.usable(hidden, self.lm_head.weight):
             return gemv.gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits an MTP draft is chosen from: through ``draft_lm_head`` where there is one (fewer
+        bytes to read per draft), else ``compute_logits``. Only drafts use it and the verify reads
+        ``lm_head``, so outputs stay exact (a sampled draft's q is these logits' distribution)."""
+        if self.draft_lm_head is None:
+            return self.compute_logits(hidden)
+        return self.draft_lm_head(hidden).float()

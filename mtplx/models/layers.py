@@ -107,8 +107,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # quantized gate and up as one matrix (loading/weights.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         if self.is_fused:
             gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
             if fused.usable(gate_up):
@@ -137,6 +141,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.heads * d, h, bias=o_bias)
+        self.qkv_proj: nn.Module | None = None  # quantized q, k and v as one matrix (loading/weights.py)
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -146,7 +151,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
-        if self.is_fused:
+        if self.qkv_proj is not None:
+            q, k, v = self.split_qkv(self.qkv_proj(x))
+        elif self.is_fused:
             q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -209,7 +216,8 @@ def fuse_projections(module: nn.Module) -> int:
     an earlier engine captured over the same model still read."""
     fused = 0
     for sub in module.modules():
-        if isinstance(sub, (Attention, MLP)) and not sub.training and not sub.is_fused:
+        if (isinstance(sub, (Attention, MLP)) and not sub.training and not sub.is_fused
+                and all(isinstance(m, (nn.Linear, RMSNorm)) for m in sub.children())):  # not quantized ones
             sub.fuse()
             fused += 1
     return fused

@@ -1,0 +1,214 @@
+"""Weight-only quantized linear layers: int4 and int8 weights with group-wise scales.
+
+A quantized weight [out, in] is integers ``q`` with one scale and one offset per group of
+``group_size`` consecutive inputs of a row:
+
+    w[n, k] = q[n, k] * scale[n, k // g] + zero[n, k // g]       q: int4 in [-8, 7] or int8
+
+which holds GGUF's block formats exactly (Q4_0: zero 0; Q4_1 / Q4_K: zero = the block's min)
+and round-to-nearest quantization of a 16-bit checkpoint (``quantize_rtn``).
+
+Backends (``QuantLinear.forward``):
+
+- CPU: PyTorch's packed int4 kernel (``aten._weight_int4pack_mm_for_cpu``, bf16 activations and
+  scales, fp32 accumulation). An int8 weight runs through the same kernel as two int4 planes,
+  ``q = 16 * hi + lo`` (hi in [-8, 7], lo in [0, 15]), laid side by side along the input axis,
+  which is exact and reads the same 1 byte per weight: measured faster on this project's CPU
+  than ``aten._weight_int8pack_mm`` (per-channel scales only) and than an inductor-compiled
+  dequantize-and-reduce (docs/performance.md, "Quantized weights").
+- Anywhere else: dequantize-then-matmul in the activation dtype (correct, not fast: the CUDA
+  kernels are not written yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMATS = ("int4", "int8")
+GROUP_SIZES = (32, 64, 128, 256)  # what the packed CPU kernel takes
+_PACK_ROWS = 16  # the packed CPU kernel wants out_features a multiple of this
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight in the portable quantized form (what loaders produce, before packing).
+
+    q: [out, in] int8 (int4 values in [-8, 7]); scale, zero: [out, in // group_size] float32;
+    source: where the values came from ("gguf Q4_1", "rtn"), shown by ``mtplx inspect``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    source: str = "rtn"
+
+    def __post_init__(self):
+        out, inp = self.q.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if inp % self.group_size:
+            raise ValueError(f"in_features {inp} is not a multiple of group_size {self.group_size}")
+        groups = (out, inp // self.group_size)
+        if tuple(self.scale.shape) != groups or tuple(self.zero.shape) != groups:
+            raise ValueError(f"scale/zero must be {groups}, got {tuple(self.scale.shape)} / {tuple(self.zero.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] these integers and scales stand for."""
+        g = self.group_size
+        return (self.q.float().unflatten(1, (-1, g)) * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).flatten(1)
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = 32) -> QuantizedWeight:
+    """Round-to-nearest, symmetric (zero = 0), one scale per group of ``group_size`` inputs.
+    weight: [out, in] any float dtype."""
+    out, inp = weight.shape
+    if inp % group_size:
+        raise ValueError(f"in_features {inp} is not a multiple of group_size {group_size}")
+    w = weight.detach().float().reshape(out, inp // group_size, group_size)
+    qmax = 7 if bits == 4 else 127
+    scale = w.abs().amax(-1) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale.unsqueeze(-1)).clamp_(-qmax - 1, qmax).to(torch.int8).reshape(out, inp)
+    return QuantizedWeight(q, scale, torch.zeros_like(scale), bits, group_size, "rtn")
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` with a quantized weight (see the module docstring). Inference only.
+
+    Holds the packed weight for its device's backend; ``dequantize()`` gives the float weight."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None):
+        super().__init__()
+        device = torch.device(device or "cpu")
+        self.out_features, self.in_features = qw.shape
+        self.bits, self.group_size, self.source = qw.bits, qw.group_size, qw.source
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
+        if device.type == "cpu":
+            packed, scales_zeros = _pack_cpu(qw)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+            self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
+        else:
+            self.register_buffer("q", qw.q.to(device), persistent=False)
+            self.register_buffer("scale", qw.scale.to(device), persistent=False)
+            self.register_buffer("zero", qw.zero.to(device), persistent=False)
+
+    @property
+    def format(self) -> str:
+        """``int4 g32 (gguf Q4_1)``: what ``mtplx inspect`` prints."""
+        return f"int{self.bits} g{self.group_size} ({self.source})"
+
+    def weight_bytes(self) -> int:
+        """Bytes one forward reads for the weight: integers, scales and offsets."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out] in x's dtype."""
+        if hasattr(self, "packed"):
+            out = self._forward_cpu(x)
+        else:
+            out = F.linear(x, self.dequantize().to(x.dtype))
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        a = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.bits == 8:  # the two planes read the same activations
+            a = torch.cat((a, a), dim=1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group_size, self.scales_zeros)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] the kernel computes with (bf16-rounded scales on the CPU)."""
+        if hasattr(self, "q"):
+            return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
+        n, k, g = self.out_features, self.in_features, self.group_size
+        rows = self.scales_zeros.shape[1]
+        u = _unpack_cpu(self.packed, rows, self._kernel_k)
+        sz = self.scales_zeros.float()
+        planes = (u - 8).unflatten(1, (-1, g)) * sz[..., 0].T.unsqueeze(-1) + sz[..., 1].T.unsqueeze(-1)
+        planes = planes.flatten(1)[:n]
+        return planes[:, :k] + planes[:, k:] if self.bits == 8 else planes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
+
+
+def _pack_cpu(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 weight, scales_and_zeros [groups, out_padded, 2] bf16) for the int4 kernel,
+    whose dequantization is ``(u - 8) * scale + zero`` with u the stored nibble in [0, 15]."""
+    q, scale, zero = qw.q.to(torch.int32), qw.scale.float(), qw.zero.float()
+    if qw.bits == 8:  # q = 16 * hi + lo: hi in [-8, 7] (scale 16 s, the offset z), lo in [0, 15] (scale s, offset 8 s)
+        hi, lo = torch.div(q, 16, rounding_mode="floor"), torch.remainder(q, 16)
+        u = torch.cat((hi + 8, lo), dim=1)
+        scale, zero = torch.cat((16 * scale, scale), dim=1), torch.cat((zero, 8 * scale), dim=1)
+    else:
+        u = q + 8
+    pad = -u.shape[0] % _PACK_ROWS
+    if pad:  # zero rows, cut from the output
+        u = F.pad(u, (0, 0, 0, pad), value=8)
+        scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
+    scales_zeros = torch.stack((scale.T, zero.T), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
+
+
+def _unpack_cpu(packed: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """The nibbles u [rows, k] int32 back from the packed CPU layout (recovered by multiplying
+    the packed weight with the identity: exact, since every nibble is a small integer)."""
+    g = 32 if k % 32 == 0 else k
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    ones = torch.stack((torch.ones(k // g, rows), torch.zeros(k // g, rows)), dim=-1).to(torch.bfloat16)
+    # (u - 8) * 1 + 0 for each input: values in [-8, 7], exact in bf16
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, g, ones).T.float().round().to(torch.int32) + 8
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, QuantLinear)
+
+
+def quantize_linears(module: nn.Module, bits: int, group_size: int = 32, *,
+                     names: set[str] | None = None) -> int:
+    """Replace each ``nn.Linear`` below ``module`` (those in ``names``, if given) by a
+    ``QuantLinear`` of its round-to-nearest weights, on the Linear's device. Returns the count."""
+    count = 0
+    for name, sub in list(module.named_modules()):
+        if type(sub) is nn.Linear and (names is None or name in names):
+            qw = quantize_rtn(sub.weight, bits, group_size)
+            module.set_submodule(name, QuantLinear(qw, sub.bias, device=sub.weight.device))
+            count += 1
+    return count
+
+
+def weight_formats(module: nn.Module) -> dict[str, str]:
+    """Module name -> weight format ("int4 g32 (gguf Q4_1)", "float32") of every linear map."""
+    out = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, QuantLinear):
+            out[name] = sub.format
+        elif isinstance(sub, nn.Linear):
+            out[name] = str(sub.weight.dtype).replace("torch.", "")
+    return out
+
+
+def linear_weight_bytes(module: nn.Module) -> int:
+    """Bytes of linear-map weights one token's forward reads (embedding lookups excluded)."""
+    total, seen = 0, set()
+    for sub in module.modules():
+        if isinstance(sub, QuantLinear):
+            total += sub.weight_bytes()
+        elif isinstance(sub, nn.Linear) and sub.weight.data_ptr() not in seen:
+            seen.add(sub.weight.data_ptr())
+            total += sub.weight.numel() * sub.weight.element_size()
+    return total

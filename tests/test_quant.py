@@ -1,0 +1,228 @@
+"""Quantized weights: the int4/int8 kernels against dequantize-then-matmul, GGUF block decoding
+against the gguf package's own dequantization, and models loaded quantized.
+
+The CPU kernel rounds activations and scales to bf16 and accumulates in fp32, so the reference is
+the exact product of the bf16-rounded activations with the weight rebuilt from the integers and
+the bf16-rounded scales (float64), and the tolerance is the kernel's bf16 output rounding."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+import mtplx
+from mtplx.engine.sampling import SamplingParams
+from mtplx.engine.sequence import Sequence
+from mtplx.errors import InvalidParameter
+from mtplx.loading.gguf_file import load_gguf
+from mtplx.loading.gguf_quant import EXACT, SUPPORTED, quantized_weight
+from mtplx.models.quant import QuantizedWeight, QuantLinear, linear_weight_bytes, quantize_rtn, weight_formats
+from tests.tiny_models import hf_reference
+
+
+def _random_weight(out, inp, bits, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (out, inp), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([lo, hi - 1])  # both ends of the range
+    scale = torch.rand(out, inp // group, generator=g) * 0.1 + 0.01
+    zero = torch.randn(out, inp // group, generator=g) * 0.05
+    return QuantizedWeight(q, scale, zero, bits, group)
+
+
+def _reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x @ W.T in float64, W = q * bf16(scale) + bf16(zero), x rounded to bf16 as the kernel does."""
+    w = QuantizedWeight(qw.q, qw.scale.bfloat16().float(), qw.zero.bfloat16().float(), qw.bits,
+                        qw.group_size).dequantize().double()
+    return x.bfloat16().double() @ w.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (40, 96, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_quantized_matmul_equals_dequantize_then_matmul(bits, out, inp, group, rows):
+    qw = _random_weight(out, inp, bits, group)
+    layer = QuantLinear(qw)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(1))
+    got = layer(x)
+    ref = _reference(x, qw)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    # bf16 output rounding (half an ulp, 2^-9 relative) plus fp32 accumulation over `inp` terms
+    bound = ref.abs() * 2.0 ** -8 + 1e-6 * (x.bfloat16().double().abs() @ qw.dequantize().double().abs().T)
+    assert ((got.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_layer_keeps_leading_dims_and_adds_bias(bits):
+    qw = _random_weight(32, 64, bits, 32)
+    bias = torch.randn(32)
+    layer = QuantLinear(qw, bias)
+    x = torch.randn(2, 3, 64)
+    flat = QuantLinear(qw)(x.reshape(6, 64)).reshape(2, 3, 32)
+    assert torch.equal(layer(x), flat + bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_gives_the_kernels_weight(bits):
+    qw = _random_weight(40, 96, bits, 32)
+    expected = QuantizedWeight(qw.q, qw.scale.bfloat16().float(), qw.zero.bfloat16().float(), bits, 32).dequantize()
+    assert torch.equal(QuantLinear(qw).dequantize(), expected)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_round_to_nearest_error_is_at_most_half_a_step(bits):
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(2))
+    qw = quantize_rtn(w, bits, 32)
+    step = qw.scale.repeat_interleave(32, dim=1)
+    assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert qw.q.abs().max() == (7 if bits == 4 else 127)
+
+
+def test_weight_bytes_count_integers_and_scales():
+    layer = QuantLinear(_random_weight(64, 128, 4, 32))
+    assert layer.weight_bytes() == 64 * 128 // 2 + 64 * 4 * 2 * 2  # nibbles + bf16 (scale, zero) per group
+    eight = QuantLinear(_random_weight(64, 128, 8, 32))
+    assert eight.weight_bytes() == 64 * 128 + 2 * 64 * 4 * 2 * 2
+
+
+# --- GGUF blocks ------------------------------------------------------------------------------
+
+_HALF_FLOATS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2],
+                Q.Q5_K: [0, 2]}
+
+
+def _random_blocks(qtype, out, inp, seed=0):
+    """Random bytes in qtype's block layout, with finite half-float scales."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (out, inp // block, nbytes), dtype=np.uint8)
+    for offset in _HALF_FLOATS.get(qtype, [nbytes - 2]):  # Q6_K keeps d last
+        d = (rng.standard_normal((out, inp // block)) * 0.01).astype(np.float16)
+        raw[..., offset:offset + 2] = d[..., None].view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", EXACT, ids=lambda t: t.name)
+def test_gguf_blocks_decode_like_gguf_dequantize(qtype):
+    raw = _random_blocks(qtype, 32, 512)
+    expected = np.asarray(dequantize(raw.reshape(32, -1), qtype), dtype=np.float32)
+    qw = quantized_weight(raw, qtype, (32, 512))
+    assert qw.group_size == 32 and qw.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8)
+    # the same values; K-quants only differ by float rounding of d*sc*q - dmin*m's order
+    np.testing.assert_allclose(qw.dequantize().numpy(), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def test_q6_k_is_requantized_to_int8_within_half_a_step():
+    raw = _random_blocks(Q.Q6_K, 16, 512)
+    expected = torch.from_numpy(np.asarray(dequantize(raw.reshape(16, -1), Q.Q6_K), dtype=np.float32))
+    qw = quantized_weight(raw, Q.Q6_K, (16, 512))
+    assert qw.bits == 8 and "Q6_K" in qw.source
+    assert ((qw.dequantize() - expected).abs() <= qw.scale.repeat_interleave(32, 1) / 2 + 1e-6).all()
+
+
+def test_every_supported_gguf_format_runs_through_the_layer():
+    for qtype in SUPPORTED:
+        qw = quantized_weight(_random_blocks(qtype, 32, 256), qtype, (32, 256))
+        x = torch.randn(2, 256)
+        assert torch.allclose(QuantLinear(qw)(x).double(), _reference(x, qw), rtol=2 ** -7, atol=1e-3), qtype
+
+
+@pytest.mark.slow
+def test_default_model_loads_its_q4_1_and_q8_0_blocks_exactly(default_gguf):
+    _, floats, _ = load_gguf(default_gguf, dtype=torch.float32)
+    _, quantized, _ = load_gguf(default_gguf, dtype=torch.float32, quantized=True)
+    blocks = {k: v for k, v in quantized.items() if isinstance(v, QuantizedWeight)}
+    assert len(blocks) == 30 * 7 + 1
+    assert {v.source for k, v in blocks.items() if k != "lm_head.weight"} == {"gguf Q4_1"}
+    assert blocks["lm_head.weight"].source == "gguf Q8_0"  # the tied embedding, as the output matrix
+    assert torch.equal(quantized["model.embed_tokens.weight"], floats["model.embed_tokens.weight"])
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert torch.equal(blocks[name].dequantize(), floats[name]), name
+    assert torch.equal(blocks["lm_head.weight"].dequantize(), floats["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_default_model_on_cpu_runs_quantized_and_the_head_stays_float(default_gguf):
+    engine = mtplx.load(device="cpu")
+    formats = weight_formats(engine.loaded.model)
+    assert formats["lm_head"] == "int8 g32 (gguf Q8_0)"
+    assert formats["model.layers.0.self_attn.qkv_proj"] == "int4 g32 (gguf Q4_1)"
+    assert formats["model.layers.0.mlp.gate_up_proj"] == "int4 g32 (gguf Q4_1)"
+    assert set(weight_formats(engine.loaded.head).values()) == {"float32"}
+    # 4.5 bits per trunk weight (nibble + bf16 scale and offset per 32), 8.5 for the output matrix
+    model = engine.loaded.model
+    assert linear_weight_bytes(model) - linear_weight_bytes(model.draft_lm_head) < 0.2 * 135e6 * 4
+    assert formats["draft_lm_head"] == "int4 g32 (rtn)"  # drafts read half the output matrix's bytes
+    # the verify reads the exact output matrix: MTP's greedy output is AR's
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    ar = engine.generate(messages, chat=True, max_tokens=40, mode="ar", ignore_eos=True)
+    mtp = engine.generate(messages, chat=True, max_tokens=40, mode="mtp", depth=2, ignore_eos=True)
+    assert mtp.token_ids == ar.token_ids and mtp.stats["accepted_tokens"] > 0
+
+
+# --- --quantize on a 16-bit safetensors model --------------------------------------------------
+
+def _rtn_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric round-to-nearest per 32 inputs, written out independently of models/quant.py,
+    with the scale rounded to bf16 as the CPU kernel holds it."""
+    groups = w.reshape(w.shape[0], -1, 32)
+    scale = (groups.abs().amax(-1, keepdim=True) / (7 if bits == 4 else 127))
+    q = torch.clamp(torch.round(groups / scale), -8 if bits == 4 else -128, 7 if bits == 4 else 127)
+    return (q * scale.bfloat16().float()).reshape(w.shape)
+
+
+def _tiny_bf16_dir(tmp_path):
+    hf, cfg = hf_reference("qwen2", tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in hf.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    with torch.no_grad():
+        hf.load_state_dict({k: v.bfloat16().float() for k, v in hf.state_dict().items()})
+    return hf, cfg
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_on_load_rounds_every_trunk_projection_to_nearest(tmp_path, bits):
+    hf, _ = _tiny_bf16_dir(tmp_path)
+    engine = mtplx.load(tmp_path, device="cpu", quantize=f"int{bits}")
+    model, weights = engine.loaded.model, dict(hf.named_parameters())
+    formats = weight_formats(model)
+    assert formats["lm_head"] == f"int{bits} g32 (rtn)"
+    assert torch.equal(model.lm_head.dequantize(), _rtn_reference(weights["model.embed_tokens.weight"], bits))
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        qkv = torch.cat([weights[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        gate_up = torch.cat([weights[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        for module, w in ((layer.self_attn.qkv_proj, qkv), (layer.self_attn.o_proj, weights[prefix + "self_attn.o_proj.weight"]),
+                          (layer.mlp.gate_up_proj, gate_up), (layer.mlp.down_proj, weights[prefix + "mlp.down_proj.weight"])):
+            assert torch.equal(module.dequantize(), _rtn_reference(w, bits))
+        assert torch.equal(layer.self_attn.qkv_proj.bias, torch.cat([weights[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"]))
+
+
+def test_int4_model_gives_the_round_to_nearest_models_logits(tmp_path):
+    hf, cfg = _tiny_bf16_dir(tmp_path)
+    engine = mtplx.load(tmp_path, device="cpu", quantize="int4")
+    ids = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        float_logits = hf(ids).logits[0]
+        hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.clone())  # untie: the embedding stays float
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(_rtn_reference(module.weight, 4))
+        ref = hf(ids).logits[0]
+    runner = engine.runner
+    seq = Sequence(prompt_ids=ids[0].tolist(), params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+    runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    with torch.inference_mode():
+        ours = runner.logits(runner.trunk([seq], [ids[0].tolist()], [0]))[0]
+    # within the bf16 activation rounding of the kernel, far from the float model
+    assert (ours - ref).abs().max() < 0.1 * (float_logits - ref).abs().max()
+
+
+def test_unknown_quantize_value_is_refused():
+    with pytest.raises(InvalidParameter, match="quantize"):
+        mtplx.load(device="cpu", quantize="int3")
