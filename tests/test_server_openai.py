@@ -157,7 +157,7 @@ def test_per_request_generation_mode_and_depth(client, refs):
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "must be a finite number >= 0"),
     (dict(top_p=1.5), "top_p", "(0, 1]"),
-    (dict(n=2), "n", "only n=1 is supported"),
+    (dict(n=0), "n", "greater than or equal to 1"),
     (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
     (dict(extra_body={"top_k": -3}), "top_k", "integer >= 0"),
     (dict(extra_body={"depth": 9}), "depth", "from 1 to 8"),

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from mtplx.cli import build_parser
-from mtplx.server.lifecycle import MAX_HEADER_BYTES
+from mtplx.server.security import MAX_HEAD_BYTES as MAX_HEADER_BYTES
 from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, MIB
 from tests.serve_process import COUNTING, MODEL, ServeProcess, serve_env, wait_until
 

@@ -8,16 +8,55 @@ ignored, as OpenAI clients send many optional ones.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtplx.batching.job import JobResult
-from mtplx.server.errors import APIError
+from mtplx.server.errors import APIError, error_body
+from mtplx.server.tools import ROLES, ToolCall, ToolCallStream, ToolChoice, parse_tool_choice, parse_tools
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default when a request gives none
+MAX_N = 16  # completions per request
+
+
+def lone_surrogate_path(value, path: tuple = ()) -> tuple | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escape decodes to one; it is not Unicode text and no tokenizer takes it), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_path(key, path) or lone_surrogate_path(item, (*path, str(key)))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_path(item, (*path, str(i)))
+            if found is not None:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request body: every string in it must be valid Unicode (checked before the fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        path = lone_surrogate_path(data)
+        if path is not None:
+            param = ".".join(path) or None
+            raise APIError(400, f"{param or 'body'}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                "without its pair), which is not valid Unicode text", param=param,
+                           code="invalid_value")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -36,10 +75,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
-class GenerationFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class GenerationFields(RequestBody):
+    """Fields shared by /v1/completions and /v1/chat/completions. Numbers are strict: ``true``
+    is not 1 and ``2.5`` is not an integer."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are checked in check_supported
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are checked in check_supported
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -51,7 +91,7 @@ class GenerationFields(BaseModel):
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
@@ -67,9 +107,6 @@ class GenerationFields(BaseModel):
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
-        if self.n != 1:
-            raise APIError(400, f"n: only n=1 is supported (got {self.n}); send one request per completion",
-                           param="n", code="unsupported_value")
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs: log probabilities are not supported", param="logprobs",
                            code="unsupported_value")
@@ -87,34 +124,74 @@ class GenerationFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+def text_of(content, param: str) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+           for part in content):
+        raise APIError(400, f"{param}: only text parts ({{'type': 'text', 'text': str}}) are supported",
+                       param=param, code="unsupported_value")
+    return "".join(part["text"] for part in content)
 
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools", code="unsupported_value")
+        self.offered_tools = parse_tools(self.tools)
+        self.choice: ToolChoice = parse_tool_choice(self.tool_choice, self.offered_tools)
+        if self.choice.forced:
+            raise APIError(400, f"tool_choice: {self.choice.mode!r} needs grammar-constrained decoding, which this "
+                                "server does not offer yet; use \"auto\"", param="tool_choice",
+                           code="unsupported_value")
 
     def chat_messages(self) -> list[dict]:
-        """Messages as {"role", "content": str}; content parts must be text."""
-        out = []
-        for i, m in enumerate(self.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages.{i}.content", code="unsupported_value")
-                content = "".join(str(part.get("text", "")) for part in content)
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        """Messages as {"role", "content": str} plus "tool_calls" (assistant) and "tool_call_id"
+        (tool); "developer" is a system message. A 400 names the first message that is wrong."""
+        return [chat_message(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages.{i}")
+                for i, m in enumerate(self.messages)]
+
+
+def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str | None, where: str) -> dict:
+    def bad(param: str, message: str) -> APIError:
+        return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+    if content is None and not (role == "assistant" and tool_calls):
+        raise bad(f"{where}.content", f"a {role} message needs content (a string or text parts), got null")
+    message = {"role": "system" if role == "developer" else role,
+               "content": "" if content is None else text_of(content, f"{where}.content")}
+    if tool_calls:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
+        message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(tool_calls)]
+    if role == "tool":
+        if not tool_call_id:
+            raise bad(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def _tool_call(call: dict, where: str) -> ToolCall:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise APIError(400, f"{where}: expected {{'id', 'type': 'function', 'function': {{'name': str, "
+                            "'arguments': str}}}}", param=where, code="invalid_value")
+    return ToolCall(fn["name"], fn["arguments"], id=str(call.get("id") or ToolCall("", "").id))
 
 
 class CompletionRequest(GenerationFields):
@@ -147,43 +224,84 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(result: JobResult) -> dict:
-    cached = result.stats.get("cached_prompt_tokens", 0)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
+def usage(results: JobResult | list[JobResult]) -> dict:
+    """OpenAI usage of one or n completions of the same prompt (prompt tokens counted once)."""
+    results = results if isinstance(results, list) else [results]
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
+    cached = results[0].stats.get("cached_prompt_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class ResponseShape:
-    """Builds the objects of one response, chat or text completion, whole or streamed."""
+def stats_fields(results: list[JobResult]) -> dict:
+    """``mtplx_stats`` (the first completion's), plus ``mtplx_choice_stats`` for n > 1."""
+    extra = {"mtplx_stats": results[0].stats}
+    if len(results) > 1:
+        extra["mtplx_choice_stats"] = [r.stats for r in results]
+    return extra
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool):
+
+class ResponseShape:
+    """Builds the objects of one OpenAI response, chat or text completion, whole or streamed,
+    with ``n`` choices; with ``tools`` (and a parser) chat output is split into content and
+    ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
+
+    def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
+                 tools: list | None = None, parser=None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.n, self.include_usage = n, include_usage
+        self.tools, self.parser = tools or [], parser
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.streams = [self._tool_stream() for _ in range(n)]
+        self.results: dict[int, JobResult] = {}
+
+    def _tool_stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.parser, self.tools) if self.chat and self.tools and self.parser else None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, result: JobResult) -> dict:
-        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+    # -- whole -----------------------------------------------------------------------------
+    def whole(self, results: list[JobResult]) -> dict:
+        return self._envelope(self.object, [self._choice(i, r) for i, r in enumerate(results)],
+                              usage=usage(results), **stats_fields(results))
+
+    def _choice(self, index: int, result: JobResult) -> dict:
+        choice = {"index": index, "finish_reason": result.finish_reason, "logprobs": None}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            message = {"role": "assistant", "content": result.text}
+            stream = self._tool_stream()
+            if stream is not None:
+                content = "".join(e for kind, e in stream.feed(result.text) + stream.finish() if kind == "content")
+                if stream.calls:
+                    message = {"role": "assistant", "content": content.strip() or None,
+                               "tool_calls": [c.openai_dict() for c in stream.calls]}
+                    choice["finish_reason"] = _tool_finish(result.finish_reason)
+            choice["message"] = message
         else:
             choice["text"] = result.text
         if self.return_token_ids:
             choice["token_ids"] = result.token_ids
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=usage(result), mtplx_stats=result.stats)
+        return choice
 
-    def chunk(self, text: str | None, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              role: bool = False, **extra) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    # -- streamed --------------------------------------------------------------------------
+    def chunk(self, index: int, text: str | None, token_ids: list[int] | None = None,
+              finish_reason: str | None = None, role: bool = False, tool_calls: list | None = None,
+              **extra) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -191,6 +309,66 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
-    def usage_chunk(self, result: JobResult) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=usage(result), mtplx_stats=result.stats)
+    def start(self) -> list[str]:
+        return [sse(self.chunk(i, "", role=True)) for i in range(self.n)] if self.chat else []
+
+    def delta(self, index: int, text: str, token_ids: list[int]) -> list[str]:
+        stream = self.streams[index]
+        if stream is None:
+            return [sse(self.chunk(index, text, token_ids))] if text or self.return_token_ids else []
+        out = self._tool_events(index, stream.feed(text))
+        if not out and self.return_token_ids:
+            out.append(sse(self.chunk(index, None, token_ids)))
+        return out
+
+    def _tool_events(self, index: int, events: list) -> list[str]:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(sse(self.chunk(index, value)))
+            else:  # a parsed call: its id and name, then its arguments
+                k = self.streams[index].calls.index(value)
+                head = {"index": k, "id": value.id, "type": "function",
+                        "function": {"name": value.name, "arguments": ""}}
+                out.append(sse(self.chunk(index, None, tool_calls=[head])))
+                out.append(sse(self.chunk(index, None, tool_calls=[{"index": k, "function": {
+                    "arguments": value.arguments}}])))
+        return out
+
+    def done(self, index: int, result: JobResult) -> list[str]:
+        self.results[index] = result
+        stream, reason = self.streams[index], result.finish_reason
+        out = []
+        if stream is not None:
+            out = self._tool_events(index, stream.finish())
+            reason = _tool_finish(reason) if stream.calls else reason
+        last = len(self.results) == self.n
+        extra = {}
+        if last and not self.include_usage:  # the last chunk before [DONE] carries usage and stats
+            extra = dict(usage=usage(self._ordered()), **stats_fields(self._ordered()))
+        out.append(sse(self.chunk(index, None if self.chat else "", [], reason, **extra)))
+        return out
+
+    def _ordered(self) -> list[JobResult]:
+        return [self.results[i] for i in sorted(self.results)]
+
+    def end(self) -> list[str]:
+        out = []
+        if self.include_usage:
+            results = self._ordered()
+            out.append(sse(self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                                          usage=usage(results), **stats_fields(results))))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, error: APIError) -> list[str]:
+        return [sse(error_body(error.message, error.type, error.param, error.code)), "data: [DONE]\n\n"]
+
+
+def _tool_finish(reason: str) -> str:
+    return "tool_calls" if reason == "stop" else reason
+
+
+def sse(obj: dict, event: str | None = None) -> str:
+    """One SSE event: ``data: {json}``, after ``event: NAME`` when given."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
