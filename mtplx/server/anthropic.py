@@ -142,9 +142,11 @@ class MessagesRequest(PromptFields):
     draft_policy: Literal["greedy", "mirror"] = "greedy"
 
     def check_supported(self) -> None:
-        thinking = (self.model_extra or {}).get("thinking")
-        if thinking not in (None, {"type": "disabled"}):
+        extra = self.model_extra or {}
+        if extra.get("thinking") not in (None, {"type": "disabled"}):
             raise _bad("thinking", "extended thinking is not supported")
+        if isinstance(extra.get("output_config"), dict) and extra["output_config"].get("format") is not None:
+            raise _bad("output_config.format", "structured output is not supported yet")
 
     def sampling(self, default_temperature: float) -> dict:
         return dict(temperature=default_temperature if self.temperature is None else self.temperature,

@@ -1,0 +1,253 @@
+"""The agent-facing API on a real uvicorn server with a tiny engine, through the official
+``openai`` and ``anthropic`` SDKs: n completions, tools offered, Anthropic Messages (and
+count_tokens), OpenAI Responses. References come from the engine alone, before serving, or
+from the same conversation sent through another protocol."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from mtplx.server.app import create_app
+from tests.test_server_harness import running_server, tiny_text_engine
+
+MODEL = "tiny"
+KEY = "sk-agent-test"
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_text_engine(head="repeat", context=4096)
+
+
+@pytest.fixture(scope="module")
+def refs(engine):
+    return {"chat": engine.generate(CHAT, chat=True, max_tokens=16, temperature=0.0),
+            "sampled": [engine.generate(CHAT, chat=True, max_tokens=12, temperature=1.0, seed=s) for s in (7, 8, 9)]}
+
+
+@pytest.fixture(scope="module")
+def url(engine, refs):
+    with running_server(create_app(engine, model_id=MODEL, api_key=KEY)) as base:
+        yield base
+
+
+@pytest.fixture
+def oai(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture
+def claude(url):
+    return anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str | None, dict | str]]:
+    out, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+            name = None
+    return out
+
+
+# -- n ----------------------------------------------------------------------------------------
+def test_n_completions_each_with_its_own_seed_stream(oai, refs):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, n=3, seed=7, max_tokens=12, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [ref.text for ref in refs["sampled"]]  # seeds 7, 8, 9
+    assert r.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs["sampled"])
+    assert r.usage.prompt_tokens == refs["sampled"][0].prompt_tokens
+    later = r.model_extra["mtplx_choice_stats"][1:]
+    assert all(s["cached_prompt_tokens"] > 0 for s in later)  # the prompt's KV came from the prefix cache
+
+
+def test_n_completions_stream_with_their_indices(oai, refs):
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in oai.chat.completions.create(model=MODEL, messages=CHAT, n=3, seed=7, max_tokens=12,
+                                             temperature=1.0, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        if chunk.usage:
+            usage = chunk.usage
+    assert texts == [ref.text for ref in refs["sampled"]] and finished == {0, 1, 2}
+    assert usage.completion_tokens == sum(len(ref.token_ids) for ref in refs["sampled"])
+
+
+def test_n_text_completions(oai, engine):
+    r = oai.completions.create(model=MODEL, prompt="The sea", n=2, seed=3, max_tokens=8, temperature=1.0)
+    assert [c.text for c in r.choices] == [engine.generate("The sea", max_tokens=8, temperature=1.0, seed=s).text
+                                           for s in (3, 4)]
+
+
+# -- tools offered ------------------------------------------------------------------------------
+def test_offered_tools_reach_the_prompt_and_plain_output_stays_content(oai, refs, engine):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], max_tokens=16, temperature=0)
+    plain = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    # the Hermes fallback adds a system turn listing the tool
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + len(json.dumps(WEATHER))
+    assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason == "length"
+    # tool_choice "none": the tools are not shown
+    none = oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=16, temperature=0)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens and none.choices[0].message.content == refs["chat"].text
+
+
+def test_a_conversation_with_tool_calls_and_results_is_accepted(oai):
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    r = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_forced_tool_choices_are_refused_until_constrained_decoding_exists(oai):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice, max_tokens=4)
+        assert err.value.body["param"] == "tool_choice" and "grammar" in err.value.body["message"]
+
+
+# -- Anthropic Messages ---------------------------------------------------------------------------
+# (the anthropic SDK 2.x has no temperature argument; the API still takes it, so it goes in extra_body)
+def test_anthropic_message_matches_the_engine(claude, refs):
+    ref = refs["chat"]
+    m = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=CHAT)
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == ref.text
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.input_tokens == ref.prompt_tokens and m.usage.output_tokens == len(ref.token_ids)
+
+
+def test_anthropic_stream_events_in_order_and_the_sdk_assembles_the_same_message(claude, url, refs):
+    with claude.messages.stream(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+                                messages=CHAT) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == refs["chat"].text and final.stop_reason == "max_tokens"
+    with httpx.stream("POST", f"{url}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                      json={"model": MODEL, "max_tokens": 16, "temperature": 0, "messages": CHAT,
+                            "stream": True}) as r:
+        events = sse_events(r)
+    names = [n for n, _ in events]
+    assert all(n == d["type"] for n, d in events)
+    deltas = names.count("content_block_delta")
+    assert names == ["message_start", "ping", "content_block_start", *["content_block_delta"] * deltas,
+                     "content_block_stop", "message_delta", "message_stop"] and deltas >= 1
+    assert events[0][1]["message"]["usage"]["input_tokens"] == refs["chat"].prompt_tokens
+    assert events[-2][1]["usage"]["output_tokens"] == len(refs["chat"].token_ids)
+
+
+def test_anthropic_system_and_stop_sequences(claude, engine, refs):
+    stop = refs["chat"].text[6:8]
+    m = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=CHAT,
+                               stop_sequences=[stop, "@@"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == refs["chat"].text[:refs["chat"].text.index(stop)]
+    sys_ref = engine.generate([{"role": "system", "content": "Be brief."}, *CHAT], chat=True, max_tokens=6,
+                              temperature=0.0)
+    m = claude.messages.create(model=MODEL, max_tokens=6, extra_body={"temperature": 0}, system="Be brief.",
+                               messages=CHAT)
+    assert m.content[0].text == sys_ref.text and m.usage.input_tokens == sys_ref.prompt_tokens
+
+
+def test_anthropic_tool_use_history_renders_as_the_openai_one(claude, oai):
+    """count_tokens of an Anthropic conversation with tool_use / tool_result blocks equals the
+    prompt of the same conversation sent as OpenAI messages."""
+    tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER["function"]["parameters"]}
+    turns = [*CHAT, {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {
+        "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"},
+                                     {"type": "text", "text": "And tomorrow?"}]}]
+    counted = claude.messages.count_tokens(model=MODEL, messages=turns, tools=[tool], system="Be brief.")
+    same = [{"role": "system", "content": "Be brief."}, *CHAT,
+            {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "-3 C"},
+            {"role": "user", "content": "And tomorrow?"}]
+    r = oai.chat.completions.create(model=MODEL, messages=same, tools=[WEATHER], max_tokens=1, temperature=0)
+    assert counted.input_tokens == r.usage.prompt_tokens
+    m = claude.messages.create(model=MODEL, max_tokens=3, extra_body={"temperature": 0}, messages=turns,
+                               tools=[tool], system="Be brief.")
+    assert m.usage.input_tokens == counted.input_tokens
+
+
+def test_anthropic_errors_in_anthropic_shape(claude, url):
+    with pytest.raises(anthropic.NotFoundError) as err:
+        claude.messages.create(model="claude-opus", max_tokens=4, messages=CHAT)
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=0, messages=CHAT)
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, tool_choice={"type": "any"}, tools=[
+            {"name": "f", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=CHAT)
+    r = httpx.post(f"{url}/v1/messages", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": CHAT})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"  # max_tokens is required
+
+
+# -- Responses --------------------------------------------------------------------------------
+def test_responses_text_output_matches_the_engine(oai, refs):
+    ref = refs["chat"]
+    r = oai.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=16, temperature=0)
+    assert r.output_text == ref.text and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == ref.prompt_tokens and r.usage.output_tokens == len(ref.token_ids)
+    items = oai.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Tell me a story"}]}], max_output_tokens=16, temperature=0)
+    assert items.output_text == ref.text
+
+
+def test_responses_stream_events(oai, refs):
+    kinds, text = [], ""
+    for event in oai.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=16, temperature=0,
+                                      stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        final = event
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert text == refs["chat"].text == final.response.output_text
+
+
+def test_responses_function_call_items_render_as_chat_tool_calls(oai):
+    tool = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+            "parameters": WEATHER["function"]["parameters"]}
+    items = [{"role": "user", "content": "Tell me a story"},
+             {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_9", "output": "-3 C"}]
+    r = oai.responses.create(model=MODEL, input=items, tools=[tool], instructions="Be brief.",
+                             max_output_tokens=1, temperature=0)
+    same = [{"role": "system", "content": "Be brief."}, *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "-3 C"}]
+    chat = oai.chat.completions.create(model=MODEL, messages=same, tools=[WEATHER], max_tokens=1, temperature=0)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_is_stateless(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
