@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from mtplx.engine import constraints
 from mtplx.engine.block_manager import OutOfBlocks
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
@@ -177,8 +178,8 @@ class Generator:
         t0 = time.perf_counter()
         # argmax drafts stay on the device: the cycle syncs with the host once (not for hybrid
         # models: re-feeding accepted tokens to their recurrent state needs them on the host)
-        on_device = self.runner.states is None and all(
-            s.counts is None and (s.params.greedy or s.draft_policy == "greedy") for s in seqs)
+        on_device = self.runner.states is None and all(s.counts is None and s.constraint is None and (
+            s.params.greedy or s.draft_policy == "greedy") for s in seqs)
         depth = max(s.depth for s in seqs)
         if on_device and self._chainable(seqs, depth) and self._start_chain(seqs, depth):
             return
@@ -188,7 +189,7 @@ class Generator:
             t2 = time.perf_counter()
             drafts, outcomes = self._accept_device_drafts(seqs, logits, packed, faults)
         else:
-            drafts, draft_probs = self._draft(seqs, faults)
+            drafts, draft_probs = constraints.cut_drafts(seqs, *self._draft(seqs, faults))
             t1 = time.perf_counter()
             rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
             self._before_forward(seqs)
@@ -237,7 +238,8 @@ class Generator:
     # row's committed length).
     def _chainable(self, seqs: list[Sequence], depth: int) -> bool:
         return (self.fault_hook is None and self.runner.states is None  # not hybrid models' recurrent state
-                and all(s.params.greedy and s.counts is None for s in seqs) and self.runner.can_chain(len(seqs), depth))
+                and all(s.params.greedy and s.counts is None and s.constraint is None for s in seqs)
+                and self.runner.can_chain(len(seqs), depth))
 
     def _continues(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether ``seqs`` are the rows of the cycle in flight, all still live, at its depth."""
@@ -465,7 +467,7 @@ class Generator:
     def _draft_token(self, seq: Sequence, logits: torch.Tensor, previous: list[int]):
         """A draft from head logits [1, V] as a [1] device tensor: argmax (one-hot q) or a
         sample from the head's distribution under the request's sampler (mirror)."""
-        logits = self._penalised(seq, logits, previous)
+        logits = constraints.mask_draft(seq, self._penalised(seq, logits, previous), previous)
         if seq.params.greedy or seq.draft_policy == "greedy":
             return logits.argmax(-1), None
         q = logits_to_probs(logits, seq.params)
@@ -476,6 +478,7 @@ class Generator:
         draft_t = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if seq.counts is not None:  # position i's penalties count the drafts before it
             logits = torch.cat([self._penalised(seq, logits[i:i + 1], drafts[:i]) for i in range(len(drafts) + 1)])
+        logits = constraints.mask_verify(seq, logits, drafts)
         if seq.params.greedy:
             return verify_greedy(logits, draft_t)
         draft_q = None if q[0] is None else torch.stack(q)
@@ -502,14 +505,14 @@ class Generator:
         recorded there (its token is a placeholder); without, the exception propagates."""
         tokens = logits.argmax(-1)  # plain greedy rows need nothing more
         hook = self.fault_hook
-        if hook is None and all(s.params.greedy and s.counts is None for s in seqs):
+        if hook is None and all(s.params.greedy and s.counts is None and s.constraint is None for s in seqs):
             return tokens.tolist()  # the step's one host sync
         picks = []
         for r, s in enumerate(seqs):
             try:
                 if hook is not None:
                     hook("sample", s)
-                plain = s.params.greedy and s.counts is None
+                plain = s.params.greedy and s.counts is None and s.constraint is None
                 picks.append(tokens[r:r + 1] if plain else self._sample_tensor(s, logits[r:r + 1]))
             except Exception as exc:
                 if faults is None:
@@ -520,7 +523,7 @@ class Generator:
 
     def _sample_tensor(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> [1] token on the device."""
-        logits = self._penalised(seq, logits, [])
+        logits = constraints.mask_next(seq, self._penalised(seq, logits, []))
         if seq.params.greedy:
             return logits.argmax(-1)
         return sample(logits_to_probs(logits, seq.params), seq.generator)
@@ -530,6 +533,7 @@ class Generator:
         """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
         if self.fault_hook is not None:
             self.fault_hook("commit", seq)
+        committed = len(seq.tokens)
         for token in new_tokens:
             if token in self.eos_token_ids and not seq.ignore_eos:
                 seq.finish_reason = "stop"
@@ -540,6 +544,7 @@ class Generator:
             if seq.num_generated >= seq.max_tokens:
                 seq.finish_reason = "length"
                 break
+        constraints.advance(seq, seq.tokens[committed:])
         seq.stats.generated_tokens = seq.num_generated
         seq.stats.decode_s = time.perf_counter() - seq.t_first
         valid = min(seq.trunk_len, seq.head_len) if seq.mode == "mtp" else seq.trunk_len

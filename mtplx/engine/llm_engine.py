@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
@@ -41,6 +41,7 @@ class Request:
     draft_policy: str
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Any = None  # constraints.Grammar: decode only text it accepts (None: unconstrained)
 
 
 class Engine:
@@ -171,7 +172,8 @@ class Engine:
     def new_sequence(self, req: Request) -> Sequence:
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
-                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos)
+                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
+                        constraint=req.grammar.matcher() if req.grammar is not None else None)
 
     # -- running ------------------------------------------------------------------------------
     def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:

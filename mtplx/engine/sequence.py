@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class Sequence:
     hidden_backlog: torch.Tensor | None = None
     state_slot: int | None = None  # recurrent state cache slot (hybrid models), from admit to release
     counts: torch.Tensor | None = None  # [V] int, generated-token counts (penalties only)
+    constraint: Any = None  # constraints.TokenConstraint: the grammar state of a constrained request
     finish_reason: str | None = None
     cancelled: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)
