@@ -9,6 +9,7 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -115,11 +116,56 @@ def test_a_conversation_with_tool_calls_and_results_is_accepted(oai):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
-def test_forced_tool_choices_are_refused_until_constrained_decoding_exists(oai):
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as err:
-            oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice, max_tokens=4)
-        assert err.value.body["param"] == "tool_choice" and "grammar" in err.value.body["message"]
+CITY = {"type": "function", "function": {"name": "get_city", "description": "A city's facts", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "metric": {"type": "boolean"}},
+    "required": ["city", "metric"], "additionalProperties": False}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_city"}}])
+def test_a_forced_tool_call_has_arguments_valid_for_its_schema(oai, choice):
+    """Even a random tiny model calls the tool: the grammar forces the markup and the arguments."""
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[ZONE, CITY], tool_choice=choice,
+                                    max_tokens=120, temperature=0.8, seed=1)
+    [call] = r.choices[0].message.tool_calls
+    assert choice == "required" or call.function.name == "get_city"
+    schema = {"get_city": CITY, "get_time": ZONE}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert r.choices[0].finish_reason == "tool_calls" and call.id.startswith("call_") and call.type == "function"
+    assert r.model_extra["mtplx_stats"]["drafted_tokens"] > 0  # a constrained request still drafts (MTP)
+
+
+def test_a_forced_tool_call_streams_as_delta_tool_calls(oai):
+    kwargs = dict(model=MODEL, messages=CHAT, tools=[CITY], tool_choice="required", max_tokens=120, seed=5,
+                  temperature=0.8)
+    whole = oai.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name, arguments, ids, reasons = "", "", set(), []
+    for chunk in oai.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or ():
+                assert d.index == 0
+                ids.add(d.id) if d.id else None
+                name += d.function.name or ""
+                arguments += d.function.arguments or ""
+            reasons.append(c.finish_reason)
+    assert (name, arguments) == (whole.function.name, whole.function.arguments) and len(ids) == 1
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+
+
+def test_response_format_json_schema_output_validates(oai):
+    schema = CITY["function"]["parameters"]
+    for n, temperature in ((1, 0.0), (2, 1.0)):
+        r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=temperature, n=n,
+                                        response_format={"type": "json_schema", "json_schema": {
+                                            "name": "city", "schema": schema, "strict": True}})
+        for choice in r.choices:
+            jsonschema.validate(json.loads(choice.message.content), schema)
+            assert choice.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
 
 
 # -- Anthropic Messages ---------------------------------------------------------------------------
@@ -186,6 +232,25 @@ def test_anthropic_tool_use_history_renders_as_the_openai_one(claude, oai):
     assert m.usage.input_tokens == counted.input_tokens
 
 
+def test_anthropic_forced_tool_use_streams_in_order(claude, url):
+    tool = {"name": "get_city", "input_schema": CITY["function"]["parameters"]}
+    m = claude.messages.create(model=MODEL, max_tokens=120, messages=CHAT, tools=[tool],
+                               tool_choice={"type": "tool", "name": "get_city"}, extra_body={"temperature": 0.5})
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, tool["input_schema"])
+    assert m.stop_reason == "tool_use" and use.id.startswith("toolu_")
+    with httpx.stream("POST", f"{url}/v1/messages", headers={"x-api-key": KEY}, json={
+            "model": MODEL, "max_tokens": 120, "messages": CHAT, "tools": [tool], "stream": True,
+            "tool_choice": {"type": "any"}, "temperature": 0.5}) as r:
+        events = sse_events(r)
+    names = [n for n, _ in events]
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    assert events[2][1]["content_block"]["type"] == "tool_use"
+    assert json.loads(events[3][1]["delta"]["partial_json"]).keys() == {"city", "metric"}
+    assert events[5][1]["delta"]["stop_reason"] == "tool_use"
+
+
 def test_anthropic_errors_in_anthropic_shape(claude, url):
     with pytest.raises(anthropic.NotFoundError) as err:
         claude.messages.create(model="claude-opus", max_tokens=4, messages=CHAT)
@@ -193,9 +258,9 @@ def test_anthropic_errors_in_anthropic_shape(claude, url):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=MODEL, max_tokens=0, messages=CHAT)
     assert err.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in err.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
-        claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, tool_choice={"type": "any"}, tools=[
-            {"name": "f", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice.name"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, tool_choice={"type": "tool", "name": "g"},
+                               tools=[{"name": "f", "input_schema": {"type": "object"}}])
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=CHAT)
@@ -245,6 +310,18 @@ def test_responses_function_call_items_render_as_chat_tool_calls(oai):
             {"role": "tool", "tool_call_id": "call_9", "content": "-3 C"}]
     chat = oai.chat.completions.create(model=MODEL, messages=same, tools=[WEATHER], max_tokens=1, temperature=0)
     assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_forced_function_call_and_json_schema(oai):
+    tool = {"type": "function", "name": "get_city", "parameters": CITY["function"]["parameters"]}
+    r = oai.responses.create(model=MODEL, input="Tell me a story", tools=[tool], tool_choice="required",
+                             max_output_tokens=120, temperature=0.5)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    assert call.name == "get_city" and r.status == "completed"
+    r = oai.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=60, temperature=0, text={
+        "format": {"type": "json_schema", "name": "city", "schema": tool["parameters"], "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), tool["parameters"])
 
 
 def test_responses_is_stateless(oai):

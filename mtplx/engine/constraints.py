@@ -108,7 +108,11 @@ class TokenConstraint:
         self.masks_built = 0  # positions masked (telemetry)
 
     def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows after the accepted ones."""
+        """[V] bool: the tokens the grammar allows after the accepted ones. After an accepted
+        end-of-sequence token (a draft: nothing after it is committed; or ignore_eos) the
+        grammar has ended and every token is allowed."""
+        if self.matcher.is_terminated():
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self.masks_built += 1
         bits = (self.bitmask[0, :, None] >> self._shifts) & 1  # [V/32, 32], bit j of word w = token 32w + j

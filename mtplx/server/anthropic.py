@@ -22,6 +22,7 @@ from mtplx.batching.job import JobResult
 from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
+from mtplx.server.structured import tool_call_grammar
 from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, _unique, make_tool
 
 router = APIRouter()
@@ -71,9 +72,6 @@ class PromptFields(RequestBody):
             raise _bad("tool_choice", f"{kind!r} needs tools, and the request offers none")
         if mode == "function" and raw.get("name") not in {t.name for t in tools}:
             raise _bad("tool_choice.name", f"{raw.get('name')!r} is not among the offered tools")
-        if mode in ("required", "function"):
-            raise _bad("tool_choice", f"{kind!r} needs grammar-constrained decoding, which this server does not "
-                                      "offer yet; use {\"type\": \"auto\"}")
         return ToolChoice(mode, raw.get("name"))
 
     def chat_messages(self) -> list[dict]:
@@ -170,11 +168,12 @@ async def messages(body: MessagesRequest, request: Request):
     server = request.app.state.mtplx
     server.check_model(body.model)
     tools = body.offered_tools()
-    if body.choice(tools).mode == "none":
-        tools = []
+    choice = body.choice(tools)
+    tools = tools if choice.mode != "none" else []
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
+    grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser)
     [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
-                                       sampling=body.sampling(server.default_temperature))
+                                       sampling=body.sampling(server.default_temperature), grammar=grammar)
     reply = MessageShape(body.model, tools, server.tool_parser if tools else None, body.stop_sequences or [],
                          server.engine, len(engine_request.prompt_ids))
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)

@@ -18,6 +18,7 @@ from mtplx.batching.state import (DEFAULT_DECODE_BATCH_MAX, MTP_ONLY_MODES, Sche
 from mtplx.server.errors import APIError
 from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
 from mtplx.server.streaming import stream_response, whole_response
+from mtplx.server.structured import response_format_grammar, tool_call_grammar
 from mtplx.server.tools import render_prompt
 
 router = APIRouter()
@@ -144,7 +145,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
     limit = ("max_completion_tokens", body.max_completion_tokens) if body.max_completion_tokens else \
         ("max_tokens", body.max_tokens)
-    requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n)
+    grammar = (tool_call_grammar(server.engine, tools, body.choice, server.tool_parser)
+               or response_format_grammar(server.engine, body.response_format))
+    requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar)
     shape = ResponseShape(True, body.model, body.return_token_ids, body.n, body.include_usage, tools,
                           server.tool_parser if tools else None)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
@@ -192,10 +195,11 @@ def template_errors():
 
 
 def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
-                    sampling: dict | None = None) -> list:
+                    sampling: dict | None = None, grammar=None) -> list:
     """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
     the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
-    None = up to the context); a limit the context cannot hold is a 400 naming the field."""
+    None = up to the context); a limit the context cannot hold is a 400 naming the field.
+    ``grammar``: the output's grammar (structured.py), None for free text."""
     settings = server.scheduler.settings
     engine = server.engine
     name, max_tokens = limit
@@ -210,6 +214,7 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
         raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
                             f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
                             f"{room}", param=name, code="invalid_value")
+    base.grammar = grammar
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(
         base.params, seed=None if seed is None else seed + i)) for i in range(1, n)]

@@ -150,15 +150,15 @@ class ChatCompletionRequest(GenerationFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    response_format: Any = None  # text, json_object, json_schema (structured.py)
 
     def check_supported(self) -> None:
         super().check_supported()
         self.offered_tools = parse_tools(self.tools)
         self.choice: ToolChoice = parse_tool_choice(self.tool_choice, self.offered_tools)
-        if self.choice.forced:
-            raise APIError(400, f"tool_choice: {self.choice.mode!r} needs grammar-constrained decoding, which this "
-                                "server does not offer yet; use \"auto\"", param="tool_choice",
-                           code="unsupported_value")
+        if self.choice.forced and self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: cannot be combined with a forced tool_choice (the output is the "
+                                "tool call)", param="response_format", code="invalid_value")
 
     def chat_messages(self) -> list[dict]:
         """Messages as {"role", "content": str} plus "tool_calls" (assistant) and "tool_call_id"

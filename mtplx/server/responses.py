@@ -24,6 +24,7 @@ from mtplx.batching.job import JobResult
 from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
+from mtplx.server.structured import response_format_grammar, tool_call_grammar
 from mtplx.server.tools import Tool, ToolCall, ToolCallStream, _unique, make_tool, parse_tool_choice
 
 router = APIRouter()
@@ -60,10 +61,6 @@ class ResponsesRequest(RequestBody):
         if self.previous_response_id is not None:
             raise _bad("previous_response_id", "this server stores no responses (it is stateless); send the whole "
                                                "conversation in input", "unsupported_value")
-        fmt = (self.text or {}).get("format", {"type": "text"})
-        if fmt != {"type": "text"} and fmt.get("type") != "text":
-            raise _bad("text.format", "structured output is not supported yet; only {\"type\": \"text\"}",
-                       "unsupported_value")
         for name in ("reasoning", "include", "background", "conversation"):
             if (self.model_extra or {}).get(name) not in (None, [], {}, False):
                 raise _bad(name, "not supported by this server", "unsupported_value")
@@ -81,11 +78,15 @@ class ResponsesRequest(RequestBody):
         raw = self.tool_choice
         if isinstance(raw, dict) and raw.get("type") == "function" and "name" in raw:
             raw = {"type": "function", "function": {"name": raw["name"]}}
-        choice = parse_tool_choice(raw, tools)
-        if choice.forced:
-            raise _bad("tool_choice", f"{choice.mode!r} needs grammar-constrained decoding, which this server does "
-                                      "not offer yet; use \"auto\"", "unsupported_value")
-        return choice
+        return parse_tool_choice(raw, tools)
+
+    def response_format(self) -> dict | None:
+        """``text.format`` in the chat route's ``response_format`` shape ({"type": "json_schema",
+        "name", "schema", "strict"} here becomes {"type": "json_schema", "json_schema": {...}})."""
+        fmt = (self.text or {}).get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        return fmt
 
     def chat_messages(self) -> list[dict]:
         out = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -137,11 +138,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     server = request.app.state.mtplx
     server.check_model(body.model)
     tools = body.offered_tools()
-    if body.tool_choice_of(tools).mode == "none":
-        tools = []
+    choice = body.tool_choice_of(tools)
+    tools = tools if choice.mode != "none" else []
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
+    grammar = (tool_call_grammar(server.engine, tools, choice, server.tool_parser)
+               or response_format_grammar(server.engine, body.response_format(), "text.format"))
     [engine_request] = engine_requests(server, body, prompt, ("max_output_tokens", body.max_output_tokens),
-                                       chat=chat, sampling=body.sampling(server.default_temperature))
+                                       chat=chat, sampling=body.sampling(server.default_temperature),
+                                       grammar=grammar)
     reply = ResponseObject(body, tools, server.tool_parser if tools else None)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)
 
@@ -174,7 +178,7 @@ class ResponseObject:
                "tool_choice": b.tool_choice or "auto",
                "tools": [{"type": "function", "name": t.name, "description": t.description,
                           "parameters": t.parameters, "strict": False} for t in self.tools],
-               "previous_response_id": None, "store": False, "text": {"format": {"type": "text"}},
+               "previous_response_id": None, "store": False, "text": b.text or {"format": {"type": "text"}},
                "truncation": "disabled", "metadata": (b.model_extra or {}).get("metadata") or {},
                "usage": usage}
         if result is not None:
