@@ -163,7 +163,7 @@ def test_per_request_generation_mode_and_depth(client, refs):
     (dict(extra_body={"depth": 9}), "depth", "from 1 to 8"),
     (dict(presence_penalty=3), "presence_penalty", "[-2, 2]"),
     (dict(logit_bias={"5": 100}), "logit_bias", "would change the output"),
-    (dict(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (dict(response_format={"type": "xml"}), "response_format.type", "json_object or json_schema"),
     (dict(extra_body={"min_tokens": 3}), "min_tokens", "not supported"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "not supported"),
 ])
