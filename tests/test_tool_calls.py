@@ -83,6 +83,12 @@ def test_the_parser_follows_the_chat_template_unless_overridden(template, name):
     assert type(parser_for(tokenizer, "qwen3_coder")) is Qwen3CoderParser
 
 
+def test_the_cli_offers_every_parser():
+    from mtplx.commands.serve import TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+
+
 # -- streaming ------------------------------------------------------------------------------
 SAMPLES = [
     'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> and '
