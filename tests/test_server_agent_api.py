@@ -328,3 +328,37 @@ def test_responses_is_stateless(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)
     assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+def test_chat_logprobs_whole_streamed_and_across_generation_modes(oai):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    whole = oai.chat.completions.create(**kwargs)
+    entries = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == whole.choices[0].message.content  # one character per token
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+    streamed = [e for chunk in oai.chat.completions.create(stream=True, **kwargs) if chunk.choices
+                and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    ar = oai.chat.completions.create(extra_body={"generation_mode": "ar"}, **kwargs).choices[0].logprobs.content
+    for other in (streamed, ar):
+        assert [e.token for e in other] == [e.token for e in entries]
+        assert [e.logprob for e in other] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+
+
+def test_completion_logprobs_in_the_legacy_shape(oai):
+    r = oai.completions.create(model=MODEL, prompt="The sea", max_tokens=6, temperature=0.8, seed=2, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset == list(range(len(lp.tokens)))
+    assert all(len(top) == 2 and max(top.values()) >= value - 1e-6
+               for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+@pytest.mark.parametrize("kwargs, param", [(dict(top_logprobs=2), "top_logprobs"),
+                                           (dict(logprobs=True, top_logprobs=21), "top_logprobs")])
+def test_bad_logprobs_requests_are_400(oai, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, **kwargs)
+    assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        oai.completions.create(model=MODEL, prompt="a", max_tokens=2, echo=True, logprobs=1)

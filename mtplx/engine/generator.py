@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from mtplx.engine import constraints
+from mtplx.engine import constraints, logprobs
 from mtplx.engine.block_manager import OutOfBlocks
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
 from mtplx.engine.sampling import apply_penalties, logits_to_probs, sample
@@ -178,7 +178,7 @@ class Generator:
         t0 = time.perf_counter()
         # argmax drafts stay on the device: the cycle syncs with the host once (not for hybrid
         # models: re-feeding accepted tokens to their recurrent state needs them on the host)
-        on_device = self.runner.states is None and all(s.counts is None and s.constraint is None and (
+        on_device = self.runner.states is None and all(s.counts is None and not s.host_path and (
             s.params.greedy or s.draft_policy == "greedy") for s in seqs)
         depth = max(s.depth for s in seqs)
         if on_device and self._chainable(seqs, depth) and self._start_chain(seqs, depth):
@@ -238,7 +238,7 @@ class Generator:
     # row's committed length).
     def _chainable(self, seqs: list[Sequence], depth: int) -> bool:
         return (self.fault_hook is None and self.runner.states is None  # not hybrid models' recurrent state
-                and all(s.params.greedy and s.counts is None and s.constraint is None for s in seqs)
+                and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs)
                 and self.runner.can_chain(len(seqs), depth))
 
     def _continues(self, seqs: list[Sequence], depth: int) -> bool:
@@ -479,6 +479,7 @@ class Generator:
         if seq.counts is not None:  # position i's penalties count the drafts before it
             logits = torch.cat([self._penalised(seq, logits[i:i + 1], drafts[:i]) for i in range(len(drafts) + 1)])
         logits = constraints.mask_verify(seq, logits, drafts)
+        logprobs.record(seq, logits)
         if seq.params.greedy:
             return verify_greedy(logits, draft_t)
         draft_q = None if q[0] is None else torch.stack(q)
@@ -505,14 +506,14 @@ class Generator:
         recorded there (its token is a placeholder); without, the exception propagates."""
         tokens = logits.argmax(-1)  # plain greedy rows need nothing more
         hook = self.fault_hook
-        if hook is None and all(s.params.greedy and s.counts is None and s.constraint is None for s in seqs):
+        if hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
             return tokens.tolist()  # the step's one host sync
         picks = []
         for r, s in enumerate(seqs):
             try:
                 if hook is not None:
                     hook("sample", s)
-                plain = s.params.greedy and s.counts is None and s.constraint is None
+                plain = s.params.greedy and s.counts is None and not s.host_path
                 picks.append(tokens[r:r + 1] if plain else self._sample_tensor(s, logits[r:r + 1]))
             except Exception as exc:
                 if faults is None:
@@ -524,6 +525,7 @@ class Generator:
     def _sample_tensor(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> [1] token on the device."""
         logits = constraints.mask_next(seq, self._penalised(seq, logits, []))
+        logprobs.record(seq, logits)
         if seq.params.greedy:
             return logits.argmax(-1)
         return sample(logits_to_probs(logits, seq.params), seq.generator)
@@ -545,6 +547,7 @@ class Generator:
                 seq.finish_reason = "length"
                 break
         constraints.advance(seq, seq.tokens[committed:])
+        logprobs.commit(seq, seq.tokens[committed:])
         seq.stats.generated_tokens = seq.num_generated
         seq.stats.decode_s = time.perf_counter() - seq.t_first
         valid = min(seq.trunk_len, seq.head_len) if seq.mode == "mtp" else seq.trunk_len

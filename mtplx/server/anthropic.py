@@ -230,7 +230,7 @@ class MessageShape:
                    "stop_reason": None, "stop_sequence": None, "usage": self.usage(None)}
         return [_event("message_start", message=message), _event("ping")]
 
-    def delta(self, index: int, text: str, token_ids: list[int]) -> list[str]:
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
         events = self.stream.feed(text) if self.stream else [("content", text)]
         return self._blocks(events)
 

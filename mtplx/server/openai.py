@@ -147,9 +147,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         ("max_tokens", body.max_tokens)
     grammar = (tool_call_grammar(server.engine, tools, body.choice, server.tool_parser)
                or response_format_grammar(server.engine, body.response_format))
-    requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar)
+    requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar,
+                               logprobs=body.logprobs_wanted)
     shape = ResponseShape(True, body.model, body.return_token_ids, body.n, body.include_usage, tools,
-                          server.tool_parser if tools else None)
+                          server.tool_parser if tools else None, server.engine.tokenizer)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
 
 
@@ -159,8 +160,9 @@ async def completions(body: CompletionRequest, request: Request):
     server = request.app.state.mtplx
     server.check_model(body.model)
     requests = engine_requests(server, body, body.single_prompt(), ("max_tokens", body.max_tokens), chat=False,
-                               n=body.n)
-    shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage)
+                               n=body.n, logprobs=body.logprobs_wanted)
+    shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage,
+                          tokenizer=server.engine.tokenizer)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
 
 
@@ -195,11 +197,12 @@ def template_errors():
 
 
 def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
-                    sampling: dict | None = None, grammar=None) -> list:
+                    sampling: dict | None = None, grammar=None, logprobs: int | None = None) -> list:
     """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
     the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
     None = up to the context); a limit the context cannot hold is a 400 naming the field.
-    ``grammar``: the output's grammar (structured.py), None for free text."""
+    ``grammar``: the output's grammar (structured.py), None for free text. ``logprobs``: report
+    each token's logprob and this many alternatives (None: off)."""
     settings = server.scheduler.settings
     engine = server.engine
     name, max_tokens = limit
@@ -214,7 +217,7 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
         raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
                             f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
                             f"{room}", param=name, code="invalid_value")
-    base.grammar = grammar
+    base.grammar, base.logprobs = grammar, logprobs
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(
         base.params, seed=None if seed is None else seed + i)) for i in range(1, n)]

@@ -21,6 +21,8 @@ from mtplx.server.tools import ROLES, ToolCall, ToolCallStream, ToolChoice, pars
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default when a request gives none
 MAX_N = 16  # completions per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+NO_LOGPROB = -9999.0  # what JSON carries for a token the distribution excludes (-inf), as OpenAI
 
 
 def lone_surrogate_path(value, path: tuple = ()) -> tuple | None:
@@ -68,7 +70,7 @@ class StreamOptions(BaseModel):
 # Other unknown fields (user, metadata, store, ...) do not change the output and are ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
-    "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "functions": (None, []),
+    "response_format": (None, {"type": "text"}), "functions": (None, []),
     "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "prompt_logprobs": (None, 0), "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False), "min_new_tokens": (None, 0),
@@ -94,7 +96,6 @@ class GenerationFields(RequestBody):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     generation_mode: Literal["mtp", "ar"] | None = None
     depth: int | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
@@ -107,9 +108,6 @@ class GenerationFields(RequestBody):
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs: log probabilities are not supported", param="logprobs",
-                           code="unsupported_value")
 
     def sampling_kwargs(self, default_temperature: float = DEFAULT_TEMPERATURE) -> dict:
         """Keyword arguments for ``Engine.make_request`` (besides prompt, max_tokens, mode, depth)."""
@@ -147,6 +145,8 @@ def text_of(content, param: str) -> str:
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
@@ -156,9 +156,16 @@ class ChatCompletionRequest(GenerationFields):
         super().check_supported()
         self.offered_tools = parse_tools(self.tools)
         self.choice: ToolChoice = parse_tool_choice(self.tool_choice, self.offered_tools)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
         if self.choice.forced and self.response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format: cannot be combined with a forced tool_choice (the output is the "
                                 "tool call)", param="response_format", code="invalid_value")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """None (no logprobs) or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
         """Messages as {"role", "content": str} plus "tool_calls" (assistant) and "tool_call_id"
@@ -199,12 +206,19 @@ class CompletionRequest(GenerationFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, off in (("echo", False), ("suffix", None)):
-            if getattr(self, name) != off:
-                raise APIError(400, f"{name}: not supported", param=name, code="unsupported_value")
+        if self.echo:
+            raise APIError(400, "echo: not supported (prompt logprobs are not computed)", param="echo",
+                           code="unsupported_value")
+        if self.suffix is not None:
+            raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of", code="unsupported_value")
 
@@ -248,8 +262,10 @@ class ResponseShape:
     ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
-                 tools: list | None = None, parser=None):
+                 tools: list | None = None, parser=None, tokenizer=None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.tokenizer = tokenizer  # for logprobs' token strings
+        self.offsets = [0] * n  # text offset of the next token per choice (completions' logprobs)
         self.n, self.include_usage = n, include_usage
         self.tools, self.parser = tools or [], parser
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -274,7 +290,8 @@ class ResponseShape:
                               usage=usage(results), **stats_fields(results))
 
     def _choice(self, index: int, result: JobResult) -> dict:
-        choice = {"index": index, "finish_reason": result.finish_reason, "logprobs": None}
+        choice = {"index": index, "finish_reason": result.finish_reason,
+                  "logprobs": self.logprobs(index, result.token_ids, result.logprobs)}
         if self.chat:
             message = {"role": "assistant", "content": result.text}
             stream = self._tool_stream()
@@ -291,11 +308,36 @@ class ResponseShape:
             choice["token_ids"] = result.token_ids
         return choice
 
+    def logprobs(self, index: int, token_ids: list[int], values: list | None) -> dict | None:
+        """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked."""
+        if values is None:
+            return None
+        text = [self._token(t) for t in token_ids]
+        if self.chat:
+            return {"content": [{**self._entry(token, value),
+                                 "top_logprobs": [self._entry(self._token(i), v) for i, v in top]}
+                                for token, (value, top) in zip(text, values)], "refusal": None}
+        offsets = []
+        for token in text:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {"tokens": text, "token_logprobs": [_finite(v) for v, _ in values],
+                "top_logprobs": [{self._token(i): _finite(v) for i, v in top} for _, top in values],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    @staticmethod
+    def _entry(token: str, value: float) -> dict:
+        return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
+
     # -- streamed --------------------------------------------------------------------------
     def chunk(self, index: int, text: str | None, token_ids: list[int] | None = None,
               finish_reason: str | None = None, role: bool = False, tool_calls: list | None = None,
-              **extra) -> dict:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+              logprobs: dict | None = None, **extra) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -312,13 +354,15 @@ class ResponseShape:
     def start(self) -> list[str]:
         return [sse(self.chunk(i, "", role=True)) for i in range(self.n)] if self.chat else []
 
-    def delta(self, index: int, text: str, token_ids: list[int]) -> list[str]:
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
+        lp = self.logprobs(index, token_ids, logprobs)
         stream = self.streams[index]
         if stream is None:
-            return [sse(self.chunk(index, text, token_ids))] if text or self.return_token_ids else []
+            wanted = text or self.return_token_ids or lp is not None
+            return [sse(self.chunk(index, text, token_ids, logprobs=lp))] if wanted else []
         out = self._tool_events(index, stream.feed(text))
-        if not out and self.return_token_ids:
-            out.append(sse(self.chunk(index, None, token_ids)))
+        if self.return_token_ids or lp is not None:  # the tokens' own chunk (the text is in the others)
+            out.append(sse(self.chunk(index, None, token_ids, logprobs=lp)))
         return out
 
     def _tool_events(self, index: int, events: list) -> list[str]:
@@ -362,6 +406,10 @@ class ResponseShape:
 
     def error(self, error: APIError) -> list[str]:
         return [sse(error_body(error.message, error.type, error.param, error.code)), "data: [DONE]\n\n"]
+
+
+def _finite(value: float) -> float:
+    return value if value > NO_LOGPROB else NO_LOGPROB
 
 
 def _tool_finish(reason: str) -> str:

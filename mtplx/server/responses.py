@@ -210,7 +210,7 @@ class ResponseObject:
         return [self._event("response.created", response=self.envelope("in_progress", [])),
                 self._event("response.in_progress", response=self.envelope("in_progress", []))]
 
-    def delta(self, index: int, text: str, token_ids: list[int]) -> list[str]:
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
         return self._items(self.stream.feed(text) if self.stream else [("content", text)])
 
     def _items(self, events: list) -> list[str]:
