@@ -113,6 +113,20 @@ def test_a_stream_split_anywhere_gives_the_whole_texts_content_and_calls(sample,
     assert [(c.name, c.arguments) for c in stream.calls] == [(c.name, c.arguments) for c in found]
 
 
+def test_hermes_arguments_stream_as_they_arrive():
+    stream = ToolCallStream(HermesParser(), TOOLS)
+    text = 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo}", "days": 2}}\n</tool_call>'
+    events = []
+    for i in range(0, len(text), 4):
+        events += stream.feed(text[i:i + 4])
+    events += stream.finish()
+    kinds = [k for k, _ in events]
+    assert kinds[:2] == ["content", "call_start"] and kinds[-1] == "call_end"
+    fragments = [v[1] for k, v in events if k == "arguments"]
+    assert len(fragments) > 3 and "".join(fragments) == '{"city": "Oslo}", "days": 2}'
+    assert stream.calls[0].arguments == "".join(fragments) == split_tool_calls(HermesParser(), TOOLS, text)[1][0].arguments
+
+
 def test_content_that_may_begin_markup_is_held_back_until_decided():
     stream = ToolCallStream(HermesParser(), TOOLS)
     assert stream.feed("Hi <tool") == [("content", "Hi ")]

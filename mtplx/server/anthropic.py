@@ -23,7 +23,7 @@ from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, _unique, make_tool
+from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, _unique, make_tool, split_tool_calls
 
 router = APIRouter()
 
@@ -188,15 +188,12 @@ class MessageShape:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.stream = ToolCallStream(parser, tools) if tools and parser else None
         self.block: int | None = None  # index of the open text block
+        self.tool_block = 0  # index of the last tool_use block
         self.blocks = 0
         self.result: JobResult | None = None
 
     def _split(self, text: str) -> tuple[str, list[ToolCall]]:
-        stream = ToolCallStream(self.parser, self.tools) if self.tools and self.parser else None
-        if stream is None:
-            return text, []
-        content = "".join(e for kind, e in stream.feed(text) + stream.finish() if kind == "content")
-        return (content.strip() if stream.calls else content), stream.calls
+        return split_tool_calls(self.parser, self.tools, text) if self.tools and self.parser else (text, [])
 
     def _stop(self, result: JobResult, called: bool) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) from the job's finish."""
@@ -247,15 +244,21 @@ class MessageShape:
                                       content_block={"type": "text", "text": ""}))
                 out.append(_event("content_block_delta", index=self.block,
                                   delta={"type": "text_delta", "text": value}))
-            else:
+                continue
+            call, fragment = value if kind == "arguments" else (value, None)
+            if kind in ("call", "call_start"):
                 out += self._close_text()
-                index = self.blocks
+                self.tool_block = self.blocks
                 self.blocks += 1
-                out.append(_event("content_block_start", index=index,
-                                  content_block={**_tool_use(value), "input": {}}))
-                out.append(_event("content_block_delta", index=index,
-                                  delta={"type": "input_json_delta", "partial_json": value.arguments}))
-                out.append(_event("content_block_stop", index=index))
+                out.append(_event("content_block_start", index=self.tool_block,
+                                  content_block={**_tool_use(call, {}), "input": {}}))
+            if kind == "call":
+                fragment = call.arguments
+            if fragment:
+                out.append(_event("content_block_delta", index=self.tool_block,
+                                  delta={"type": "input_json_delta", "partial_json": fragment}))
+            if kind in ("call", "call_end"):
+                out.append(_event("content_block_stop", index=self.tool_block))
         return out
 
     def _close_text(self) -> list[str]:
@@ -284,9 +287,9 @@ class MessageShape:
                     event="error")]
 
 
-def _tool_use(call: ToolCall) -> dict:
+def _tool_use(call: ToolCall, input: dict | None = None) -> dict:
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name,
-            "input": json.loads(call.arguments)}
+            "input": json.loads(call.arguments) if input is None else input}
 
 
 def _event(kind: str, **fields: Any) -> str:

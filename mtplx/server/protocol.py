@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtplx.batching.job import JobResult
 from mtplx.server.errors import APIError, error_body
-from mtplx.server.tools import ROLES, ToolCall, ToolCallStream, ToolChoice, parse_tool_choice, parse_tools
+from mtplx.server.tools import (ROLES, ToolCall, ToolCallStream, ToolChoice, parse_tool_choice, parse_tools,
+                                split_tool_calls)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default when a request gives none
 MAX_N = 16  # completions per request
@@ -294,12 +295,11 @@ class ResponseShape:
                   "logprobs": self.logprobs(index, result.token_ids, result.logprobs)}
         if self.chat:
             message = {"role": "assistant", "content": result.text}
-            stream = self._tool_stream()
-            if stream is not None:
-                content = "".join(e for kind, e in stream.feed(result.text) + stream.finish() if kind == "content")
-                if stream.calls:
-                    message = {"role": "assistant", "content": content.strip() or None,
-                               "tool_calls": [c.openai_dict() for c in stream.calls]}
+            if self._tool_stream() is not None:
+                content, calls = split_tool_calls(self.parser, self.tools, result.text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.openai_dict() for c in calls]}
                     choice["finish_reason"] = _tool_finish(result.finish_reason)
             choice["message"] = message
         else:
@@ -370,13 +370,18 @@ class ResponseShape:
         for kind, value in events:
             if kind == "content":
                 out.append(sse(self.chunk(index, value)))
-            else:  # a parsed call: its id and name, then its arguments
-                k = self.streams[index].calls.index(value)
-                head = {"index": k, "id": value.id, "type": "function",
-                        "function": {"name": value.name, "arguments": ""}}
+                continue
+            call, fragment = value if kind == "arguments" else (value, None)
+            k = self.streams[index].calls.index(call)
+            if kind in ("call", "call_start"):  # its id and name first
+                head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name,
+                                                                                    "arguments": ""}}
                 out.append(sse(self.chunk(index, None, tool_calls=[head])))
+            if kind == "call":
+                fragment = call.arguments
+            if fragment:
                 out.append(sse(self.chunk(index, None, tool_calls=[{"index": k, "function": {
-                    "arguments": value.arguments}}])))
+                    "arguments": fragment}}])))
         return out
 
     def done(self, index: int, result: JobResult) -> list[str]:

@@ -25,7 +25,7 @@ from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, _unique, make_tool, parse_tool_choice
+from mtplx.server.tools import Tool, ToolCall, ToolCallStream, _unique, make_tool, parse_tool_choice, split_tool_calls
 
 router = APIRouter()
 
@@ -161,6 +161,7 @@ class ResponseObject:
         self.seq = 0
         self.items: list[dict] = []  # output items so far
         self.text_item: dict | None = None  # the open message item
+        self.call_item: dict | None = None  # the last function_call item
 
     def envelope(self, status: str, output: list[dict], result: JobResult | None = None) -> dict:
         b = self.body
@@ -191,12 +192,9 @@ class ResponseObject:
 
     def whole(self, results: list[JobResult]) -> dict:
         [result] = results
-        stream = ToolCallStream(self.parser, self.tools) if self.tools and self.parser else None
         text, calls = result.text, []
-        if stream is not None:
-            text = "".join(e for kind, e in stream.feed(result.text) + stream.finish() if kind == "content")
-            calls = stream.calls
-            text = text.strip() if calls else text
+        if self.tools and self.parser:
+            text, calls = split_tool_calls(self.parser, self.tools, result.text)
         output = [_message_item(text, "completed")] if text or not calls else []
         output += [_call_item(c, "completed") for c in calls]
         return self.envelope(self.status(result), output, result)
@@ -223,18 +221,24 @@ class ResponseObject:
                 self.text_item["content"][0]["text"] += value
                 out.append(self._event("response.output_text.delta", item_id=self.text_item["id"],
                                        output_index=len(self.items) - 1, content_index=0, delta=value))
-            else:
+                continue
+            call, fragment = value if kind == "arguments" else (value, None)
+            if kind in ("call", "call_start"):
                 out += self._close_text()
-                item = _call_item(value, "in_progress")
-                self.items.append(item)
-                at = len(self.items) - 1
-                out.append(self._event("response.output_item.added", output_index=at,
-                                       item={**item, "arguments": ""}))
+                self.call_item = _call_item(call, "in_progress")
+                self.items.append(self.call_item)
+                out.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                       item={**self.call_item, "arguments": ""}))
+            item, at = self.call_item, self.items.index(self.call_item)
+            if kind == "call":
+                fragment = call.arguments
+            if fragment:
                 out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                       output_index=at, delta=value.arguments))
+                                       output_index=at, delta=fragment))
+            if kind in ("call", "call_end"):
+                item.update(arguments=call.arguments, status="completed")
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                       output_index=at, arguments=value.arguments))
-                item["status"] = "completed"
+                                       output_index=at, arguments=call.arguments))
                 out.append(self._event("response.output_item.done", output_index=at, item=item))
         return out
 

@@ -201,6 +201,13 @@ class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen2.5, Qwen3)."""
 
     start, end = "<tool_call>", "</tool_call>"
+    HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+    def header(self, block: str) -> tuple[str, int] | None:
+        """(name, where the arguments object starts) once an open block shows them, so the
+        arguments can stream; None until then (or in a dialect that cannot stream them)."""
+        m = self.HEADER.match(block, len(self.start))
+        return (m.group(1), m.end()) if m else None
 
     def find_start(self, text: str, pos: int, at_beginning: bool) -> int:
         return text.find(self.start, pos)
@@ -223,7 +230,10 @@ class HermesParser:
         args = _json_object(args) if isinstance(args, str) else args
         if not isinstance(args, dict):
             return None
-        return [ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))]
+        head = self.header(block)  # the arguments as the model wrote them, which is what streamed
+        end = json_value_end(block, head[1]) if head else None
+        raw = block[head[1]:end] if end else None
+        return [ToolCall(obj["name"], raw if raw and _json_object(raw) == args else json.dumps(args, ensure_ascii=False))]
 
 
 class Qwen3CoderParser(HermesParser):
@@ -232,6 +242,9 @@ class Qwen3CoderParser(HermesParser):
 
     FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
     PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
+
+    def header(self, block: str) -> None:
+        return None  # arguments are converted by schema at the end, so a call is sent whole
 
     def parse_block(self, block: str, tools: dict[str, Tool], final: bool) -> list[ToolCall] | None:
         calls = []
@@ -256,6 +269,9 @@ class Llama3JsonParser:
     ";"), optionally after ``<|python_tag|>``. Markup only at the start of the reply."""
 
     TAG = "<|python_tag|>"
+
+    def header(self, block: str) -> None:
+        return None
 
     def find_start(self, text: str, pos: int, at_beginning: bool) -> int:
         stripped = text[pos:].lstrip()
@@ -310,6 +326,30 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def json_value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array starting at ``text[start]``, or None if it
+    has not ended yet."""
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 def _split_top_level(text: str, sep: str) -> list[str]:
     """``text`` split on ``sep`` outside JSON strings and brackets."""
     parts, depth, start, in_string, escape = [], 0, 0, False, False
@@ -337,8 +377,11 @@ def _split_top_level(text: str, sep: str) -> list[str]:
 
 class ToolCallStream:
     """Splits streamed output into content and tool calls. ``feed(text)`` and ``finish()``
-    return events: ("content", str) and ("call", ToolCall). Content that might begin markup
-    is held back until decided; a markup block that does not parse is released as content."""
+    return events: ("content", str); ("call", ToolCall) for a call sent whole; or, where the
+    dialect lets arguments stream (hermes), ("call_start", call) once its name is out, then
+    ("arguments", (call, fragment)) as they arrive and ("call_end", call). Content that might
+    begin markup is held back until decided; a block that does not parse is released as
+    content (a streamed call whose arguments turn out malformed ends with what was sent)."""
 
     def __init__(self, parser, tools: list[Tool]):
         self.parser, self.tools = parser, {t.name: t for t in tools}
@@ -346,6 +389,8 @@ class ToolCallStream:
         self.pos = 0          # text[:pos] is decided (sent as content or parsed as calls)
         self.block: int | None = None  # where the open markup block starts
         self.calls: list[ToolCall] = []
+        self.open: ToolCall | None = None  # the call whose arguments are streaming
+        self.args_at = 0  # where its arguments start in text
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
         self.text += piece
@@ -368,10 +413,14 @@ class ToolCallStream:
                 self.block = start
             end = self.parser.find_end(self.text, self.block)
             if end is None and not final:
+                self._stream_arguments(events)
                 return events
             end = len(self.text) if end is None else end
             calls = self.parser.parse_block(self.text[self.block:end], self.tools, final)
-            if calls and all(c.name in self.tools for c in calls):  # a call to no offered tool is text
+            if self.open is not None:
+                self._end_call(events, calls)
+                self.pos = end
+            elif calls and all(c.name in self.tools for c in calls):  # a call to no offered tool is text
                 self.calls += calls
                 events += [("call", c) for c in calls]
                 self.pos = end
@@ -381,6 +430,30 @@ class ToolCallStream:
             if end >= len(self.text) and (final or self.pos == len(self.text)):
                 return events
 
+    def _stream_arguments(self, events: list) -> None:
+        """In an open block: start the call once its name shows, then send its new arguments."""
+        if self.open is None:
+            head = self.parser.header(self.text[self.block:])
+            if head is None or head[0] not in self.tools:
+                return
+            self.open, self.args_at = ToolCall(head[0], ""), self.block + head[1]
+            self.calls.append(self.open)
+            events.append(("call_start", self.open))
+        end = json_value_end(self.text, self.args_at) or len(self.text)
+        self._send_arguments(events, self.text[self.args_at:end])
+
+    def _send_arguments(self, events: list, arguments: str) -> None:
+        call = self.open
+        if arguments.startswith(call.arguments) and len(arguments) > len(call.arguments):
+            events.append(("arguments", (call, arguments[len(call.arguments):])))
+            call.arguments = arguments
+
+    def _end_call(self, events: list, calls: list[ToolCall] | None) -> None:
+        if calls and len(calls) == 1 and calls[0].name == self.open.name:
+            self._send_arguments(events, calls[0].arguments)
+        events.append(("call_end", self.open))
+        self.open = None
+
     def _content(self, events: list, upto: int) -> None:
         if upto > self.pos:
             events.append(("content", self.text[self.pos:upto]))
@@ -388,8 +461,11 @@ class ToolCallStream:
 
 
 def split_tool_calls(parser, tools: list[Tool], text: str) -> tuple[str, list[ToolCall]]:
-    """Whole-output parsing: (content, calls), the same split a stream of ``text`` gives."""
+    """Whole-output parsing: (content, calls). A stream of ``text`` gives the same calls and
+    content, except that a call whose name streamed and whose arguments then turned out
+    malformed stays a call there (it was already sent) and is content here."""
     stream = ToolCallStream(parser, tools)
-    events = stream.feed(text) + stream.finish()
+    stream.text = text
+    events = stream.finish()
     content = "".join(e for kind, e in events if kind == "content")
     return (content.strip() if stream.calls else content), stream.calls
