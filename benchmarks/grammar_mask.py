@@ -51,8 +51,8 @@ def xgrammar_case(hf, vocab: int, ids: list[int], repeats: int) -> None:
             matcher.fill_next_token_bitmask(bitmask)
             times.append(time.perf_counter() - t)
             assert matcher.accept_token(token), token
-    print(f"xgrammar {importlib.metadata.version('xgrammar')}: tokenizer set-up {setup:.2f} s, compile {compile_s * 1e3:.1f} ms; "
-          f"mask per token: {summary(times)}")
+    print(f"xgrammar {importlib.metadata.version('xgrammar')}: tokenizer set-up {setup:.2f} s, "
+          f"compile {compile_s * 1e3:.1f} ms; mask per token: {summary(times)}")
 
 
 def llguidance_case(hf, vocab: int, ids: list[int], repeats: int) -> None:
@@ -63,9 +63,8 @@ def llguidance_case(hf, vocab: int, ids: list[int], repeats: int) -> None:
     t = time.perf_counter()
     tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
     setup = time.perf_counter() - t
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA),
-                                                            defaults={"whitespace_flexible": False, "item_separator": ", ",
-                                                                      "key_separator": ": "})
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as xgrammar's
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults=compact)
     bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
     times, compile_s = [], []
     for _ in range(repeats):

@@ -105,7 +105,8 @@ def test_offered_tools_reach_the_prompt_and_plain_output_stays_content(oai, refs
     # tool_choice "none": the tools are not shown
     none = oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice="none",
                                        max_tokens=16, temperature=0)
-    assert none.usage.prompt_tokens == plain.usage.prompt_tokens and none.choices[0].message.content == refs["chat"].text
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == refs["chat"].text
 
 
 def test_a_conversation_with_tool_calls_and_results_is_accepted(oai):
@@ -215,7 +216,8 @@ def test_anthropic_system_and_stop_sequences(claude, engine, refs):
 def test_anthropic_tool_use_history_renders_as_the_openai_one(claude, oai):
     """count_tokens of an Anthropic conversation with tool_use / tool_result blocks equals the
     prompt of the same conversation sent as OpenAI messages."""
-    tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER["function"]["parameters"]}
+    tool = {"name": "get_weather", "description": "Weather in a city",
+            "input_schema": WEATHER["function"]["parameters"]}
     turns = [*CHAT, {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {
         "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"},
@@ -260,7 +262,8 @@ def test_anthropic_errors_in_anthropic_shape(claude, url):
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=MODEL, max_tokens=0, messages=CHAT)
-    assert err.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in err.value.body["error"]["message"]
+    error = err.value.body["error"]
+    assert error["type"] == "invalid_request_error" and "max_tokens" in error["message"]
     with pytest.raises(anthropic.BadRequestError, match="tool_choice.name"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, tool_choice={"type": "tool", "name": "g"},
                                tools=[{"name": "f", "input_schema": {"type": "object"}}])

@@ -182,7 +182,8 @@ def mask_verify(seq: Any, logits: torch.Tensor, drafts: list[int]) -> torch.Tens
     for i in range(len(drafts) + 1):
         rows.append(c.allowed())
         if i < len(drafts) and not c.accept(drafts[i]):
-            raise RuntimeError(f"draft {drafts[i]} at position {i} is not allowed by the grammar (cut_drafts missed it)")
+            raise RuntimeError(f"draft {drafts[i]} at position {i} is not allowed by the grammar "
+                               "(cut_drafts should have cut it)")
     c.rollback(len(drafts))
     return masked(logits, torch.stack(rows))
 

@@ -23,7 +23,7 @@ from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, _unique, make_tool, split_tool_calls
+from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool, split_tool_calls
 
 router = APIRouter()
 
@@ -57,7 +57,7 @@ class PromptFields(RequestBody):
                 raise _bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
                                          f"server tool type {t.get('type')!r} is not")
             tools.append(make_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}"))
-        _unique(tools, "tools")
+        check_unique_names(tools, "tools")
         return tools
 
     def choice(self, tools: list[Tool]) -> ToolChoice:

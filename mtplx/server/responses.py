@@ -25,7 +25,7 @@ from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, _unique, make_tool, parse_tool_choice, split_tool_calls
+from mtplx.server.tools import Tool, ToolCall, ToolCallStream, check_unique_names, make_tool, parse_tool_choice, split_tool_calls
 
 router = APIRouter()
 
@@ -71,7 +71,7 @@ class ResponsesRequest(RequestBody):
             if t.get("type") != "function":
                 raise _bad(f"tools.{i}.type", f"only function tools are supported, got {t.get('type')!r}")
             tools.append(make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools.{i}"))
-        _unique(tools, "tools")
+        check_unique_names(tools, "tools")
         return tools
 
     def tool_choice_of(self, tools: list[Tool]):

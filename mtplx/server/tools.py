@@ -77,11 +77,11 @@ def parse_tools(raw, param: str = "tools") -> list[Tool]:
             raise _bad(where, 'each tool must be {"type": "function", "function": {"name", "parameters", ...}}')
         fn = item["function"]
         tools.append(make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function"))
-    _unique(tools, param)
+    check_unique_names(tools, param)
     return tools
 
 
-def _unique(tools: list[Tool], param: str) -> None:
+def check_unique_names(tools: list[Tool], param: str) -> None:
     names = [t.name for t in tools]
     for name in names:
         if names.count(name) > 1:
@@ -233,7 +233,8 @@ class HermesParser:
         head = self.header(block)  # the arguments as the model wrote them, which is what streamed
         end = json_value_end(block, head[1]) if head else None
         raw = block[head[1]:end] if end else None
-        return [ToolCall(obj["name"], raw if raw and _json_object(raw) == args else json.dumps(args, ensure_ascii=False))]
+        arguments = raw if raw and _json_object(raw) == args else json.dumps(args, ensure_ascii=False)
+        return [ToolCall(obj["name"], arguments)]
 
 
 class Qwen3CoderParser(HermesParser):
