@@ -23,7 +23,8 @@ from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool, split_tool_calls
+from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
+                                split_tool_calls)
 
 router = APIRouter()
 

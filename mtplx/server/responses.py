@@ -25,7 +25,8 @@ from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
-from mtplx.server.tools import Tool, ToolCall, ToolCallStream, check_unique_names, make_tool, parse_tool_choice, split_tool_calls
+from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, check_unique_names, make_tool, parse_tool_choice,
+                                split_tool_calls)
 
 router = APIRouter()
 
