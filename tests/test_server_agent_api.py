@@ -330,6 +330,24 @@ def test_responses_forced_function_call_and_json_schema(oai):
     jsonschema.validate(json.loads(r.output_text), tool["parameters"])
 
 
+def test_responses_stream_a_forced_function_call(oai):
+    tool = {"type": "function", "name": "get_city", "parameters": CITY["function"]["parameters"]}
+    kinds, deltas = [], ""
+    for event in oai.responses.create(model=MODEL, input="Tell me a story", tools=[tool], tool_choice="required",
+                                      max_output_tokens=120, temperature=0.5, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            deltas += event.delta
+        final = event
+    n = kinds.count("response.function_call_arguments.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * n, "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"] and n > 1
+    [call] = final.response.output
+    assert call.type == "function_call" and call.arguments == deltas
+    jsonschema.validate(json.loads(deltas), tool["parameters"])
+
+
 def test_responses_is_stateless(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)
