@@ -386,3 +386,28 @@ def test_bad_logprobs_requests_are_400(oai, kwargs, param):
     assert err.value.body["param"] == param
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.completions.create(model=MODEL, prompt="a", max_tokens=2, echo=True, logprobs=1)
+
+
+# -- every scheduler mode -----------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["serial", "ar_batch", "mtp_batch", "hyper", "solo_mtp"])
+def test_constrained_and_logprob_requests_run_in_every_scheduler_mode(engine, mode):
+    """Two concurrent requests (a forced call with logprobs, a json_schema one) and a plain one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mtplx.batching.state import SchedulerSettings
+
+    with running_server(create_app(engine, SchedulerSettings.resolve(mode), model_id=MODEL)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        common = dict(model=MODEL, messages=CHAT, max_tokens=80, temperature=0.7, seed=4)
+        schema = CITY["function"]["parameters"]
+        calls = [dict(tools=[CITY], tool_choice="required", logprobs=True, top_logprobs=2),
+                 dict(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}),
+                 dict(max_tokens=8)]
+        with ThreadPoolExecutor(3) as pool:
+            forced, structured, plain = pool.map(lambda extra: client.chat.completions.create(**{**common, **extra}),
+                                                 calls)
+    [call] = forced.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert len(forced.choices[0].logprobs.content) == forced.usage.completion_tokens
+    jsonschema.validate(json.loads(structured.choices[0].message.content), schema)
+    assert plain.usage.completion_tokens == 8
