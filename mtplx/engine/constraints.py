@@ -61,8 +61,9 @@ class GrammarCompiler:
     def json_schema(self, schema: dict, param: str = "schema") -> Grammar:
         """JSON text valid against ``schema`` (compact: ", " and ": " separators, no free whitespace,
         which small models would otherwise fill)."""
-        return Grammar(self._compile(lambda: self.xgr.Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=False, strict_mode=True), param), self.vocab_size)
+        source = json.dumps(schema)  # xgrammar caches compiled schemas by their text (key order is output order)
+        return Grammar(self._compile(lambda: source, param, lambda text: self.compiler.compile_json_schema(
+            text, any_whitespace=False, strict_mode=True)), self.vocab_size)
 
     def tagged_json(self, options: list[tuple[str, dict, str]], param: str) -> Grammar:
         """One of ``options`` (prefix, JSON schema, suffix): the text prefix, JSON valid against
@@ -77,9 +78,9 @@ class GrammarCompiler:
             return grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars)
         return Grammar(self._compile(build, param), self.vocab_size)
 
-    def _compile(self, build, param: str):
+    def _compile(self, build, param: str, compile=None):
         try:
-            return self.compiler.compile_grammar(build())
+            return (compile or self.compiler.compile_grammar)(build())
         except (RuntimeError, ValueError, TypeError) as exc:  # a schema xgrammar cannot turn into a grammar
             raise InvalidParameter(param, f"cannot build a grammar from it: {str(exc).splitlines()[0]}") from None
 
