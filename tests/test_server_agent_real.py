@@ -132,3 +132,16 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     [call] = message.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER_ARGS)
+
+
+def test_logprobs_agree_between_ar_and_mtp(oai, server):
+    serial_only(server)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=16,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    mtp = oai.chat.completions.create(extra_body={"generation_mode": "mtp"}, **kwargs)
+    ar = oai.chat.completions.create(extra_body={"generation_mode": "ar"}, **kwargs)
+    assert mtp.model_extra["mtplx_stats"]["accepted_tokens"] > 0  # some entries came from accepted drafts
+    a, m = ar.choices[0].logprobs.content, mtp.choices[0].logprobs.content
+    assert [e.token for e in a] == [e.token for e in m] and len(a) == mtp.usage.completion_tokens
+    assert [e.logprob for e in m] == pytest.approx([e.logprob for e in a], abs=2e-3)
+    assert [[t.token for t in e.top_logprobs] for e in m] == [[t.token for t in e.top_logprobs] for e in a]
