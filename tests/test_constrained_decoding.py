@@ -83,7 +83,6 @@ def tiny():
 
 @pytest.mark.parametrize("policy, depth, sampler", [
     ("greedy", 2, dict(temperature=1.0)),
-    ("mirror", 2, dict(temperature=1.0)),
     ("mirror", 3, dict(temperature=1.5, top_k=4)),
 ])
 def test_constrained_mtp_samples_the_constrained_ar_distribution(tiny, policy, depth, sampler):
