@@ -21,7 +21,13 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=8)
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options", "n",
-          "logprobs", "tools", "depth", "generation_mode", "draft_policy", "user"]
+          "logprobs", "tools", "depth", "generation_mode", "draft_policy", "user", "tool_choice", "response_format",
+          "top_logprobs", "parallel_tool_calls"]
+# the Anthropic and Responses routes' own fields
+ROUTE_FIELDS = {"/v1/messages": ["system", "stop_sequences", "tool_choice", "tools", "messages", "max_tokens",
+                                 "stream", "thinking"],
+                "/v1/responses": ["input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
+                                  "previous_response_id", "stream"]}
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x", ""]),
                                            "content": st.one_of(st.text(max_size=20), values)}), max_size=3)
 
@@ -62,6 +68,31 @@ def test_generated_requests_never_get_a_500(url, body, path):
         _check(r)
         after = http.post(url + "/v1/chat/completions", json=VALID)
         assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] is not None
+
+
+tool_like = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "name": st.text(max_size=6),
+                                   "function": values, "input_schema": values, "parameters": values})
+
+
+@st.composite
+def route_bodies(draw, path: str):
+    body = {"model": MODEL, "max_tokens": 4, "max_output_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+            "input": "hi", "temperature": 0}
+    for field in draw(st.lists(st.sampled_from(ROUTE_FIELDS[path]), max_size=4, unique=True)):
+        body[field] = draw(st.lists(tool_like, max_size=2) if field == "tools" else values)
+    return body
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), path=st.sampled_from(sorted(ROUTE_FIELDS)))
+def test_generated_anthropic_and_responses_requests_never_get_a_500(url, data, path):
+    body = data.draw(route_bodies(path))
+    with httpx.Client(timeout=30) as http:
+        r = http.post(url + path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert error["message"] and error["type"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

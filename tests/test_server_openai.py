@@ -157,13 +157,13 @@ def test_per_request_generation_mode_and_depth(client, refs):
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "must be a finite number >= 0"),
     (dict(top_p=1.5), "top_p", "(0, 1]"),
-    (dict(n=2), "n", "only n=1 is supported"),
+    (dict(n=0), "n", "greater than or equal to 1"),
     (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
     (dict(extra_body={"top_k": -3}), "top_k", "integer >= 0"),
     (dict(extra_body={"depth": 9}), "depth", "from 1 to 8"),
     (dict(presence_penalty=3), "presence_penalty", "[-2, 2]"),
     (dict(logit_bias={"5": 100}), "logit_bias", "would change the output"),
-    (dict(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (dict(response_format={"type": "xml"}), "response_format.type", "json_object or json_schema"),
     (dict(extra_body={"min_tokens": 3}), "min_tokens", "not supported"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "not supported"),
 ])

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from mtplx.cli import build_parser
-from mtplx.server.lifecycle import MAX_HEADER_BYTES
+from mtplx.server.security import MAX_HEAD_BYTES as MAX_HEADER_BYTES
 from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, MIB
 from tests.serve_process import COUNTING, MODEL, ServeProcess, serve_env, wait_until
 
@@ -50,7 +50,10 @@ def with_key(**headers) -> dict:
 
 def assert_401(response: httpx.Response) -> None:
     assert response.status_code == 401, (response.request.url, response.text)
-    assert response.json()["error"]["code"] == "invalid_api_key"
+    if response.request.url.path.startswith("/v1/messages"):  # Anthropic's error shape
+        assert response.json()["error"]["type"] == "authentication_error"
+    else:
+        assert response.json()["error"]["code"] == "invalid_api_key"
     assert response.headers["www-authenticate"] == "Bearer"
 
 

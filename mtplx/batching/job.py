@@ -26,6 +26,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
+    logprobs: list | None = None  # per token (logprob, [(id, logprob), ...]) when the request asked
 
 
 @dataclass
@@ -50,6 +51,7 @@ class JobResult:
     prompt_tokens: int
     completion_tokens: int
     stats: dict  # the ``mtplx_stats`` object: decode statistics plus scheduler fields
+    logprobs: list | None = None  # per token (logprob, [(id, logprob), ...]) when the request asked
 
 
 @dataclass
@@ -93,11 +95,12 @@ class Job:
         new_ids = seq.generated[self._sent_tokens:]
         if not new_ids and not text:
             return
+        logprobs = None if seq.logprobs is None else seq.logprobs[self._sent_tokens:self._sent_tokens + len(new_ids)]
         self._sent_tokens += len(new_ids)
         if self.t_first_token is None and new_ids:
             self.t_first_token = time.perf_counter()
         self._text.append(text)
-        self.emit(Delta(text, new_ids))
+        self.emit(Delta(text, new_ids, logprobs))
 
     def finish(self, seq: Sequence) -> JobResult:
         """Emit ``Done`` with the result; a cancelled job ends with finish_reason "cancelled"."""
@@ -107,7 +110,7 @@ class Job:
         stats.update(self.scheduler_stats(), generation_mode=seq.mode, depth=seq.depth,
                      draft_policy=seq.draft_policy, **self.extra_stats)
         result = JobResult("".join(self._text), list(seq.generated), reason, len(seq.prompt_ids),
-                           seq.num_generated, stats)
+                           seq.num_generated, stats, None if seq.logprobs is None else list(seq.logprobs))
         self.emit(Done(result))
         return result
 

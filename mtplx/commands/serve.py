@@ -17,6 +17,7 @@ from mtplx.commands.common import add_model_options
 from mtplx.config import Config
 
 MIB = 1024 * 1024
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py PARSERS, without importing it
 # The --max-body-mb and --shutdown-grace-s defaults are security.DEFAULT_MAX_BODY_BYTES and
 # lifecycle.DEFAULT_SHUTDOWN_GRACE_S, written out: building the parser must not import the server.
 
@@ -50,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM: seconds in-flight requests may take to finish before they are "
                         "ended with an error (default 10)")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the dialect of the model's tool calls (default: from its chat template, else hermes)")
+    p.add_argument("--body-timeout-s", type=_positive_float, default=30.0, metavar="S",
+                   help="a request body that sends nothing for this long gets 408 and its connection closes "
+                        "(default 30)")
     p.add_argument("--config", default=None, help="config file (default $MTPLX_CONFIG or ~/.mtplx/config.toml)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -94,7 +100,8 @@ def run(args) -> int:
         scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,
-                         max_body_bytes=int(args.max_body_mb * MIB))
+                         max_body_bytes=int(args.max_body_mb * MIB), tool_call_parser=args.tool_call_parser,
+                         body_timeout_s=args.body_timeout_s)
         print(f"mtplx serve: {model_id} at http://{_url_host(cfg.host)}:{cfg.port}/v1 (scheduler "
               f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'})",
               file=sys.stderr)

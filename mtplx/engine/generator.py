@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from mtplx.engine import constraints, logprobs
 from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
@@ -163,7 +164,7 @@ class Generator:
         # argmax drafts stay on the device: the cycle syncs with the host once (not with
         # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
         # needs them on the host); sampled rows too, their acceptance chained on the device
-        device = self.runner.states is None and all(s.counts is None for s in seqs)
+        device = self.runner.states is None and all(s.counts is None and not s.host_path for s in seqs)
         if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
         on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
@@ -181,7 +182,7 @@ class Generator:
             t2 = time.perf_counter()
             outcome = self._read_device_outcome(seqs, logits, packed, faults)
         else:
-            drafts, draft_probs = self._draft(seqs, depth, faults)
+            drafts, draft_probs = constraints.cut_drafts(seqs, *self._draft(seqs, depth, faults))
             t1 = time.perf_counter()
             rows = [[s.tokens[s.trunk_len]] + d for s, d in zip(seqs, drafts)]
             hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs], keep_states=True)
@@ -335,6 +336,8 @@ class Generator:
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         for j in range(depth):
             logits = self._penalised_rows(seqs, self.runner.draft_logits(h), drafts)
+            if any(s.constraint is not None for s in seqs):  # each position drafted under its grammar mask
+                logits = torch.cat([constraints.mask_draft(s, logits[r:r + 1], drafts[r]) for r, s in enumerate(seqs)])
             q = sampler.probs(logits) if any(mirror) else None
             picks = []
             for r, seq in enumerate(seqs):
@@ -374,6 +377,8 @@ class Generator:
         if any(s.counts is not None for s in seqs):  # position i's penalties count the drafts before it
             logits = torch.stack([self._penalised_rows(seqs, logits[:, i], [d[:i] for d in drafts])
                                   for i in range(k + 1)], dim=1)
+        logits = self._host_work(seqs, logits, lambda seq, rows, r: constraints.mask_verify(seq, rows, drafts[r]),
+                                 [len(d) + 1 for d in drafts])
         probs = sampler.probs(logits) if not sampler.all_greedy else None
 
         def accept(r: int, seq: Sequence) -> torch.Tensor:
@@ -427,6 +432,20 @@ class Generator:
             tokens.append(t)
         return CycleOutcome(drafts, accepted, tokens)
 
+    def _host_work(self, seqs: list[Sequence], logits: torch.Tensor, mask, lengths: list[int]) -> torch.Tensor:
+        """The per-position host work of constrained and logprob rows (``Sequence.host_path``)
+        on logits [rows, positions, V]: row r's first lengths[r] positions through
+        ``mask(seq, rows, r)`` (its grammar masks), then recorded for logprobs; other rows as is."""
+        if not any(s.host_path for s in seqs):
+            return logits
+        logits = logits.clone()
+        for r, seq in enumerate(seqs):
+            if seq.host_path:
+                n = lengths[r]
+                logits[r, :n] = mask(seq, logits[r, :n], r)
+                logprobs.record(seq, logits[r, :n])
+        return logits
+
     # -- sampling ----------------------------------------------------------------------------
     def _sampler_for(self, seqs: list[Sequence]) -> SamplerBatch:
         """The rows' sampler settings as tensors, rebuilt only when the rows change."""
@@ -457,10 +476,13 @@ class Generator:
         """One token per row from logits [rows, V], each with its own sampler and generator;
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
         recorded there (its token is None); without, the exception propagates."""
-        if self.fault_hook is None and all(s.params.greedy and s.counts is None for s in seqs):
+        if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
             return logits.argmax(-1).tolist()  # the step's one host sync
         sampler = self._sampler_for(seqs)
-        probs = sampler.probs(self._penalised_rows(seqs, logits, [[] for _ in seqs]))
+        logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
+        logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
+                                 [1] * len(seqs))[:, 0]
+        probs = sampler.probs(logits)
         picks, failed = [], set()
         for r, s in enumerate(seqs):
             try:
@@ -479,6 +501,7 @@ class Generator:
     def _append(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
         self._stage("commit", seq)
+        committed = len(seq.tokens)
         for token in new_tokens:
             if token in self.eos_token_ids and not seq.ignore_eos:
                 seq.finish_reason = "stop"
@@ -489,6 +512,8 @@ class Generator:
             if seq.num_generated >= seq.max_tokens:
                 seq.finish_reason = "length"
                 break
+        constraints.advance(seq, seq.tokens[committed:])
+        logprobs.commit(seq, seq.tokens[committed:])
         seq.stats.generated_tokens = seq.num_generated
         seq.stats.decode_s = time.perf_counter() - seq.t_first
         valid = min(seq.trunk_len, seq.head_len) if seq.mode == "mtp" else seq.trunk_len

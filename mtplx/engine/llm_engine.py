@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
@@ -43,6 +43,8 @@ class Request:
     draft_policy: str
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Any = None  # constraints.Grammar: decode only text it accepts (None: unconstrained)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
 
 
 class Engine:
@@ -176,7 +178,9 @@ class Engine:
     def new_sequence(self, req: Request) -> Sequence:
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
-                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos)
+                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
+                        constraint=req.grammar.matcher() if req.grammar is not None else None,
+                        logprobs=None if req.logprobs is None else [], top_logprobs=req.logprobs or 0)
 
     # -- running ------------------------------------------------------------------------------
     def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,10 @@ class Sequence:
     hidden_backlog: torch.Tensor | None = None
     state_slot: int | None = None  # recurrent state cache slot (hybrid models), from admit to release
     counts: torch.Tensor | None = None  # [V] int, generated-token counts (penalties only)
+    constraint: Any = None  # constraints.TokenConstraint: the grammar state of a constrained request
+    logprobs: list | None = None  # per generated token (logprob, top alternatives); None: not asked (logprobs.py)
+    top_logprobs: int = 0
+    pending_logprobs: torch.Tensor | None = None  # this step's candidate rows [n, V]
     finish_reason: str | None = None
     cancelled: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -56,6 +61,12 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def host_path(self) -> bool:
+        """Decodes on the generator's host path: grammar masks and logprobs are per-position host
+        work that the device-resident (chained, captured) cycles skip."""
+        return self.constraint is not None or self.logprobs is not None
 
     @property
     def finished(self) -> bool:

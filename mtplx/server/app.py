@@ -12,11 +12,12 @@ from mtplx.batching.job import Job, JobResult
 from mtplx.batching.scheduler import Scheduler
 from mtplx.batching.state import SchedulerSettings
 from mtplx.engine.llm_engine import Engine
-from mtplx.server import openai, telemetry
+from mtplx.server import anthropic, openai, responses, telemetry, tools
 from mtplx.server.errors import install_error_handlers
 from mtplx.server.metrics import CountRequests, Metrics
 from mtplx.server.protocol import DEFAULT_TEMPERATURE
-from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, RequireAPIKey
+from mtplx.server.security import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_HEAD_BYTES, BodySizeLimit,
+                                   HeadSizeLimit, RequireAPIKey)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServerState:
     metrics: Metrics
     model_id: str
     default_temperature: float = DEFAULT_TEMPERATURE
+    tool_parser: object = None  # the tool-call dialect of this model's output (tools.parser_for)
     started_at: float = field(default_factory=time.time)
     latest_request: dict | None = None
 
@@ -52,14 +54,20 @@ class ServerState:
 
 
 def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, model_id: str = "mtplx",
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, gate=None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, gate=None,
+               tool_call_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               max_head_bytes: int = MAX_HEAD_BYTES) -> FastAPI:
     """An app serving ``engine`` under ``settings`` (default: serial). ``api_key``: required on
     every route but /health and /metrics (security.py). ``gate``: the hyper admission gate to
-    use in hyper mode (default: a fresh ``HyperAdmissionGate``)."""
+    use in hyper mode (default: a fresh ``HyperAdmissionGate``). ``tool_call_parser``: a
+    ``tools.PARSERS`` name (default: chosen from the chat template). ``body_timeout_s``: the
+    longest wait for the next piece of a request body before a 408. ``max_head_bytes``: the
+    largest request head (request line and headers) served; larger ones get 431."""
     scheduler = Scheduler(engine, settings or SchedulerSettings(), gate=gate)
     metrics = Metrics(scheduler)
     temperature = float(engine.loaded.generation_defaults.get("temperature", DEFAULT_TEMPERATURE))
-    state = ServerState(engine, scheduler, metrics, model_id, temperature)
+    state = ServerState(engine, scheduler, metrics, model_id, temperature,
+                        tool_parser=tools.parser_for(engine.tokenizer, tool_call_parser))
     scheduler.add_listener(state.remember)
 
     @asynccontextmanager
@@ -75,9 +83,12 @@ def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, mod
     install_error_handlers(app)
 
     app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    app.include_router(responses.router)
     app.include_router(telemetry.router)
     app.include_router(telemetry.open_router)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     app.add_middleware(RequireAPIKey, api_key=api_key)  # before the body is read
+    app.add_middleware(HeadSizeLimit, max_bytes=max_head_bytes)
     app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts 401s and 413s too
     return app

@@ -17,7 +17,22 @@ log = logging.getLogger("mtplx.server")
 RETRY_AFTER_S = 1  # what a client told "queue full" should wait before retrying
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          431: "invalid_request_error", 503: "server_error"}
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes answering in Anthropic's error shape
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error"}
+
+
+def anthropic_type(status: int) -> str:
+    return ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
 
 
 class APIError(Exception):
@@ -30,19 +45,25 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
-                            headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error response; in Anthropic's shape on the Anthropic routes."""
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code, path, self.status),
+                            self.status, headers=self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None, path: str = "",
+               status: int = 400) -> dict:
+    """OpenAI's ``{"error": {message, type, param, code}}``, or on an Anthropic route (``path``)
+    Anthropic's ``{"type": "error", "error": {type, message}}``."""
+    if is_anthropic(path):
+        return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -50,33 +71,36 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
-        return APIError(400, message, param=param, code="invalid_value").response()
+        return APIError(400, message, param=param, code="invalid_value").response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-            return APIError(404, message, code="not_found").response()
-        code = {405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+            return APIError(404, message, code="not_found").response(request.url.path)
+        code = {405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
+        error = APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+        return error.response(request.url.path)
 
     @app.exception_handler(InvalidParameter)
     async def _param(request: Request, exc: InvalidParameter):
-        return APIError(400, str(exc), param=exc.param, code="invalid_value").response()
+        return APIError(400, str(exc), param=exc.param, code="invalid_value").response(request.url.path)
 
     @app.exception_handler(QueueFull)
     async def _full(request: Request, exc: QueueFull):
-        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+        error = APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return error.response(request.url.path)
 
     @app.exception_handler(SchedulerStopped)
     async def _stopping(request: Request, exc: SchedulerStopped):  # draining: not the client's fault
-        return APIError(503, str(exc), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+        error = APIError(503, str(exc), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return error.response(request.url.path)
 
     @app.exception_handler(MtplxError)
     async def _user(request: Request, exc: MtplxError):
-        return APIError(400, str(exc)).response()
+        return APIError(400, str(exc)).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response(request.url.path)

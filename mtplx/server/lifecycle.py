@@ -26,12 +26,12 @@ import uvicorn
 from mtplx.batching.queue import SchedulerStopped
 from mtplx.batching.scheduler import Scheduler
 from mtplx.errors import MtplxError
+from mtplx.server.security import MAX_HEAD_BYTES  # a head arriving in pieces gets h11's 400
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines follow --log-level
 
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 FLUSH_S = 2.0  # after the cut-off: time for handlers to send their final error before uvicorn cancels them
-MAX_HEADER_BYTES = 16 * 1024  # request line + headers; a larger head gets 400 and the connection closes
 BACKLOG = 2048  # uvicorn's default
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -59,7 +59,7 @@ def uvicorn_config(app, log_level: str) -> uvicorn.Config:
     """h11 even when httptools is installed: its head size limit is the one we set. No
     WebSockets: every request is an HTTP request, which the API key middleware checks."""
     return uvicorn.Config(app, log_level=log_level, http="h11", ws="none",
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=FLUSH_S)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_graceful_shutdown=FLUSH_S)
 
 
 class DrainingServer(uvicorn.Server):

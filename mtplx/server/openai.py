@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
+import jinja2
+
 from fastapi import APIRouter, Request
 
 from mtplx.batching.state import MTP_ONLY_MODES, SchedulerSettings
 from mtplx.server.errors import APIError
-from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
+from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
 from mtplx.server.streaming import stream_response, whole_response
+from mtplx.server.structured import response_format_grammar, tool_call_grammar
+from mtplx.server.tools import render_prompt
 
 router = APIRouter()
 
@@ -22,28 +29,88 @@ async def list_models(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     body.check_supported()
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    return await _generate(request, body, body.chat_messages(), max_tokens, chat=True)
+    server = request.app.state.mtplx
+    server.check_model(body.model)
+    tools = body.offered_tools if body.choice.mode != "none" else []
+    prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
+    limit = ("max_completion_tokens", body.max_completion_tokens) if body.max_completion_tokens else \
+        ("max_tokens", body.max_tokens)
+    grammar = (tool_call_grammar(server.engine, tools, body.choice, server.tool_parser)
+               or response_format_grammar(server.engine, body.response_format))
+    requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar,
+                               logprobs=body.logprobs_wanted)
+    shape = ResponseShape(True, body.model, body.return_token_ids, body.n, body.include_usage, tools,
+                          server.tool_parser if tools else None, server.engine.tokenizer)
+    return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     body.check_supported()
-    return await _generate(request, body, body.single_prompt(), body.max_tokens, chat=False)
-
-
-async def _generate(request: Request, body: GenerationFields, prompt, max_tokens: int | None, chat: bool):
     server = request.app.state.mtplx
     server.check_model(body.model)
+    requests = engine_requests(server, body, body.single_prompt(), ("max_tokens", body.max_tokens), chat=False,
+                               n=body.n, logprobs=body.logprobs_wanted)
+    shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage,
+                          tokenizer=server.engine.tokenizer)
+    return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
+
+
+async def respond_with(request: Request, stream: bool, requests: list, request_id: str, encoder, build):
+    """The stream of ``encoder`` (a streaming.StreamEncoder), or the whole reply ``build(results)``."""
+    server = request.app.state.mtplx
+    if stream:
+        return stream_response(server.scheduler, requests, request_id, encoder)
+    return await whole_response(request, server.scheduler, requests, request_id, build)
+
+
+def chat_prompt(engine, messages: list[dict], tools: list) -> tuple[list | list[int], bool]:
+    """(prompt, chat): plain messages go to the engine's chat template as they are; with tools,
+    tool calls or tool results the server renders them (tools.render_prompt) into token ids."""
+    if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return [{"role": m["role"], "content": m["content"]} for m in messages], True
+    if engine.tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer, so chat messages cannot be formatted",
+                       param="messages", code="invalid_value")
+    with template_errors():
+        return render_prompt(engine.tokenizer, messages, tools), False
+
+
+@contextlib.contextmanager
+def template_errors():
+    """A chat template that refuses the messages (raise_exception in Jinja) is the client's 400."""
+    try:
+        yield
+    except jinja2.TemplateError as exc:
+        raise APIError(400, f"messages: the model's chat template refused them: {exc}", param="messages",
+                       code="invalid_value") from None
+
+
+def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
+                    sampling: dict | None = None, grammar=None, logprobs: int | None = None) -> list:
+    """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
+    the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
+    None = up to the context); a limit the context cannot hold is a 400 naming the field.
+    ``grammar``: the output's grammar (structured.py), None for free text. ``logprobs``: report
+    each token's logprob and this many alternatives (None: off)."""
     settings = server.scheduler.settings
-    engine_request = server.engine.make_request(
-        prompt, chat=chat, mode=body.generation_mode or settings.generation_mode or _mode_default(settings),
-        depth=body.depth if body.depth is not None else settings.depth,
-        max_tokens=max_tokens or server.engine.max_context, **body.sampling_kwargs(server.default_temperature))
-    shape = ResponseShape(chat, body.model, body.return_token_ids)
-    if body.stream:
-        return stream_response(server.scheduler, engine_request, shape, body.include_usage)
-    return await whole_response(request, server.scheduler, engine_request, shape)
+    engine = server.engine
+    name, max_tokens = limit
+    with template_errors():
+        base = engine.make_request(
+            prompt, chat=chat, mode=body.generation_mode or settings.generation_mode or _mode_default(settings),
+            depth=body.depth if body.depth is not None else settings.depth,
+            max_tokens=max_tokens or engine.max_context,
+            **(sampling or body.sampling_kwargs(server.default_temperature)))
+    room = engine.max_context - len(base.prompt_ids)
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
+                            f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
+                            f"{room}", param=name, code="invalid_value")
+    base.grammar, base.logprobs = grammar, logprobs
+    seed = base.params.seed
+    return [base] + [dataclasses.replace(base, params=dataclasses.replace(
+        base.params, seed=None if seed is None else seed + i)) for i in range(1, n)]
 
 
 def _mode_default(settings: SchedulerSettings) -> str | None:

@@ -8,16 +8,58 @@ ignored, as OpenAI clients send many optional ones.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtplx.batching.job import JobResult
-from mtplx.server.errors import APIError
+from mtplx.server.errors import APIError, error_body
+from mtplx.server.tools import (ROLES, ToolCall, ToolCallStream, ToolChoice, parse_tool_choice, parse_tools,
+                                split_tool_calls)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default when a request gives none
+MAX_N = 16  # completions per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+NO_LOGPROB = -9999.0  # what JSON carries for a token the distribution excludes (-inf), as OpenAI
+
+
+def lone_surrogate_path(value, path: tuple = ()) -> tuple | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escape decodes to one; it is not Unicode text and no tokenizer takes it), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_path(key, path) or lone_surrogate_path(item, (*path, str(key)))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_path(item, (*path, str(i)))
+            if found is not None:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request body: every string in it must be valid Unicode (checked before the fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        path = lone_surrogate_path(data)
+        if path is not None:
+            param = ".".join(path) or None
+            raise APIError(400, f"{param or 'body'}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                "without its pair), which is not valid Unicode text", param=param,
+                           code="invalid_value")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -29,17 +71,18 @@ class StreamOptions(BaseModel):
 # Other unknown fields (user, metadata, store, ...) do not change the output and are ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
-    "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "functions": (None, []),
+    "response_format": (None, {"type": "text"}), "functions": (None, []),
     "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "prompt_logprobs": (None, 0), "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False), "min_new_tokens": (None, 0),
 }
 
 
-class GenerationFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class GenerationFields(RequestBody):
+    """Fields shared by /v1/completions and /v1/chat/completions. Numbers are strict: ``true``
+    is not 1 and ``2.5`` is not an integer."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are checked in check_supported
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are checked in check_supported
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -51,10 +94,9 @@ class GenerationFields(BaseModel):
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     generation_mode: Literal["mtp", "ar"] | None = None
     depth: int | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
@@ -67,12 +109,6 @@ class GenerationFields(BaseModel):
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
-        if self.n != 1:
-            raise APIError(400, f"n: only n=1 is supported (got {self.n}); send one request per completion",
-                           param="n", code="unsupported_value")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs: log probabilities are not supported", param="logprobs",
-                           code="unsupported_value")
 
     def sampling_kwargs(self, default_temperature: float = DEFAULT_TEMPERATURE) -> dict:
         """Keyword arguments for ``Engine.make_request`` (besides prompt, max_tokens, mode, depth)."""
@@ -87,34 +123,83 @@ class GenerationFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+def text_of(content, param: str) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+           for part in content):
+        raise APIError(400, f"{param}: only text parts ({{'type': 'text', 'text': str}}) are supported",
+                       param=param, code="unsupported_value")
+    return "".join(part["text"] for part in content)
 
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    response_format: Any = None  # text, json_object, json_schema (structured.py)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools", code="unsupported_value")
+        self.offered_tools = parse_tools(self.tools)
+        self.choice: ToolChoice = parse_tool_choice(self.tool_choice, self.offered_tools)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if self.choice.forced and self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: cannot be combined with a forced tool_choice (the output is the "
+                                "tool call)", param="response_format", code="invalid_value")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """None (no logprobs) or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
-        """Messages as {"role", "content": str}; content parts must be text."""
-        out = []
-        for i, m in enumerate(self.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages.{i}.content", code="unsupported_value")
-                content = "".join(str(part.get("text", "")) for part in content)
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        """Messages as {"role", "content": str} plus "tool_calls" (assistant) and "tool_call_id"
+        (tool); "developer" is a system message. A 400 names the first message that is wrong."""
+        return [chat_message(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages.{i}")
+                for i, m in enumerate(self.messages)]
+
+
+def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str | None, where: str) -> dict:
+    def bad(param: str, message: str) -> APIError:
+        return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+    if content is None and not (role == "assistant" and tool_calls):
+        raise bad(f"{where}.content", f"a {role} message needs content (a string or text parts), got null")
+    message = {"role": "system" if role == "developer" else role,
+               "content": "" if content is None else text_of(content, f"{where}.content")}
+    if tool_calls:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
+        message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(tool_calls)]
+    if role == "tool":
+        if not tool_call_id:
+            raise bad(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def _tool_call(call: dict, where: str) -> ToolCall:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise APIError(400, f"{where}: expected {{'id', 'type': 'function', 'function': {{'name': str, "
+                            "'arguments': str}}}}", param=where, code="invalid_value")
+    return ToolCall(fn["name"], fn["arguments"], id=str(call.get("id") or ToolCall("", "").id))
 
 
 class CompletionRequest(GenerationFields):
@@ -122,12 +207,19 @@ class CompletionRequest(GenerationFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, off in (("echo", False), ("suffix", None)):
-            if getattr(self, name) != off:
-                raise APIError(400, f"{name}: not supported", param=name, code="unsupported_value")
+        if self.echo:
+            raise APIError(400, "echo: not supported (prompt logprobs are not computed)", param="echo",
+                           code="unsupported_value")
+        if self.suffix is not None:
+            raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of", code="unsupported_value")
 
@@ -147,43 +239,111 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(result: JobResult) -> dict:
-    cached = result.stats.get("cached_prompt_tokens", 0)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
+def usage(results: JobResult | list[JobResult]) -> dict:
+    """OpenAI usage of one or n completions of the same prompt (prompt tokens counted once)."""
+    results = results if isinstance(results, list) else [results]
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
+    cached = results[0].stats.get("cached_prompt_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class ResponseShape:
-    """Builds the objects of one response, chat or text completion, whole or streamed."""
+def stats_fields(results: list[JobResult]) -> dict:
+    """``mtplx_stats`` (the first completion's), plus ``mtplx_choice_stats`` for n > 1."""
+    extra = {"mtplx_stats": results[0].stats}
+    if len(results) > 1:
+        extra["mtplx_choice_stats"] = [r.stats for r in results]
+    return extra
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool):
+
+class ResponseShape:
+    """Builds the objects of one OpenAI response, chat or text completion, whole or streamed,
+    with ``n`` choices; with ``tools`` (and a parser) chat output is split into content and
+    ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
+
+    def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
+                 tools: list | None = None, parser=None, tokenizer=None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.tokenizer = tokenizer  # for logprobs' token strings
+        self.offsets = [0] * n  # text offset of the next token per choice (completions' logprobs)
+        self.n, self.include_usage = n, include_usage
+        self.tools, self.parser = tools or [], parser
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.streams = [self._tool_stream() for _ in range(n)]
+        self.results: dict[int, JobResult] = {}
+
+    def _tool_stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.parser, self.tools) if self.chat and self.tools and self.parser else None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, result: JobResult) -> dict:
-        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+    # -- whole -----------------------------------------------------------------------------
+    def whole(self, results: list[JobResult]) -> dict:
+        return self._envelope(self.object, [self._choice(i, r) for i, r in enumerate(results)],
+                              usage=usage(results), **stats_fields(results))
+
+    def _choice(self, index: int, result: JobResult) -> dict:
+        choice = {"index": index, "finish_reason": result.finish_reason,
+                  "logprobs": self.logprobs(index, result.token_ids, result.logprobs)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            message = {"role": "assistant", "content": result.text}
+            if self._tool_stream() is not None:
+                content, calls = split_tool_calls(self.parser, self.tools, result.text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.openai_dict() for c in calls]}
+                    choice["finish_reason"] = _tool_finish(result.finish_reason)
+            choice["message"] = message
         else:
             choice["text"] = result.text
         if self.return_token_ids:
             choice["token_ids"] = result.token_ids
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=usage(result), mtplx_stats=result.stats)
+        return choice
 
-    def chunk(self, text: str | None, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              role: bool = False, **extra) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def logprobs(self, index: int, token_ids: list[int], values: list | None) -> dict | None:
+        """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked."""
+        if values is None:
+            return None
+        text = [self._token(t) for t in token_ids]
+        if self.chat:
+            return {"content": [{**self._entry(token, value),
+                                 "top_logprobs": [self._entry(self._token(i), v) for i, v in top]}
+                                for token, (value, top) in zip(text, values)], "refusal": None}
+        offsets = []
+        for token in text:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {"tokens": text, "token_logprobs": [_finite(v) for v, _ in values],
+                "top_logprobs": [{self._token(i): _finite(v) for i, v in top} for _, top in values],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    @staticmethod
+    def _entry(token: str, value: float) -> dict:
+        return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
+
+    # -- streamed --------------------------------------------------------------------------
+    def chunk(self, index: int, text: str | None, token_ids: list[int] | None = None,
+              finish_reason: str | None = None, role: bool = False, tool_calls: list | None = None,
+              logprobs: dict | None = None, **extra) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -191,6 +351,77 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
-    def usage_chunk(self, result: JobResult) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=usage(result), mtplx_stats=result.stats)
+    def start(self) -> list[str]:
+        return [sse(self.chunk(i, "", role=True)) for i in range(self.n)] if self.chat else []
+
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
+        lp = self.logprobs(index, token_ids, logprobs)
+        stream = self.streams[index]
+        if stream is None:
+            wanted = text or self.return_token_ids or lp is not None
+            return [sse(self.chunk(index, text, token_ids, logprobs=lp))] if wanted else []
+        out = self._tool_events(index, stream.feed(text))
+        if self.return_token_ids or lp is not None:  # the tokens' own chunk (the text is in the others)
+            out.append(sse(self.chunk(index, None, token_ids, logprobs=lp)))
+        return out
+
+    def _tool_events(self, index: int, events: list) -> list[str]:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(sse(self.chunk(index, value)))
+                continue
+            call, fragment = value if kind == "arguments" else (value, None)
+            k = self.streams[index].calls.index(call)
+            if kind in ("call", "call_start"):  # its id and name first
+                head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name,
+                                                                                    "arguments": ""}}
+                out.append(sse(self.chunk(index, None, tool_calls=[head])))
+            if kind == "call":
+                fragment = call.arguments
+            if fragment:
+                out.append(sse(self.chunk(index, None, tool_calls=[{"index": k, "function": {
+                    "arguments": fragment}}])))
+        return out
+
+    def done(self, index: int, result: JobResult) -> list[str]:
+        self.results[index] = result
+        stream, reason = self.streams[index], result.finish_reason
+        out = []
+        if stream is not None:
+            out = self._tool_events(index, stream.finish())
+            reason = _tool_finish(reason) if stream.calls else reason
+        last = len(self.results) == self.n
+        extra = {}
+        if last and not self.include_usage:  # the last chunk before [DONE] carries usage and stats
+            extra = dict(usage=usage(self._ordered()), **stats_fields(self._ordered()))
+        out.append(sse(self.chunk(index, None if self.chat else "", [], reason, **extra)))
+        return out
+
+    def _ordered(self) -> list[JobResult]:
+        return [self.results[i] for i in sorted(self.results)]
+
+    def end(self) -> list[str]:
+        out = []
+        if self.include_usage:
+            results = self._ordered()
+            out.append(sse(self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                                          usage=usage(results), **stats_fields(results))))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, error: APIError) -> list[str]:
+        return [sse(error_body(error.message, error.type, error.param, error.code)), "data: [DONE]\n\n"]
+
+
+def _finite(value: float) -> float:
+    return value if value > NO_LOGPROB else NO_LOGPROB
+
+
+def _tool_finish(reason: str) -> str:
+    return "tool_calls" if reason == "stop" else reason
+
+
+def sse(obj: dict, event: str | None = None) -> str:
+    """One SSE event: ``data: {json}``, after ``event: NAME`` when given."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -7,6 +7,7 @@ read, so a client without it cannot make the server read or parse anything.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -20,6 +21,8 @@ from mtplx.server.errors import error_body
 
 MIB = 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 16 * MIB  # far above any prompt a context holds; bounds one request's memory
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body (a stalled upload is dropped)
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers
 
 # Open without a key: load balancers' health checks and Prometheus scrapers. /metrics holds
 # only aggregate counters (no prompt or output text, no request ids, no keys), as in vLLM.
@@ -75,29 +78,69 @@ class RequireAPIKey:
         if sum(hmac.compare_digest(_digest(key), self.expected) for key in offered_keys(scope["headers"])):
             return await self.app(scope, receive, send)
         message = "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-        await send_error(send, 401, error_body(message, "invalid_request_error", None, "invalid_api_key"),
+        await send_error(send, 401, error_body(message, "invalid_request_error", None, "invalid_api_key",
+                                               scope["path"], 401),
                          [(b"www-authenticate", b"Bearer")])
+
+
+class HeadSizeLimit:
+    """ASGI middleware: 431 (and the connection closed) for a request head over ``max_bytes``.
+    The HTTP layer's own limit (h11's ``max_incomplete_event_size``) only bounds a head that
+    arrives in pieces; a large head sent in one write reaches us whole and is measured here."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_HEAD_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = head_bytes(scope)
+            if size > self.max_bytes:
+                message = (f"the request head (request line and headers) is {size} bytes, over the server's limit "
+                           f"of {self.max_bytes} bytes")
+                return await send_error(send, 431, error_body(message, "invalid_request_error", None,
+                                                              "request_header_fields_too_large", scope["path"], 431),
+                                        [(b"connection", b"close")])
+        await self.app(scope, receive, send)
+
+
+def head_bytes(scope: Scope) -> int:
+    """The size of an HTTP/1.1 request head as sent: request line, header lines, blank line."""
+    target = len(scope.get("raw_path") or scope["path"].encode()) + (len(scope["query_string"]) + 1
+                                                                       if scope.get("query_string") else 0)
+    line = len(scope["method"]) + 1 + target + 1 + len(b"HTTP/1.1") + 2
+    return line + sum(len(name) + 2 + len(value) + 2 for name, value in scope["headers"]) + 2
 
 
 class BodySizeLimit:
     """ASGI middleware: 413 for a body over ``max_bytes`` (by Content-Length up front, else
-    while the body streams in)."""
+    while the body streams in); 408 and the connection closed when the next piece of a body
+    takes longer than ``timeout_s`` (a body shorter than its Content-Length, a chunked body
+    that never ends)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            body = error_body(self._message(), "invalid_request_error", None, "request_too_large")
+            body = error_body(self._message(), "invalid_request_error", None, "request_too_large", scope["path"], 413)
             return await send_error(send, 413, body)
-        seen = 0
+        seen, complete = 0, False
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # after the body: the wait for http.disconnect has no limit
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body stalled: no data for {self.timeout_s:g} s (the body is "
+                                         "shorter than its Content-Length, or a chunked body did not end)",
+                                    headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise HTTPException(413, self._message())  # FastAPI passes HTTPException through

@@ -11,59 +11,87 @@ blocks. The job's request id is the response's ``id``, so a failed request's log
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from mtplx.batching.job import Delta, Done, Failed, Job
+from mtplx.batching.job import Delta, Done, Failed, Job, JobResult
 from mtplx.batching.queue import SchedulerStopped
 from mtplx.batching.scheduler import Scheduler
 from mtplx.cache.block_manager import OutOfBlocks
 from mtplx.engine.llm_engine import Request as EngineRequest
 from mtplx.errors import InvalidParameter, MtplxError
 from mtplx.server.errors import RETRY_AFTER_S, APIError, error_body
-from mtplx.server.protocol import ResponseShape, usage
 
 
-def submit(scheduler: Scheduler, request: EngineRequest, request_id: str,
-           deltas: bool = True) -> tuple[Job, asyncio.Queue]:
+def submit(scheduler: Scheduler, request: EngineRequest, request_id: str, events: asyncio.Queue,
+           index: int = 0, deltas: bool = True) -> Job:
     """Queue a job for ``request``; its events (without the Deltas when ``deltas`` is False)
-    arrive on the returned asyncio queue."""
+    arrive on ``events`` as ``(index, event)``."""
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
 
     def emit(event) -> None:
         if not deltas and isinstance(event, Delta):
             return
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
     job = Job(request, emit, request_id=request_id)
     scheduler.submit(job)  # QueueFull becomes a 503 in server/errors.py
-    return job, events
+    return job
 
 
-async def whole_response(http: Request, scheduler: Scheduler, request: EngineRequest, shape: ResponseShape):
-    job, events = submit(scheduler, request, shape.id, deltas=False)
-    ended = asyncio.ensure_future(events.get())  # Done or Failed
+def submit_all(scheduler: Scheduler, requests: list[EngineRequest], request_id: str,
+               deltas: bool = True) -> tuple[list[Job], asyncio.Queue]:
+    """One job per request (n completions), request ids ``request_id``, ``request_id-1``, ...;
+    if one cannot be queued, those already queued are cancelled."""
+    events: asyncio.Queue = asyncio.Queue()
+    jobs: list[Job] = []
+    try:
+        for i, request in enumerate(requests):
+            jobs.append(submit(scheduler, request, request_id if i == 0 else f"{request_id}-{i}", events, i, deltas))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
+    return jobs, events
+
+
+async def whole_results(http: Request, scheduler: Scheduler, requests: list[EngineRequest],
+                        request_id: str) -> list[JobResult] | None:
+    """Run the requests to the end; their results in order, or None if the client left first.
+    A failed job raises its APIError (the others are cancelled)."""
+    jobs, events = submit_all(scheduler, requests, request_id, deltas=False)
+    results: dict[int, JobResult] = {}
     gone = asyncio.ensure_future(_client_gone(http))
     try:
-        await asyncio.wait((ended, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not ended.done():  # nobody will read this response
-            return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
-        event = ended.result()
-        if isinstance(event, Failed):
-            raise _as_api_error(event.error, job.request_id)
-        return JSONResponse(shape.whole(event.result))
+        while len(results) < len(jobs):
+            ended = asyncio.ensure_future(events.get())  # Done or Failed
+            await asyncio.wait((ended, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():  # nobody will read this response
+                ended.cancel()
+                return None
+            index, event = ended.result()
+            if isinstance(event, Failed):
+                raise _as_api_error(event.error, jobs[index].request_id)
+            results[index] = event.result
+        return [results[i] for i in range(len(jobs))]
     finally:
-        job.cancel()  # the client left (or an error): stop at the next cycle boundary; no effect once ended
-        ended.cancel()
+        for job in jobs:  # the client left (or an error): stop at the next cycle boundary; no effect once ended
+            job.cancel()
         gone.cancel()
+
+
+async def whole_response(http: Request, scheduler: Scheduler, requests: list[EngineRequest], request_id: str,
+                         build: Callable[[list[JobResult]], dict]) -> JSONResponse:
+    results = await whole_results(http, scheduler, requests, request_id)
+    if results is None:
+        return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+    return JSONResponse(build(results))
 
 
 async def _client_gone(http: Request) -> None:
@@ -73,46 +101,59 @@ async def _client_gone(http: Request) -> None:
         pass
 
 
-def stream_response(scheduler: Scheduler, request: EngineRequest, shape: ResponseShape,
-                    include_usage: bool) -> StreamingResponse:
-    job, events = submit(scheduler, request, shape.id)
-    # The background task also cancels a job whose stream never started (client gone first).
-    return StreamingResponse(_sse(job, events, shape, include_usage), media_type="text/event-stream",
+class StreamEncoder(Protocol):
+    """Turns job events into SSE text for one protocol (OpenAI, Anthropic, Responses)."""
+
+    def start(self) -> list[str]: ...
+
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]: ...
+
+    def done(self, index: int, result: JobResult) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
+
+    def error(self, error: APIError) -> list[str]: ...
+
+
+def stream_response(scheduler: Scheduler, requests: list[EngineRequest], request_id: str,
+                    encoder: StreamEncoder) -> StreamingResponse:
+    jobs, events = submit_all(scheduler, requests, request_id)
+
+    def cancel_all() -> None:
+        for job in jobs:
+            job.cancel()
+
+    # The background task also cancels jobs whose stream never started (client gone first).
+    return StreamingResponse(_relay(jobs, events, encoder), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(job.cancel))
+                             background=BackgroundTask(cancel_all))
 
 
-async def _sse(job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: a role chunk (chat), content chunks, a finish chunk, the usage chunk when
-    asked for, then [DONE]. The last chunk before [DONE] carries ``usage`` and ``mtplx_stats``."""
+async def _relay(jobs: list[Job], events: asyncio.Queue, encoder: StreamEncoder) -> AsyncIterator[str]:
+    """The encoder's start, each job's deltas and end as they come, then the encoder's end;
+    a failed job ends the stream with the encoder's error event."""
     try:
-        if shape.chat:
-            yield _data(shape.chunk("", role=True))
-        while True:
-            event = await events.get()
+        for line in encoder.start():
+            yield line
+        pending = len(jobs)
+        while pending:
+            index, event = await events.get()
             if isinstance(event, Delta):
-                if event.text or shape.return_token_ids:
-                    yield _data(shape.chunk(event.text, event.token_ids))
+                lines = encoder.delta(index, event.text, event.token_ids, event.logprobs)
             elif isinstance(event, Done):
-                result = event.result
-                if include_usage:
-                    yield _data(shape.chunk(None if shape.chat else "", [], result.finish_reason))
-                    yield _data(shape.usage_chunk(result))
-                else:
-                    yield _data(shape.chunk(None if shape.chat else "", [], result.finish_reason,
-                                            usage=usage(result), mtplx_stats=result.stats))
-                break
-            elif isinstance(event, Failed):
-                err = _as_api_error(event.error, job.request_id)
-                yield _data(error_body(err.message, err.type, err.param, err.code))
-                break
-        yield "data: [DONE]\n\n"
+                pending -= 1
+                lines = encoder.done(index, event.result)
+            else:
+                for line in encoder.error(_as_api_error(event.error, jobs[index].request_id)):
+                    yield line
+                return
+            for line in lines:
+                yield line
+        for line in encoder.end():
+            yield line
     finally:
-        job.cancel()  # the client went away (or we are done): stop at the next cycle boundary
-
-
-def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+        for job in jobs:
+            job.cancel()  # the client went away (or we are done): stop at the next cycle boundary
 
 
 def _as_api_error(error: BaseException, request_id: str) -> APIError:

@@ -1,0 +1,74 @@
+"""Logprobs come from the target's distribution at each committed position, the same whether
+the token came from an AR step or an accepted MTP draft: checked against transformers' own
+logits for every reported position, and AR against MTP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_mtp_sampling_exact import PROMPT, _engine
+
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _engine(head="repeat")
+
+
+GREEDY_PROMPT = [0, 0, 4]  # greedy continues 4, 4, ...: the repeat head's drafts are accepted
+
+
+def decode(engine, n: int, mode: str, depth: int | None = None, prompt: list[int] = PROMPT, **sampler):
+    gen = engine.generator
+    seqs = []
+    for i in range(n):
+        req = engine.make_request(prompt, mode=mode, depth=depth, max_tokens=8, seed=500 + i, **sampler)
+        req.logprobs = TOP
+        seq = engine.new_sequence(req)
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    live = [s for s in seqs if not s.finished]
+    with torch.inference_mode():
+        while live:
+            engine.step(live)
+            live = [s for s in live if not s.finished]
+    for s in seqs:
+        gen.release(s)
+    return seqs
+
+
+def reference(hf, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """transformers' log-softmax(logits / T) after each prefix of ``tokens`` -> [len, V]."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("mode, depth, temperature", [("mtp", 3, 1.0), ("mtp", 2, 0.7), ("ar", None, 1.0),
+                                                       ("mtp", 3, 0.0)])
+def test_every_reported_logprob_is_the_targets(tiny, mode, depth, temperature):
+    engine, hf = tiny
+    prompt = GREEDY_PROMPT if temperature == 0 else PROMPT
+    seqs = decode(engine, 12, mode, depth, prompt, temperature=temperature, top_k=5)
+    for seq in seqs:
+        ref = reference(hf, prompt, seq.generated, temperature)
+        assert len(seq.logprobs) == len(seq.generated)
+        for i, (token, (value, top)) in enumerate(zip(seq.generated, seq.logprobs)):
+            assert value == pytest.approx(float(ref[i, token]), abs=1e-4)
+            ids, values = zip(*top)
+            assert len(top) == TOP and values == pytest.approx(ref[i].topk(TOP).values.tolist(), abs=1e-4)
+            assert set(ids) <= set(ref[i].topk(TOP + 1).indices.tolist())  # ties aside, the same tokens
+    if mode == "mtp":  # some positions were accepted drafts, so both sources were checked
+        assert sum(s.stats.accepted_tokens for s in seqs) > 0
+
+
+def test_greedy_ar_and_mtp_report_the_same_logprobs(tiny):
+    engine, _ = tiny
+    [ar] = decode(engine, 1, "ar", prompt=GREEDY_PROMPT, temperature=0.0)
+    [mtp] = decode(engine, 1, "mtp", 3, GREEDY_PROMPT, temperature=0.0)
+    assert ar.generated == mtp.generated and mtp.stats.accepted_tokens > 0
+    for (a, top_a), (b, top_b) in zip(ar.logprobs, mtp.logprobs):
+        assert a == pytest.approx(b, abs=1e-4) and [t for t, _ in top_a] == [t for t, _ in top_b]
