@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -114,7 +115,8 @@ def test_dashboard_in_chromium_shows_a_request_and_cancels_it(serve):
         assert cells[1].text == "running" and cells[2].text.startswith("mtp d")
         assert _number(cells[4].text) > 0 and _number(cells[5].text) > 0  # completion tokens, TTFT
         assert "%" in text("#acceptance-by-position")
-        if shots:
+        if shots:  # let the chart fill a little first
+            time.sleep(15)
             browser.save_screenshot(str(Path(shots) / "dashboard-load.png"))
 
         browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").click()
@@ -132,11 +134,13 @@ def test_dashboard_in_chromium_shows_a_request_and_cancels_it(serve):
             for mode in ("mtp", "ar"):
                 done = Completion(server.url, 48, generation_mode=mode)
                 done.join(60)
-            wait.until(lambda b: _number(text("#speedup").rstrip("×")) > 0)
+            wait.until(lambda b: _number(text("#speedup").rstrip("×")) > 0 and "greedy" in text("#speedup-sub"))
         wait.until(lambda b: text("#active") == "0 running" and _number(text("#tok-s")) == 0)
         if shots:
             browser.save_screenshot(str(Path(shots) / "dashboard-idle.png"))
     finally:
+        if shots:
+            browser.save_screenshot(str(Path(shots) / "dashboard-last.png"))
         browser.quit()
         server.kill()
 

@@ -24,6 +24,7 @@ INTERVAL_S = 0.4  # one sample every 400 ms
 RATE_WINDOW_S = 2.0  # tok/s is averaged over this long
 RECENT_REQUESTS = 50  # ended requests kept for the table and the speed-up
 RECENT_SHOWN = 20  # of those, sent in each sample
+MIN_TOKENS_FOR_RATE = 8  # a request's decode tok/s counts toward the speed-up from this many tokens
 
 
 def ended_entry(number: int, job: Job, result: JobResult | None) -> dict:
@@ -166,13 +167,15 @@ def spec_totals(counters: dict, running: list[Job]) -> dict:
 def speedup_vs_ar(recent: list[dict]) -> dict:
     """Measured on this server: mean decode tok/s of the recent MTP requests over that of the
     recent AR requests, separately for greedy (temperature 0) and sampled requests; None for a
-    regime without both. ``mtp_tok_s`` / ``ar_tok_s`` are the two means."""
+    regime without both. Only requests that ran to their end ("stop", "length") with at least
+    ``MIN_TOKENS_FOR_RATE`` tokens count. ``mtp_tok_s`` / ``ar_tok_s`` are the two means."""
     out = {}
     for regime, greedy in (("greedy", True), ("sampled", False)):
         means = {}
         for mode in ("mtp", "ar"):
             rates = [e["tok_s"] for e in recent if e["generation_mode"] == mode and e["tok_s"]
-                     and (e["temperature"] == 0) == greedy and e["completion_tokens"] > 1]
+                     and (e["temperature"] == 0) == greedy and e["finish_reason"] in ("stop", "length")
+                     and e["completion_tokens"] >= MIN_TOKENS_FOR_RATE]
             means[mode] = sum(rates) / len(rates) if rates else None
         ratio = means["mtp"] / means["ar"] if means["mtp"] and means["ar"] else None
         out[regime] = {"speedup": ratio, "mtp_tok_s": means["mtp"], "ar_tok_s": means["ar"]}

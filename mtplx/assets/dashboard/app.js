@@ -153,15 +153,20 @@ function renderSpec(spec) {
 }
 
 function renderSpeedup(speedup, defaults) {
-  const regime = defaults.temperature > 0 ? "sampled" : "greedy";
-  const other = regime === "greedy" ? "sampled" : "greedy";
-  const main = speedup[regime], alt = speedup[other];
-  $("speedup").textContent = main.speedup ? num(main.speedup, 2) + "×" : "—";
-  const parts = [];
-  parts.push(main.speedup ? `${regime}: MTP ${num(main.mtp_tok_s)} vs AR ${num(main.ar_tok_s)} tok/s`
-                          : `${regime}: needs MTP and AR requests`);
-  if (alt.speedup) parts.push(`${other}: ${num(alt.speedup, 2)}×`);
-  $("speedup-sub").textContent = parts.join(" · ");
+  // the regime of the default temperature first; else the other one, if it has both modes
+  const preferred = defaults.temperature > 0 ? "sampled" : "greedy";
+  const order = [preferred, preferred === "greedy" ? "sampled" : "greedy"];
+  const shown = order.find((r) => speedup[r].speedup);
+  if (!shown) {
+    $("speedup").textContent = "—";
+    $("speedup-sub").textContent = "needs MTP and AR requests at the same temperature regime";
+    return;
+  }
+  const m = speedup[shown];
+  $("speedup").textContent = num(m.speedup, 2) + "×";
+  const other = order.find((r) => r !== shown && speedup[r].speedup);
+  $("speedup-sub").textContent = `${shown}: MTP ${num(m.mtp_tok_s)} vs AR ${num(m.ar_tok_s)} tok/s` +
+    (other ? ` · ${other}: ${num(speedup[other].speedup, 2)}×` : "");
 }
 
 function renderKV(kv, hitRate) {
