@@ -20,7 +20,7 @@ from mtplx.server import dashboard
 from mtplx.server.app import create_app
 from mtplx.server.errors import APIError
 from mtplx.server.lifecycle import DrainingServer, uvicorn_config
-from mtplx.server.live import INTERVAL_S, LiveSampler
+from mtplx.server.live import INTERVAL_S, LiveSampler, speedup_vs_ar
 from tests.serve_process import free_port, wait_until
 from tests.test_server_harness import running_server, tiny_text_engine
 
@@ -279,3 +279,16 @@ def test_shutdown_ends_the_stream_at_once(engine):
     assert not thread.is_alive()
     assert ended - signalled < INTERVAL_S + 1.0
     assert time.monotonic() - signalled < 5.0  # far below the 20 s grace
+
+
+def test_speedup_compares_mtp_with_ar_of_the_same_temperature_regime():
+    def row(mode, temperature, tok_s, reason="length", tokens=64):
+        return {"generation_mode": mode, "temperature": temperature, "tok_s": tok_s, "finish_reason": reason,
+                "completion_tokens": tokens}
+
+    recent = [row("mtp", 0, 30.0), row("mtp", 0, 34.0), row("ar", 0, 20.0),
+              row("ar", 0, 2.0, reason="cancelled"), row("ar", 0, 1.0, tokens=2),  # neither counts
+              row("mtp", 0.7, 18.0), row("mtp", 1.0, 22.0)]  # sampled: no AR request to compare with
+    out = speedup_vs_ar(recent)
+    assert out["greedy"] == {"speedup": pytest.approx(1.6), "mtp_tok_s": 32.0, "ar_tok_s": 20.0}
+    assert out["sampled"] == {"speedup": None, "mtp_tok_s": 20.0, "ar_tok_s": None}
