@@ -82,7 +82,8 @@ class LiveSampler:
         queued = server.scheduler.queue.waiting()
         recent = list(server.recent)
         snapshot = snapshot_payload(server)
-        snapshot.pop("latest_request", None)
+        snapshot.pop("latest_request", None)  # the recent rows hold it
+        snapshot.pop("scheduler", None)  # the same block as "telemetry" under the mode's name
         self._count_tokens(running, recent, now)
         rows = [running_entry(job, now) for job in running + queued]
         return {
