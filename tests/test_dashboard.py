@@ -123,7 +123,7 @@ def test_stream_shows_a_running_request_and_counts_what_clients_received(server)
             break
         assert len(arrivals) < 100, "the request never showed as running"
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert all(0.8 * INTERVAL_S <= gap <= INTERVAL_S + 0.5 for gap in gaps), gaps
+    assert INTERVAL_S * 0.9 <= sum(gaps) / len(gaps) <= INTERVAL_S * 1.75 and max(gaps) < 1.5, gaps
     s, row = seen_running[-1]
     assert row["state"] == "running" and row["generation_mode"] == "mtp" and row["tok_s"] > 0
     assert s["tok_s"] > 0 and s["active_requests"] == 1

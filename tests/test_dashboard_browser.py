@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium (Selenium + chromedriver) against a real
 ``mtplx serve`` with the default model and an API key: the page asks for the key (and says
 when it is refused), shows a streamed completion sent through the API with its tok/s and MTP
-acceptance, and its Cancel button stops that request.
+acceptance, its Cancel button stops that request, and its settings form changes a default
+(and says that a scheduler mode needs a restart).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` and the ``selenium`` package; without
 them the test skips and says why. ``MTPLX_DASHBOARD_SCREENSHOTS=DIR`` saves the page under
@@ -75,9 +76,9 @@ class Completion(threading.Thread):
                     self.finish_reason = chunk["choices"][0]["finish_reason"] or self.finish_reason
 
 
-def test_dashboard_in_chromium_shows_a_request_and_cancels_it(serve):
+def test_dashboard_in_chromium_shows_a_request_cancels_it_and_changes_a_default(serve):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     browser = chromium()
     shots = os.environ.get("MTPLX_DASHBOARD_SCREENSHOTS")
@@ -129,6 +130,19 @@ def test_dashboard_in_chromium_shows_a_request_and_cancels_it(serve):
         browser.find_element(By.CSS_SELECTOR, f'tr[data-request-id="{second.id}"] button.cancel').click()
         second.join(30)
         assert second.finish_reason == "cancelled"
+
+        # settings from the page: a scheduler mode needs a restart; a default temperature applies
+        form = browser.find_element(By.ID, "settings")
+        Select(form.find_element(By.NAME, "scheduler_mode")).select_by_visible_text("mtp_batch")
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda b: "restart with --scheduler-mode mtp_batch" in text("#settings-message"))
+        Select(form.find_element(By.NAME, "scheduler_mode")).select_by_visible_text("serial")
+        temperature = form.find_element(By.NAME, "temperature")
+        temperature.clear()
+        temperature.send_keys("0")
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda b: text("#settings-message") == "Applied to new requests.")
+        assert httpx.get(f"{server.url}/v1/mtplx/settings", headers=AUTH).json()["live"]["temperature"] == 0
 
         if shots:  # a greedy MTP and AR request each, so the measured speed-up shows
             for mode in ("mtp", "ar"):

@@ -24,6 +24,7 @@ INTERVAL_S = 0.4  # one sample every 400 ms
 RATE_WINDOW_S = 2.0  # tok/s is averaged over this long
 RECENT_REQUESTS = 50  # ended requests kept for the table and the speed-up
 RECENT_SHOWN = 20  # of those, sent in each sample
+PENDING_S = 10.0  # how long a job that left the running list waits for its ended row
 MIN_TOKENS_FOR_RATE = 8  # a request's decode tok/s counts toward the speed-up from this many tokens
 
 
@@ -70,7 +71,8 @@ class LiveSampler:
     def __init__(self, server):
         self.server = server
         self._seen: dict[str, tuple[Job, int]] = {}  # running jobs: token count at the last sample
-        self._ended_seen = server.ended_count  # ended entries already accounted for
+        self._baseline = server.ended_count  # ended rows numbered up to this predate the sampler
+        self._handled: set[int] = set()  # ended rows (by number) already counted
         self.emitted = 0  # tokens this sampler has seen emitted since it was made
         self._history: deque[tuple[float, int]] = deque()  # (time, emitted), the last RATE_WINDOW_S
 
@@ -100,19 +102,23 @@ class LiveSampler:
         }
 
     def _count_tokens(self, running: list[Job], recent: list[dict], now: float) -> None:
-        emitted = 0
-        for job in running:
-            _, before = self._seen.pop(job.request_id, (job, 0))
+        """Add the tokens sent since the last sample to ``emitted``: each running job's growth;
+        for a job that ended, its ended row's count less what was already counted."""
+        sent = {job.request_id: (job, job.sent_tokens) for job in running}  # each read once
+        emitted = sum(max(0, n - self._seen.get(rid, (job, 0))[1]) for rid, (job, n) in sent.items())
+        gone = {rid: seen for rid, seen in self._seen.items() if rid not in sent}
+        for entry in recent:
+            if entry["n"] <= self._baseline or entry["n"] in self._handled or entry["id"] in sent:
+                continue  # counted before this sampler began, already, or still counted as running
+            self._handled.add(entry["n"])
+            _, before = gone.pop(entry["id"], (None, 0))  # 0: it started and ended between samples
+            emitted += max(0, entry["completion_tokens"] - before)
+        # left the running list, ended row not written yet: count what it sent, settle the rest later
+        for rid, (job, before) in list(gone.items()):
             emitted += max(0, job.sent_tokens - before)
-        ended_ids = {entry["id"]: entry for entry in recent if entry["n"] > self._ended_seen}
-        for request_id, (job, before) in self._seen.items():  # seen running, gone now: ended
-            entry = ended_ids.pop(request_id, None)
-            final = entry["completion_tokens"] if entry is not None else job.sent_tokens
-            emitted += max(0, final - before)
-        emitted += sum(entry["completion_tokens"] for entry in ended_ids.values())  # started and ended unseen
-        if recent:
-            self._ended_seen = max(self._ended_seen, *(entry["n"] for entry in recent))
-        self._seen = {job.request_id: (job, job.sent_tokens) for job in running}
+            gone[rid] = (job, max(before, job.sent_tokens))
+        self._handled &= {entry["n"] for entry in recent}
+        self._seen = {**{rid: seen for rid, seen in gone.items() if job_recent(seen[0], now)}, **sent}
         self.emitted += emitted
         self._history.append((now, self.emitted))
         while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
@@ -123,6 +129,12 @@ class LiveSampler:
             return None
         (t0, n0), (t1, n1) = self._history[0], self._history[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+
+def job_recent(job: Job, now: float) -> bool:
+    """Whether a job that left the running list may still get its ended row (it has not ended,
+    or ended under ``PENDING_S`` seconds ago)."""
+    return job.t_finished is None or now - job.t_finished < PENDING_S
 
 
 def spec_totals(counters: dict, running: list[Job]) -> dict:
