@@ -301,7 +301,8 @@ async function cancelRequest(id, button) {
 
 // -- settings ------------------------------------------------------------------------------------
 const form = $("settings");
-form.addEventListener("input", () => { state.settingsDirty = true; });
+// once edited, the form stops following the stream until it is applied
+for (const type of ["input", "change", "focusin"]) form.addEventListener(type, () => { state.settingsDirty = true; });
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const s = state.latest;
