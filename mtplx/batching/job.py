@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from mtplx.engine.llm_engine import Request
 from mtplx.engine.sequence import Sequence
+from mtplx.engine.stats import DecodeStats
 
 _job_ids = itertools.count(1)
 
@@ -71,6 +72,7 @@ class Job:
     t_first_token: float | None = None
     t_finished: float | None = None
     t_cancelled: float | None = None  # the first cancel() (the client left, or the server cut it off)
+    live_stats: DecodeStats | None = None  # the running sequence's statistics, updated in place each cycle
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _sent_tokens: int = 0
     _text: list[str] = field(default_factory=list, repr=False)
@@ -86,12 +88,18 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    @property
+    def sent_tokens(self) -> int:
+        """Tokens published so far (one int the model thread writes; read without a lock)."""
+        return self._sent_tokens
+
     # -- called on the model-owner thread ----------------------------------------------
     def start(self, lane: str) -> None:
         self.lane, self.t_started = lane, time.perf_counter()
 
     def publish(self, seq: Sequence, text: str) -> None:
         """Send the tokens committed since the last call, with their (possibly held back) text."""
+        self.live_stats = seq.stats  # one reference: readers (the dashboard) see the cycles as they count
         new_ids = seq.generated[self._sent_tokens:]
         if not new_ids and not text:
             return

@@ -75,7 +75,7 @@ class Policy:
         the model thread, or under the queue lock when a full queue sheds its dead jobs."""
         self.jobs.count("abandoned_before_start")
         self.abandon(job)
-        job.finish_unstarted()
+        self._tell_listeners(job, job.finish_unstarted())
 
     def abandon(self, job: Job) -> None:
         """Hook for a job dropped before it started (hyper releases its ticket)."""
@@ -118,6 +118,9 @@ class Policy:
         if job.t_cancelled is not None and job.t_finished >= job.t_cancelled:
             self.jobs.cancel_latency_s.add(job.t_finished - job.t_cancelled)
         self.publish_kv()
+        self._tell_listeners(job, result)
+
+    def _tell_listeners(self, job: Job, result: JobResult | None) -> None:
         for listener in self.listeners:
             try:
                 listener(job, result)

@@ -58,6 +58,17 @@ class JobQueue:
         with self._cond:
             self._jobs.appendleft(job)
 
+    def remove(self, job: Job, on_drop: Callable[[Job], None]) -> bool:
+        """Take ``job`` out of the queue and hand it to ``on_drop`` (under the lock, as ``put``
+        sheds dead jobs); False when it is not waiting here (started, or taken by a policy)."""
+        with self._cond:
+            kept = deque(j for j in self._jobs if j is not job)  # by identity: Jobs compare by fields
+            if len(kept) == len(self._jobs):
+                return False
+            self._jobs = kept
+            on_drop(job)
+            return True
+
     def get(self, timeout: float | None = None) -> Job | None:
         """The oldest job, waiting up to ``timeout`` seconds (None: until one comes or close)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -80,6 +91,11 @@ class JobQueue:
                     break
                 self._cond.wait(remaining)
             return len(self._jobs) >= count
+
+    def waiting(self) -> list[Job]:
+        """The jobs waiting now, oldest first (a copy)."""
+        with self._cond:
+            return list(self._jobs)
 
     def get_nowait(self) -> Job | None:
         with self._cond:

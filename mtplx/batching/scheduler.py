@@ -6,6 +6,7 @@ only submit jobs, read telemetry and receive events.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -59,7 +60,9 @@ class Scheduler:
         return self.settings.mode
 
     def add_listener(self, listener: Listener) -> None:
-        """``listener(job, result or None)`` runs on the model thread when a job ends."""
+        """``listener(job, result or None)`` runs once when a job ends: on the model thread, or
+        on the thread that dropped it while queued (``cancel``, a full queue shedding it).
+        It must be quick and thread-safe."""
         self.policy.listeners.append(listener)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -126,6 +129,33 @@ class Scheduler:
         self.queue.put(job, self.policy.on_accept, self.policy.drop_unstarted)
         self._submitted[job.request_id] = job
         self.policy.jobs.count("admitted")
+
+    def cancel(self, request_id: str) -> str | None:
+        """Cancel the unfinished job ``request_id``: a queued one leaves the queue and ends now
+        (finish_reason "cancelled"), a running one stops at its next cycle boundary. Returns
+        "queued" or "running" (what it was), or None when no such job is unfinished."""
+        job = self._submitted.get(request_id)
+        if job is None or job.t_finished is not None:
+            return None
+        was = "running" if job.t_started is not None else "queued"
+        job.cancel()
+        self.queue.remove(job, self.policy.drop_unstarted)
+        return was
+
+    def update_defaults(self, **changes) -> SchedulerSettings:
+        """Replace the per-request defaults (``generation_mode``, ``depth``) for requests
+        submitted from now on; validate first (server.openai). One attribute write each."""
+        unknown = set(changes) - {"generation_mode", "depth"}
+        if unknown:
+            raise ValueError(f"not a live setting: {', '.join(sorted(unknown))}")
+        self.settings = dataclasses.replace(self.settings, **changes)
+        self.policy.settings = self.settings
+        return self.settings
+
+    @property
+    def admitting(self) -> bool:
+        """False once shutdown began (or ``stop_admitting`` was called)."""
+        return self._admitting
 
     @property
     def queue_depth(self) -> int:

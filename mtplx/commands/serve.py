@@ -103,8 +103,8 @@ def run(args) -> int:
                          max_body_bytes=int(args.max_body_mb * MIB), tool_call_parser=args.tool_call_parser,
                          body_timeout_s=args.body_timeout_s)
         print(f"mtplx serve: {model_id} at http://{_url_host(cfg.host)}:{cfg.port}/v1 (scheduler "
-              f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'})",
-              file=sys.stderr)
+              f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'}); "
+              f"dashboard at http://{_url_host(cfg.host)}:{cfg.port}/dashboard", file=sys.stderr)
         server = DrainingServer(uvicorn_config(app, args.log_level), app.state.mtplx.scheduler, args.shutdown_grace_s)
         server.run(sockets=[sock])
     return 0

@@ -4,7 +4,10 @@ Speculative-decoding counters mirror vLLM's names under the ``mtplx_`` prefix:
 ``spec_decode_num_drafts`` (verify cycles), ``spec_decode_num_draft_tokens``,
 ``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos{position}``
 (0-based). Acceptance rate = accepted / draft tokens; mean acceptance length = 1 +
-accepted / drafts. Request counters are updated when a request ends.
+accepted / drafts. mtplx adds ``spec_decode_num_draft_tokens_per_pos{position}`` (requests may
+draft to different depths, so a position's rate is its accepted over its drafted tokens) and
+``decode_phase_seconds{phase}`` (draft, verify, accept, commit seconds of MTP requests). Request counters are updated
+when a request ends.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from mtplx.batching.scheduler import Scheduler
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+PHASES = ("draft", "verify", "accept", "commit")  # of a decode cycle (DecodeStats' *_s fields)
 
 
 class Metrics:
@@ -51,10 +55,14 @@ class Metrics:
         self.accepted_per_pos = Counter("mtplx_spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position (0-based)", ["position"],
                                         registry=r)
+        self.draft_tokens_per_pos = Counter("mtplx_spec_decode_num_draft_tokens_per_pos",
+                                            "Drafted tokens by draft position (0-based)", ["position"], registry=r)
+        self.phase_seconds = Counter("mtplx_decode_phase_seconds", "Decode time by cycle phase", ["phase"],
+                                     registry=r)
         scheduler.add_listener(self.on_job_end)
 
     def on_job_end(self, job: Job, result: JobResult | None) -> None:
-        """Count one ended job (runs on the model thread; prometheus-client is thread-safe)."""
+        """Count one ended job (a scheduler listener; prometheus-client is thread-safe)."""
         if result is None:
             self.request_failure.inc()
             return
@@ -73,9 +81,18 @@ class Metrics:
             self.num_accepted_tokens.inc(stats["accepted_tokens"])
             for pos, accepted in enumerate(stats["accepted_by_depth"]):
                 self.accepted_per_pos.labels(str(pos)).inc(accepted)
+            for pos, drafted in enumerate(stats["drafted_by_depth"]):
+                self.draft_tokens_per_pos.labels(str(pos)).inc(drafted)
+            for phase in PHASES:  # MTP requests only: time per verify cycle = phase seconds / drafts
+                self.phase_seconds.labels(phase).inc(stats.get(f"{phase}_s") or 0.0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def values(self) -> dict[tuple[str, tuple], float]:
+        """Every sample now, keyed by (name, sorted label pairs): one pass over the registry."""
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for metric in self.registry.collect() for s in metric.samples}
 
 
 class CountRequests:

@@ -26,7 +26,10 @@ MAX_HEAD_BYTES = 16 * 1024  # request line + headers
 
 # Open without a key: load balancers' health checks and Prometheus scrapers. /metrics holds
 # only aggregate counters (no prompt or output text, no request ids, no keys), as in vLLM.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The dashboard's page, script and style (server/dashboard.py) hold no data: the page asks for
+# the key and sends it with every request for data. The browser must load them to ask.
+PAGE_PATHS = frozenset({"/", "/dashboard", "/dashboard/app.js", "/dashboard/style.css"})
+OPEN_PATHS = frozenset({"/health", "/metrics"}) | PAGE_PATHS
 
 
 def is_loopback(host: str) -> bool:

@@ -34,7 +34,11 @@ async def metrics(request: Request):
 
 @router.get("/v1/mtplx/snapshot")
 async def snapshot(request: Request):
-    server = request.app.state.mtplx
+    return snapshot_payload(request.app.state.mtplx)
+
+
+def snapshot_payload(server) -> dict:
+    """The snapshot of ``server`` (a ``ServerState``); the dashboard's samples build on it."""
     return {**scheduler_state(server), "model": server.model_card(), "kv_cache": server.kv_cache(),
             "queue_depth": server.scheduler.queue_depth, "active_requests": server.scheduler.active_requests,
             "latest_request": server.latest_request, "uptime_s": time.time() - server.started_at}
