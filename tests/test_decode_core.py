@@ -190,3 +190,13 @@ def test_batching_never_touches_block_tables():
     for path in (PACKAGE / "batching").glob("*.py"):
         text = path.read_text()
         assert not re.search(r"\.blocks\b|block_table", text), path.name
+
+
+def test_the_batched_sampler_keeps_the_top_token_for_a_top_p_below_float32s_range():
+    """top_p = 1e-165 (valid: in (0, 1]) is 0.0 as a float32 tensor; the top token stays."""
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, top_p=1e-165), SamplingParams(temperature=0.5, top_p=0.5)]
+    batch = SamplerBatch(params, [make_generator(0), make_generator(1)], torch.device("cpu"))
+    probs = batch.probs(logits)
+    assert torch.equal(probs[0], logits_to_probs(logits[:1], params[0])[0])
+    assert probs[0].max() == 1.0 and int(probs[0].argmax()) == int(logits[0].argmax())

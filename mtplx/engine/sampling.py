@@ -157,7 +157,7 @@ def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumulative sum
     # A token is needed while the mass strictly before it is still short of top_p; the first
     # token has 0 before it, so at least one is always kept.
-    n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # top_p may round to 0 in float32
     threshold = sorted_probs.gather(-1, n_keep - 1)
     return _renormalise(probs.masked_fill(probs < threshold, 0.0))
 
@@ -237,7 +237,8 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     if top_p:
         sorted_probs = torch.sort(probs, dim=-1, descending=True).values
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        n_keep = (mass_before < s.top_p[:, :, None]).sum(dim=-1, keepdim=True)
+        # the top token is always kept, also for a top_p below float32's range (stored as 0)
+        n_keep = (mass_before < s.top_p[:, :, None]).sum(dim=-1, keepdim=True).clamp(min=1)
         kept = _renormalise(probs.masked_fill(probs < sorted_probs.gather(-1, n_keep - 1), 0.0))
         probs = torch.where(s.top_p[:, :, None] < 1, kept, probs)
     if min_p:
