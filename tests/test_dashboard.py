@@ -174,8 +174,8 @@ def test_cancel_by_id_stops_running_and_queued_requests(server):
     queued = Completion(url, 3000)  # serial: waits behind the first
     wait_until(lambda: state.scheduler.queue_depth == 1)
     sample = one_sample(url)
-    assert [(r["id"], r["state"]) for r in sample["running"]] == [(running.id, "running"), (sample["running"][1]["id"], "queued")]
     queued_id = sample["running"][1]["id"]
+    assert [(r["id"], r["state"]) for r in sample["running"]] == [(running.id, "running"), (queued_id, "queued")]
 
     r = httpx.post(f"{url}/v1/mtplx/cancel/{queued_id}", headers=AUTH)
     assert r.status_code == 200 and r.json() == {"id": queued_id, "cancelled": True, "was": "queued"}
