@@ -174,8 +174,8 @@ def test_cancel_by_id_stops_running_and_queued_requests(server):
     queued = Completion(url, 3000)  # serial: waits behind the first
     wait_until(lambda: state.scheduler.queue_depth == 1)
     sample = one_sample(url)
-    assert [(r["id"], r["state"]) for r in sample["running"]] == [(running.id, "running"), (sample["running"][1]["id"], "queued")]
     queued_id = sample["running"][1]["id"]
+    assert [(r["id"], r["state"]) for r in sample["running"]] == [(running.id, "running"), (queued_id, "queued")]
 
     r = httpx.post(f"{url}/v1/mtplx/cancel/{queued_id}", headers=AUTH)
     assert r.status_code == 200 and r.json() == {"id": queued_id, "cancelled": True, "was": "queued"}
@@ -292,3 +292,17 @@ def test_speedup_compares_mtp_with_ar_of_the_same_temperature_regime():
     out = speedup_vs_ar(recent)
     assert out["greedy"] == {"speedup": pytest.approx(1.6), "mtp_tok_s": 32.0, "ar_tok_s": 20.0}
     assert out["sampled"] == {"speedup": None, "mtp_tok_s": 20.0, "ar_tok_s": None}
+
+
+def test_streams_beyond_the_cap_are_refused(server, monkeypatch):
+    url, state = server
+    monkeypatch.setattr(dashboard, "MAX_STREAMS", 2)
+    with httpx.Client(headers=AUTH, timeout=30) as client:
+        with client.stream("GET", f"{url}/v1/mtplx/metrics/stream") as one, \
+                client.stream("GET", f"{url}/v1/mtplx/metrics/stream") as two:
+            lines = [one.iter_lines(), two.iter_lines()]  # kept: a dropped iterator closes its stream
+            assert all(next(stream).startswith("data: {") for stream in lines)
+            third = client.get(f"{url}/v1/mtplx/metrics/stream")
+            assert third.status_code == 503 and third.json()["error"]["code"] == "too_many_streams"
+    wait_until(lambda: state.dashboard_streams == 0)  # closed streams give their places back
+    assert next(samples(url))[1]["scheduler_mode"] == "serial"

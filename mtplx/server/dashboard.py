@@ -153,8 +153,9 @@ def validate_settings(server, body: dict) -> dict:
         settings = server.scheduler.settings
         try:
             resolved = scheduler_settings.validate_scheduler_settings(
-                settings.mode, generation_mode=changes["generation_mode"], max_active_requests=settings.max_active_requests,
-                decode_batch_max=settings.decode_batch_max, batch_wait_ms=settings.batch_wait_ms)
+                settings.mode, generation_mode=changes["generation_mode"],
+                max_active_requests=settings.max_active_requests, decode_batch_max=settings.decode_batch_max,
+                batch_wait_ms=settings.batch_wait_ms)
             scheduler_settings.validate_model_for_mode(resolved, server.engine.has_mtp)
         except SchedulerConfigError as exc:
             raise APIError(400, str(exc), param="generation_mode", code="invalid_value") from None

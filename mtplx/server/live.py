@@ -4,7 +4,8 @@ A sample only reads what is already counted: the snapshot payload (``telemetry.s
 the Prometheus counters (``metrics.py``), each running job's published token count and its
 sequence's ``DecodeStats`` (updated in place by the model thread, read without a lock), and the
 ring of recently ended requests (``ServerState.recent``, appended once per request by a
-scheduler listener). Nothing here runs on the model thread or adds work to a decode cycle.
+scheduler listener). Nothing here runs on the model thread; a decode cycle's only addition is
+one attribute write (``Job.publish`` keeps a reference to its sequence's statistics).
 
 Rates: the stream's ``LiveSampler`` remembers each running job's token count from the previous
 sample; tokens emitted since = the growth of the running jobs plus what jobs that ended in the
@@ -79,7 +80,8 @@ class LiveSampler:
     def sample(self) -> dict:
         server = self.server
         now = time.perf_counter()
-        counters = server.metrics.values()  # read before the jobs: a job ending in between is missed once, never counted twice
+        # the counters before the jobs: a job ending in between is missed once, never counted twice
+        counters = server.metrics.values()
         running = list(server.scheduler.policy.running)
         queued = server.scheduler.queue.waiting()
         recent = list(server.recent)
