@@ -134,9 +134,14 @@ def test_chi_square_detects_a_wrong_distribution():
         assert_fits(samples, exact_distribution(hf, SamplingParams(temperature=0.5)))
 
 
-@pytest.mark.parametrize("depth,head,policy", [(1, "random", "greedy"), (3, "repeat", "greedy"),
-                                               (2, "random", "mirror"), (3, "repeat", "mirror")])
-def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head, policy):
+FILTERED = [dict(temperature=1.0), dict(temperature=1.5, top_p=0.9, top_k=5)]  # the graph variant with top-k
+PLAIN = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]  # temperature and top-p alone
+
+
+@pytest.mark.parametrize("depth,head,policy,samplers", [
+    (1, "random", "greedy", FILTERED), (3, "repeat", "greedy", FILTERED), (2, "repeat", "greedy", PLAIN),
+    (2, "random", "mirror", FILTERED), (3, "repeat", "mirror", PLAIN)])
+def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head, policy, samplers):
     """The chained path (the one a GPU runs): rows of two different samplers in one batch, each
     row's drafts (argmax, or under the mirror policy sampled from the head) accepted by
     rejection sampling on the device from its own noise; each half of the rows fits its own
@@ -145,7 +150,6 @@ def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth
     engine.generator.chain.enabled = True
     launches = []
     engine.generator.observers.append(lambda event, seq: launches.append(event == "chain_start"))
-    samplers = [dict(temperature=1.0), dict(temperature=1.5, top_p=0.9, top_k=5)]
     samples = sample_mtp(engine, N, depth, policy, samplers=samplers)
     assert any(launches)  # the rows decoded chained
     for i, sampler in enumerate(samplers):

@@ -96,10 +96,12 @@ class CycleChain:
 def cycle_variant(seqs: list[Sequence], depth: int) -> str:
     """The rows' kind of chained cycle (``runner.CYCLE_VARIANTS``): "greedy" when every row is;
     else "sample" (rejection sampling and the rows' noise on the device), "mirror" when a row
-    drafts from the head's distribution (a cycle with drafts), each "_top_k" when a sampling
-    row asks for top-k (its graph sorts the vocabulary for it)."""
+    drafts from the head's distribution (a cycle with drafts), each "_filters" when a sampling
+    row asks for top-k or min-p (its graph applies them; the plain one does temperature and
+    top-p alone)."""
     sampling = [s for s in seqs if not s.params.greedy]
     if not sampling:
         return "greedy"
     mirror = depth > 0 and any(s.draft_policy == "mirror" for s in sampling)
-    return ("mirror" if mirror else "sample") + ("_top_k" if any(s.params.top_k for s in sampling) else "")
+    filters = any(s.params.top_k or s.params.min_p for s in sampling)
+    return ("mirror" if mirror else "sample") + ("_filters" if filters else "")

@@ -310,5 +310,5 @@ def _bucket(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int:
 
 
 def _cycle_kind(variant: str) -> str:
-    """A chained cycle graph's key kind: "cycle" (greedy), "sample_cycle", "sample_top_k_cycle"."""
+    """A chained cycle graph's key kind: "cycle" (greedy), else the variant's, e.g. "sample_cycle"."""
     return "cycle" if variant == "greedy" else f"{variant}_cycle"

@@ -33,9 +33,10 @@ DEFAULT_STATE_COMMIT = "capture"
 
 # the kinds of chained cycle (each its own graph): every row greedy; rows may sample, their
 # drafts the head's argmax ("sample") or, for rows of the mirror draft policy, sampled from the
-# head's distribution under the row's sampler ("mirror"); "_top_k": some row asks for top-k (the
-# graph sorts the vocabulary for it; the others skip that sort)
-CYCLE_VARIANTS = ("greedy", "sample", "sample_top_k", "mirror", "mirror_top_k")
+# head's distribution under the row's sampler ("mirror"); "_filters": some row asks for top-k or
+# min-p (the graph sorts the vocabulary for top-k and applies min-p; the plain variants process
+# temperature and top-p alone, what most requests send)
+CYCLE_VARIANTS = ("greedy", "sample", "sample_filters", "mirror", "mirror_filters")
 
 
 # a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
@@ -311,7 +312,7 @@ class ModelRunner:
                     variant: str = "greedy") -> CycleLaunch:
         """A cycle from the host's state (``greedy_cycle``'s contract, argmax drafts; the
         catch-up at most depth + 1 pairs), leaving the next cycle's inputs on the device.
-        variant "sample" / "sample_top_k": rows may sample (exact rejection sampling of their
+        variant "sample" / "sample_filters" (mirror too): rows may sample (exact rejection sampling of their
         drafts, all on the device; their settings are written now, their noise drawn before
         each launch). The rows' tables
         must cover ``lookahead`` (``CycleChain.reserve``)."""
@@ -394,7 +395,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
-        probs = process_logits(logits, sampling.sampler, top_k=sampling.top_k)
+        probs = process_logits(logits, sampling.sampler, top_k=sampling.filters, min_p=sampling.filters)
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
 
@@ -408,7 +409,7 @@ class CycleSampling:
     so a seed gives the same tokens chained or not."""
 
     def __init__(self, rows: int, depth: int, vocab: int, variant: str, device: torch.device):
-        self.depth, self.top_k, self.mirror = depth, variant.endswith("top_k"), variant.startswith("mirror")
+        self.depth, self.filters, self.mirror = depth, variant.endswith("_filters"), variant.startswith("mirror")
         self.sampler = SamplerTensors(rows, device)
         self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=device)
         self.race = torch.ones(rows, vocab, dtype=torch.float32, device=device)
@@ -439,7 +440,7 @@ class CycleSampling:
         """Draft j for every row from the head's logits [R, V]: a mirror row samples from its
         processed distribution q (an exponential race); every other row keeps the argmax, its q
         a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V])."""
-        q = process_logits(head_logits[:, None], self.sampler, top_k=self.top_k)[:, 0]
+        q = process_logits(head_logits[:, None], self.sampler, top_k=self.filters, min_p=self.filters)[:, 0]
         sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
         picks = torch.where(self.mirror_rows[:, 0], sampled, argmax)
         hot = torch.zeros_like(q).scatter_(1, picks[:, None], 1.0)
