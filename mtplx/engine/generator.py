@@ -72,7 +72,8 @@ class Generator:
         # AR sequences on a model with a head leave the head's KV entries unwritten: their
         # blocks go to a separate prefix cache, so an MTP request never drafts from them
         namespace = "trunk_only" if self.runner.head is not None and seq.mode != "mtp" else None
-        cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids, namespace=namespace)
+        cached = self.runner.blocks.allocate(seq.seq_id, seq.prompt_ids,
+                                             namespace=logprobs.cache_namespace(seq, namespace))
         try:
             self._set_up(seq, cached)
         except BaseException:
@@ -112,6 +113,7 @@ class Generator:
             self.fault_hook("prefill", seq)
             self.fault_hook("forward", seq)
         hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
+        logprobs.record_prompt(seq, self.runner.logits, hidden, seq.trunk_len)
         seq.trunk_len = end
         if self.runner.head is not None and seq.mode == "mtp":
             seq.hidden_backlog = _cat(seq.hidden_backlog, hidden)
