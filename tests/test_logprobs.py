@@ -72,3 +72,24 @@ def test_greedy_ar_and_mtp_report_the_same_logprobs(tiny):
     assert ar.generated == mtp.generated and mtp.stats.accepted_tokens > 0
     for (a, top_a), (b, top_b) in zip(ar.logprobs, mtp.logprobs):
         assert a == pytest.approx(b, abs=1e-4) and [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_prompt_scoring_matches_the_target_even_after_a_prefix_cache_hit(tiny):
+    engine, hf = tiny
+    prompt = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2]  # over two KV blocks of 4: a second run would hit the cache
+    ref = reference(hf, prompt[:1], prompt[1:], 0.7)
+    for _ in range(2):
+        req = engine.make_request(prompt, mode="mtp", max_tokens=1, temperature=0.7, seed=1)
+        req.prompt_logprobs = 2
+        seq = engine.new_sequence(req)
+        engine.generator.admit(seq)
+        assert seq.cached_prompt_tokens == 0  # scoring computes every position
+        with torch.inference_mode():
+            engine.generator.prefill(seq, chunk=4)  # in chunks, as the batching modes prefill
+            while not engine.generator.prefill(seq, chunk=4):
+                pass
+        engine.generator.release(seq)
+        assert len(seq.prompt_logprobs) == len(prompt) - 1
+        for i, (token, (value, top)) in enumerate(zip(prompt[1:], seq.prompt_logprobs)):
+            assert value == pytest.approx(float(ref[i, token]), abs=1e-4)
+            assert [v for _, v in top] == pytest.approx(ref[i].topk(2).values.tolist(), abs=1e-4)

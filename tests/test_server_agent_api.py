@@ -378,14 +378,27 @@ def test_completion_logprobs_in_the_legacy_shape(oai):
                for top, value in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_echo_scores_the_prompt_as_decoding_scored_the_same_tokens(oai):
+    first = oai.completions.create(model=MODEL, prompt="The sea", max_tokens=5, temperature=0, logprobs=1)
+    text, decoded = first.choices[0].text, first.choices[0].logprobs
+    echoed = oai.completions.create(model=MODEL, prompt="The sea" + text, max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith("The sea" + text) and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == echoed.choices[0].text  # one character per token
+    scored = lp.token_logprobs[len("The sea"): len("The sea") + len(text)]  # the prefill's view of the same tokens
+    assert scored == pytest.approx(decoded.token_logprobs, abs=1e-4)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="The sea", max_tokens=5, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == "The sea" + text
+
+
 @pytest.mark.parametrize("kwargs, param", [(dict(top_logprobs=2), "top_logprobs"),
                                            (dict(logprobs=True, top_logprobs=21), "top_logprobs")])
 def test_bad_logprobs_requests_are_400(oai, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, **kwargs)
     assert err.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        oai.completions.create(model=MODEL, prompt="a", max_tokens=2, echo=True, logprobs=1)
 
 
 # -- every scheduler mode -----------------------------------------------------------------------

@@ -28,6 +28,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list | None = None  # per token (logprob, [(id, logprob), ...]) when the request asked
+    prompt_logprobs: list | None = None  # the prompt's (after its first token), on the first Delta only
 
 
 @dataclass
@@ -53,6 +54,7 @@ class JobResult:
     completion_tokens: int
     stats: dict  # the ``mtplx_stats`` object: decode statistics plus scheduler fields
     logprobs: list | None = None  # per token (logprob, [(id, logprob), ...]) when the request asked
+    prompt_logprobs: list | None = None  # the prompt's tokens after the first (prompt scoring)
 
 
 @dataclass
@@ -104,11 +106,12 @@ class Job:
         if not new_ids and not text:
             return
         logprobs = None if seq.logprobs is None else seq.logprobs[self._sent_tokens:self._sent_tokens + len(new_ids)]
+        prompt_logprobs = seq.prompt_logprobs if not self._text else None  # with the first Delta
         self._sent_tokens += len(new_ids)
         if self.t_first_token is None and new_ids:
             self.t_first_token = time.perf_counter()
         self._text.append(text)
-        self.emit(Delta(text, new_ids, logprobs))
+        self.emit(Delta(text, new_ids, logprobs, prompt_logprobs))
 
     def finish(self, seq: Sequence) -> JobResult:
         """Emit ``Done`` with the result; a cancelled job ends with finish_reason "cancelled"."""
@@ -118,7 +121,8 @@ class Job:
         stats.update(self.scheduler_stats(), generation_mode=seq.mode, depth=seq.depth,
                      draft_policy=seq.draft_policy, **self.extra_stats)
         result = JobResult("".join(self._text), list(seq.generated), reason, len(seq.prompt_ids),
-                           seq.num_generated, stats, None if seq.logprobs is None else list(seq.logprobs))
+                           seq.num_generated, stats, None if seq.logprobs is None else list(seq.logprobs),
+                           seq.prompt_logprobs)
         self.emit(Done(result))
         return result
 

@@ -88,7 +88,7 @@ class Generator:
         # AR sequences on a model with a head leave the head's KV entries unwritten: their
         # blocks go to a separate prefix cache, so an MTP request never drafts from them
         namespace = "trunk_only" if self.runner.head is not None and seq.mode != "mtp" else None
-        cached = self.kv.admit(seq, namespace)
+        cached = self.kv.admit(seq, logprobs.cache_namespace(seq, namespace))
         self.live[seq.seq_id] = seq
         try:
             self._set_up(seq, cached)
@@ -131,6 +131,7 @@ class Generator:
         end = len(prompt) if chunk is None else min(len(prompt), seq.trunk_len + chunk)
         self._stage("prefill", seq)
         hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
+        logprobs.record_prompt(seq, self.runner.logits, hidden, seq.trunk_len)
         seq.trunk_len = end
         if self.runner.head is not None and seq.mode == "mtp":
             seq.hidden_backlog = _cat(seq.hidden_backlog, hidden)

@@ -45,6 +45,7 @@ class Request:
     ignore_eos: bool = False
     grammar: Any = None  # constraints.Grammar: decode only text it accepts (None: unconstrained)
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (prompt scoring; None: off)
 
 
 class Engine:
@@ -180,7 +181,9 @@ class Engine:
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
                         depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
                         constraint=req.grammar.matcher() if req.grammar is not None else None,
-                        logprobs=None if req.logprobs is None else [], top_logprobs=req.logprobs or 0)
+                        logprobs=None if req.logprobs is None else [], top_logprobs=req.logprobs or 0,
+                        prompt_logprobs=None if req.prompt_logprobs is None else [],
+                        prompt_top_logprobs=req.prompt_logprobs or 0)
 
     # -- running ------------------------------------------------------------------------------
     def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:

@@ -1,5 +1,5 @@
 """Log probabilities of committed tokens, the same whether a token came from an AR step or
-from an accepted MTP draft.
+from an accepted MTP draft, and of prompt tokens (prompt scoring).
 
 The distribution is the target's at the token's position: log-softmax of the verify (or AR)
 logits after presence/frequency penalties, the grammar mask and temperature (temperature 0
@@ -10,6 +10,11 @@ alternatives per position); for everyone else both calls are no-ops.
 ``record`` keeps the step's candidate rows on the device ([n, V]: one per position the step
 may commit); ``commit`` turns the rows of the tokens actually committed into host numbers
 (one sync per step) and drops the rest (a rejected draft's position, a token after EOS).
+
+Prompt scoring (``seq.prompt_logprobs = []``): ``record_prompt`` scores each prompt token but
+the first from the prefill forward's logits at the position before it, by the same rule.
+Every prompt position must then be computed, so such a sequence takes no prefix-cache hit
+(``cache_namespace``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ def record(seq: Any, logits: torch.Tensor) -> None:
     seq.pending_logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
+def cache_namespace(seq: Any, namespace: str | None) -> str | None:
+    """The prefix-cache namespace for ``seq``: its own (never hit) when its prompt is scored."""
+    return namespace if getattr(seq, "prompt_logprobs", None) is None else f"scored-prompt-{seq.seq_id}"
+
+
+def record_prompt(seq: Any, logits_of, hidden: torch.Tensor, start: int) -> None:
+    """Score the prompt tokens after positions start .. start + len(hidden) - 1.
+    hidden: [n, H] the prefill chunk's trunk output; logits_of: hidden -> logits."""
+    if getattr(seq, "prompt_logprobs", None) is None:
+        return
+    n = min(len(hidden), len(seq.prompt_ids) - 1 - start)  # the last position predicts the first output
+    if n <= 0:
+        return
+    rows = torch.log_softmax(logits_of(hidden[:n]).float() / (seq.params.temperature or 1.0), dim=-1)
+    seq.prompt_logprobs += _entries(rows, seq.prompt_ids[start + 1: start + 1 + n], seq.prompt_top_logprobs)
+
+
 def commit(seq: Any, tokens: list[int]) -> None:
     """Append (logprob, [(token, logprob), ...top]) for each committed token, in order."""
     if seq.logprobs is None:
@@ -37,13 +59,14 @@ def commit(seq: Any, tokens: list[int]) -> None:
     if rows is None or rows.shape[0] < len(tokens):
         raise RuntimeError(f"{len(tokens)} tokens committed but {0 if rows is None else rows.shape[0]} "
                            "logprob rows recorded")
-    rows = rows[: len(tokens)]
+    seq.logprobs += _entries(rows[: len(tokens)], tokens, seq.top_logprobs)
+
+
+def _entries(rows: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list]]:
+    """(logprob of tokens[i] in rows[i], its k best (token, logprob)) for each row; one host sync."""
     index = torch.tensor(tokens, device=rows.device)
     chosen = rows.gather(1, index[:, None])[:, 0]
-    k = seq.top_logprobs
     if k:
         top = torch.topk(rows, k, dim=-1)
-        values, ids = top.values.tolist(), top.indices.tolist()  # the step's host sync, with the next line
-    chosen = chosen.tolist()
-    for i, value in enumerate(chosen):
-        seq.logprobs.append((value, list(zip(ids[i], values[i])) if k else []))
+        values, ids = top.values.tolist(), top.indices.tolist()
+    return [(value, list(zip(ids[i], values[i])) if k else []) for i, value in enumerate(chosen.tolist())]

@@ -44,6 +44,8 @@ class Sequence:
     logprobs: list | None = None  # per generated token (logprob, top alternatives); None: not asked (logprobs.py)
     top_logprobs: int = 0
     pending_logprobs: torch.Tensor | None = None  # this step's candidate rows [n, V]
+    prompt_logprobs: list | None = None  # per prompt token after the first, as ``logprobs``; None: not asked
+    prompt_top_logprobs: int = 0
     finish_reason: str | None = None
     cancelled: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
-from mtplx.batching.job import JobResult
+from mtplx.batching.job import Delta, JobResult
 from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
@@ -228,8 +228,8 @@ class MessageShape:
                    "stop_reason": None, "stop_sequence": None, "usage": self.usage(None)}
         return [_event("message_start", message=message), _event("ping")]
 
-    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
-        events = self.stream.feed(text) if self.stream else [("content", text)]
+    def delta(self, index: int, event: Delta) -> list[str]:
+        events = self.stream.feed(event.text) if self.stream else [("content", event.text)]
         return self._blocks(events)
 
     def _blocks(self, events: list) -> list[str]:

@@ -49,10 +49,16 @@ async def completions(body: CompletionRequest, request: Request):
     body.check_supported()
     server = request.app.state.mtplx
     server.check_model(body.model)
-    requests = engine_requests(server, body, body.single_prompt(), ("max_tokens", body.max_tokens), chat=False,
-                               n=body.n, logprobs=body.logprobs_wanted)
+    prompt = body.single_prompt()
+    requests = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=False, n=body.n,
+                               logprobs=body.logprobs_wanted, prompt_logprobs=body.logprobs if body.echo else None)
+    echo = None
+    if body.echo:  # the prompt as sent (token ids: decoded), before the output
+        ids = requests[0].prompt_ids
+        echo = (prompt if isinstance(prompt, str) else server.engine.tokenizer.decode(ids)
+                if server.engine.tokenizer is not None else "", ids)
     shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage,
-                          tokenizer=server.engine.tokenizer)
+                          tokenizer=server.engine.tokenizer, echo=echo)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
 
 
@@ -87,12 +93,14 @@ def template_errors():
 
 
 def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
-                    sampling: dict | None = None, grammar=None, logprobs: int | None = None) -> list:
+                    sampling: dict | None = None, grammar=None, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> list:
     """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
     the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
     None = up to the context); a limit the context cannot hold is a 400 naming the field.
     ``grammar``: the output's grammar (structured.py), None for free text. ``logprobs``: report
-    each token's logprob and this many alternatives (None: off)."""
+    each token's logprob and this many alternatives (None: off); ``prompt_logprobs`` the same
+    for the prompt's tokens (completions' echo)."""
     settings = server.scheduler.settings
     engine = server.engine
     name, max_tokens = limit
@@ -107,7 +115,7 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
         raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
                             f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
                             f"{room}", param=name, code="invalid_value")
-    base.grammar, base.logprobs = grammar, logprobs
+    base.grammar, base.logprobs, base.prompt_logprobs = grammar, logprobs, prompt_logprobs
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(
         base.params, seed=None if seed is None else seed + i)) for i in range(1, n)]

@@ -215,9 +215,6 @@ class CompletionRequest(GenerationFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo: not supported (prompt logprobs are not computed)", param="echo",
-                           code="unsupported_value")
         if self.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
@@ -263,8 +260,10 @@ class ResponseShape:
     ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
-                 tools: list | None = None, parser=None, tokenizer=None):
+                 tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int]] | None = None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.echo = echo  # completions' echo: (prompt text, prompt token ids), sent before the output
+        self.echoed = [False] * n
         self.tokenizer = tokenizer  # for logprobs' token strings
         self.offsets = [0] * n  # text offset of the next token per choice (completions' logprobs)
         self.n, self.include_usage = n, include_usage
@@ -304,9 +303,20 @@ class ResponseShape:
             choice["message"] = message
         else:
             choice["text"] = result.text
+            if self.echo:
+                choice["text"] = self.echo[0] + result.text
+                self.offsets[index] = 0
+                choice["logprobs"] = _join(self._echo_logprobs(index, result.prompt_logprobs),
+                                           self.logprobs(index, result.token_ids, result.logprobs))
         if self.return_token_ids:
             choice["token_ids"] = result.token_ids
         return choice
+
+    def _echo_logprobs(self, index: int, values: list | None) -> dict | None:
+        """Completions' logprobs of the echoed prompt: its first token has none (null)."""
+        if values is None:
+            return None
+        return self.logprobs(index, self.echo[1], [(None, None)] + values)
 
     def logprobs(self, index: int, token_ids: list[int], values: list | None) -> dict | None:
         """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
@@ -322,8 +332,9 @@ class ResponseShape:
         for token in text:
             offsets.append(self.offsets[index])
             self.offsets[index] += len(token)
-        return {"tokens": text, "token_logprobs": [_finite(v) for v, _ in values],
-                "top_logprobs": [{self._token(i): _finite(v) for i, v in top} for _, top in values],
+        return {"tokens": text, "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
+                "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
+                                 for _, top in values],
                 "text_offset": offsets}
 
     def _token(self, token_id: int) -> str:
@@ -354,8 +365,12 @@ class ResponseShape:
     def start(self) -> list[str]:
         return [sse(self.chunk(i, "", role=True)) for i in range(self.n)] if self.chat else []
 
-    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
-        lp = self.logprobs(index, token_ids, logprobs)
+    def delta(self, index: int, event) -> list[str]:
+        text, token_ids = event.text, event.token_ids
+        head = self._echo_chunk(index, event.prompt_logprobs)
+        lp = self.logprobs(index, token_ids, event.logprobs)
+        if head:
+            return head + ([sse(self.chunk(index, text, token_ids, logprobs=lp))] if token_ids or text else [])
         stream = self.streams[index]
         if stream is None:
             wanted = text or self.return_token_ids or lp is not None
@@ -384,12 +399,20 @@ class ResponseShape:
                     "arguments": fragment}}])))
         return out
 
+    def _echo_chunk(self, index: int, prompt_logprobs: list | None) -> list[str]:
+        """The echoed prompt, once per choice, before its first output."""
+        if not self.echo or self.echoed[index]:
+            return []
+        self.echoed[index] = True
+        logprobs = self._echo_logprobs(index, prompt_logprobs)
+        return [sse(self.chunk(index, self.echo[0], self.echo[1], logprobs=logprobs))]
+
     def done(self, index: int, result: JobResult) -> list[str]:
         self.results[index] = result
         stream, reason = self.streams[index], result.finish_reason
-        out = []
+        out = self._echo_chunk(index, result.prompt_logprobs)
         if stream is not None:
-            out = self._tool_events(index, stream.finish())
+            out += self._tool_events(index, stream.finish())
             reason = _tool_finish(reason) if stream.calls else reason
         last = len(self.results) == self.n
         extra = {}
@@ -411,6 +434,13 @@ class ResponseShape:
 
     def error(self, error: APIError) -> list[str]:
         return [sse(error_body(error.message, error.type, error.param, error.code)), "data: [DONE]\n\n"]
+
+
+def _join(a: dict | None, b: dict | None) -> dict | None:
+    """Two completions logprobs objects as one (the echoed prompt's, then the output's)."""
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
 
 
 def _finite(value: float) -> float:

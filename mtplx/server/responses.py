@@ -20,7 +20,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
-from mtplx.batching.job import JobResult
+from mtplx.batching.job import Delta, JobResult
 from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, chat_message, sse
@@ -209,8 +209,8 @@ class ResponseObject:
         return [self._event("response.created", response=self.envelope("in_progress", [])),
                 self._event("response.in_progress", response=self.envelope("in_progress", []))]
 
-    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]:
-        return self._items(self.stream.feed(text) if self.stream else [("content", text)])
+    def delta(self, index: int, event: Delta) -> list[str]:
+        return self._items(self.stream.feed(event.text) if self.stream else [("content", event.text)])
 
     def _items(self, events: list) -> list[str]:
         out = []

@@ -106,7 +106,7 @@ class StreamEncoder(Protocol):
 
     def start(self) -> list[str]: ...
 
-    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list | None = None) -> list[str]: ...
+    def delta(self, index: int, event: Delta) -> list[str]: ...
 
     def done(self, index: int, result: JobResult) -> list[str]: ...
 
@@ -139,7 +139,7 @@ async def _relay(jobs: list[Job], events: asyncio.Queue, encoder: StreamEncoder)
         while pending:
             index, event = await events.get()
             if isinstance(event, Delta):
-                lines = encoder.delta(index, event.text, event.token_ids, event.logprobs)
+                lines = encoder.delta(index, event)
             elif isinstance(event, Done):
                 pending -= 1
                 lines = encoder.done(index, event.result)
