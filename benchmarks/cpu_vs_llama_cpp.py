@@ -178,8 +178,10 @@ def main() -> None:
     need_llama = not {"decode", "prefill"} <= skip
     llama_cpp, build_s = ensure_llama_cpp() if need_llama else (None, 0.0)
     path = default_model_path()
-    engine = mtplx.load(None, device="cpu", depth=args.depth, kv_cache_tokens=args.long_prompt_tokens + 512)
-    engine_bf16 = mtplx.load(None, device="cpu", dtype="bfloat16", depth=args.depth, kv_cache_tokens=1024)
+    engine = mtplx.load(None, device="cpu", depth=args.depth, quantize="gguf",
+                        kv_cache_tokens=args.long_prompt_tokens + 512)
+    engine_bf16 = mtplx.load(None, device="cpu", dtype="bfloat16", depth=args.depth, quantize="gguf",
+                             kv_cache_tokens=1024)
     llama = (LlamaCpp(llama_cpp, path, args.threads, args.long_prompt_tokens + 512, args.llama_extra_buffers)
              if need_llama else None)
     report = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
