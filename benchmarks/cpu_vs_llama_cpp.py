@@ -81,7 +81,17 @@ def ensure_llama_cpp() -> tuple[object, float]:
 class LlamaCpp:
     """llama-cpp-python on token ids: prefill, then one token per eval."""
 
-    def __init__(self, module, path: Path, threads: int, n_ctx: int):
+    def __init__(self, module, path: Path, threads: int, n_ctx: int, extra_buffers: bool):
+        if not extra_buffers:
+            # llama.cpp's extra CPU buffer types (AMX, repacked weights) crash (SIGSEGV in the
+            # first eval) in this project's VM, whose CPU reports AMX: load without them
+            default = module.llama_cpp.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+            module.llama.llama_cpp.llama_model_default_params = params
         self.llm = module.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                                 n_batch=512, verbose=False, seed=0)
 
@@ -138,6 +148,12 @@ def quality(engine_q, engine_f, prompts, tokens: int) -> dict:
             "rows": rows}
 
 
+def _write(path: str, report: dict) -> None:
+    """The report so far (each phase adds to it, so a failure late keeps what ran)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=physical_cores())
@@ -146,6 +162,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--long-prompt-tokens", type=int, default=7900)
     ap.add_argument("--quality-tokens", type=int, default=64)
+    ap.add_argument("--llama-extra-buffers", action="store_true",
+                    help="let llama.cpp use its AMX / repacked-weight CPU buffers (they crash in this project's VM)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: decode, prefill, quality")
     ap.add_argument("--json", default="benchmarks/results/cpu_vs_llama_cpp.json")
     args = ap.parse_args()
@@ -160,13 +178,17 @@ def main() -> None:
     need_llama = not {"decode", "prefill"} <= skip
     llama_cpp, build_s = ensure_llama_cpp() if need_llama else (None, 0.0)
     path = default_model_path()
-    engine = mtplx.load(None, device="cpu", depth=args.depth, kv_cache_tokens=args.long_prompt_tokens + 512)
-    engine_bf16 = mtplx.load(None, device="cpu", dtype="bfloat16", depth=args.depth, kv_cache_tokens=1024)
-    llama = LlamaCpp(llama_cpp, path, args.threads, n_ctx=args.long_prompt_tokens + 512) if need_llama else None
+    engine = mtplx.load(None, device="cpu", depth=args.depth, quantize="gguf",
+                        kv_cache_tokens=args.long_prompt_tokens + 512)
+    engine_bf16 = mtplx.load(None, device="cpu", dtype="bfloat16", depth=args.depth, quantize="gguf",
+                             kv_cache_tokens=1024)
+    llama = (LlamaCpp(llama_cpp, path, args.threads, args.long_prompt_tokens + 512, args.llama_extra_buffers)
+             if need_llama else None)
     report = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
               "threads": args.threads, "torch": torch.__version__,
               "llama_cpp_python": getattr(llama_cpp, "__version__", None),
-              "llama_cpp_build_s": round(build_s, 1), "model": str(path), "tokens": args.tokens,
+              "llama_cpp_build_s": round(build_s, 1), "llama_cpp_extra_buffers": args.llama_extra_buffers,
+              "model": str(path), "tokens": args.tokens,
               "repeats": args.repeats, "load_average_start": os.getloadavg()}
 
     if "decode" not in skip:
@@ -202,9 +224,11 @@ def main() -> None:
             a["token_ids"][:16] == b["token_ids"][:16] for a, b in zip(runs["mtplx_ar_greedy"], runs["llama_cpp_greedy"]))
         report["decode"] = decode
 
+    _write(args.json, report)
+
     if "prefill" not in skip:
         text = LONG_TEXT * (args.long_prompt_tokens // 20)
-        ids = engine.encode_prompt(text)[: args.long_prompt_tokens]
+        ids = engine.tokenizer.encode(text)[: args.long_prompt_tokens]
         t0 = time.perf_counter()
         engine.generate(ids, mode="ar", max_tokens=1)
         ours = time.perf_counter() - t0
@@ -213,13 +237,14 @@ def main() -> None:
                              "mtplx_tok_s": len(ids) / ours, "llama_cpp_tok_s": len(ids) / theirs,
                              "mtplx_x_llama_cpp": theirs / ours}
 
+    _write(args.json, report)
+
     if "quality" not in skip:
         floats = mtplx.load(None, device="cpu", quantize="none")
         report["quality"] = quality(engine, floats, QUALITY_PROMPTS, args.quality_tokens)
     report["load_average_end"] = os.getloadavg()
 
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    _write(args.json, report)
     print(json.dumps({k: v for k, v in report.items() if k != "quality"}, indent=2, default=str))
     if "quality" in report:
         q = report["quality"]

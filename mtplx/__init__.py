@@ -27,9 +27,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
     decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
     ``depth`` is not given). head: a directory holding a forged ``mtp.safetensors``.
-    quantize: the trunk's linear weights: None (default) runs a GGUF file's own 4/8-bit blocks on
-    the CPU and float weights elsewhere; "none" dequantizes everything; "int4" / "int8" quantize
-    on load (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
+    quantize: the trunk's linear weights: None / "none" (default) float; "gguf" runs a GGUF
+    file's own 4/8-bit blocks (fast on the CPU); "int4" / "int8" quantize on load
+    (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
     """
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint

@@ -16,9 +16,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    # float32 from the dequantized blocks, as transformers loads them (the CPU default runs the
-    # blocks themselves: tests/test_quant.py and the quality figures in docs/performance.md)
-    return mtplx.load(default_gguf, device="cpu", dtype="float32", quantize="none")
+    return mtplx.load(default_gguf, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

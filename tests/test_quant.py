@@ -146,8 +146,8 @@ def test_default_model_loads_its_q4_1_and_q8_0_blocks_exactly(default_gguf):
 
 
 @pytest.mark.slow
-def test_default_model_on_cpu_runs_quantized_and_the_head_stays_float(default_gguf):
-    engine = mtplx.load(device="cpu")
+def test_default_model_runs_from_its_blocks_and_the_head_stays_float(default_gguf):
+    engine = mtplx.load(device="cpu", quantize="gguf")
     formats = weight_formats(engine.loaded.model)
     assert formats["lm_head"] == "int8 g32 (gguf Q8_0)"
     assert formats["model.layers.0.self_attn.qkv_proj"] == "int4 g32 (gguf Q4_1)"

@@ -85,8 +85,7 @@ def load_trunk(model: str | Path | None, device=None, dtype=None) -> TrunkInfo:
         model = default_model_path()
     path = Path(model).expanduser()
     dev = resolve_device(device)
-    loaded = load_checkpoint(path, device=dev, dtype=resolve_dtype(dtype, dev), allow_unverified_head=True,
-                             quantize="none")  # the head learns from, and forge reads, float weights
+    loaded = load_checkpoint(path, device=dev, dtype=resolve_dtype(dtype, dev), allow_unverified_head=True)
     loaded = LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source)
     return TrunkInfo(loaded, sha256_of_weights(path), path.name)
 

@@ -17,7 +17,7 @@ from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
 from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_rtn
 
-QUANTIZE_CHOICES = (None, "none", "int4", "int8")
+QUANTIZE_CHOICES = (None, "none", "gguf", "int4", "int8")
 QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
 
 
@@ -38,9 +38,9 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
 
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
-    quantize: the trunk's linear weights (the MTP head's stay in ``dtype``):
-    None: a GGUF file's own quantized blocks on the CPU (models/quant.py), float elsewhere;
-    "none": all float; "int4" / "int8": round-to-nearest with groups of 32 inputs."""
+    quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None or "none":
+    float; "gguf": a GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
+    "int4" / "int8": round-to-nearest with groups of 32 inputs."""
     path = Path(path).expanduser()
     if quantize not in QUANTIZE_CHOICES:
         raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
@@ -49,8 +49,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     if path.is_file() and path.suffix == ".gguf":
         from mtplx.loading.gguf_file import load_gguf
 
-        native = quantize is None and torch.device(device).type == "cpu"
-        cfg_dict, state, metadata = load_gguf(path, dtype=dtype, quantized=native)
+        cfg_dict, state, metadata = load_gguf(path, dtype=dtype, quantized=quantize == "gguf")
         config = ModelConfig.from_hf(cfg_dict)
         tokenizer = Tokenizer.from_gguf(path, metadata)
         gen_defaults = {}
