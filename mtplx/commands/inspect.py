@@ -49,7 +49,8 @@ def _render(info: dict) -> str:
     if info.get("prefix_cache", {}).get("enabled") is False:
         lines.append(f"prefix cache: off ({info['prefix_cache']['reason']})")
     for row in info.get("weights", []):
-        lines.append(f"weights:      {row['names']}: {row['stored']} -> {row['runs_as']}")
+        runs = f"--quantize gguf: {row['runs_as']}" if info["format"] == "gguf" else row["runs_as"]
+        lines.append(f"weights:      {row['names']}: {row['stored']} ({runs})")
     mtp = info.get("mtp")
     if mtp:
         lines.append(f"mtp head:     {mtp['layout']} ({mtp['source']}), {mtp['layers']} layer(s), "
