@@ -16,6 +16,7 @@ import torch
 
 from mtplx.engine.constraints import GrammarCompiler
 from mtplx.engine.sampling import SamplingParams, logits_to_probs
+from mtplx.forge.data import decode_rows
 from tests.test_mtp_sampling_exact import PROMPT, V, _engine, assert_fits
 from tests.test_server_harness import char_tokenizer, tiny_text_engine
 
@@ -54,24 +55,14 @@ def constrained_distribution(hf, params: SamplingParams, length: int = 3) -> dic
 
 def decode(engine, grammar, n: int, mode: str, depth: int = 0, policy: str = "greedy", **sampler) -> list:
     """n independent 3-token continuations under ``grammar``, rows of one batch; the sequences."""
-    gen = engine.generator
-    seqs = []
+    requests = []
     for i in range(n):
         req = engine.make_request(PROMPT, mode=mode, depth=depth or None, max_tokens=3, seed=20_000 + i,
                                   draft_policy=policy, **sampler)
         req.grammar = grammar
-        seq = engine.new_sequence(req)
-        gen.admit(seq)
-        gen.prefill(seq)
-        seqs.append(seq)
-    live = [s for s in seqs if not s.finished]
-    with torch.inference_mode():
-        while live:
-            engine.step(live)
-            live = [s for s in live if not s.finished]
-    for s in seqs:
-        gen.release(s)
-    return seqs
+        requests.append((i, req))
+    done = dict(decode_rows(engine, iter(requests), n))
+    return [done[i] for i in range(n)]
 
 
 @pytest.fixture(scope="module")

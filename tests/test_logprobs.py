@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtplx.forge.data import decode_rows
 from tests.test_mtp_sampling_exact import PROMPT, _engine
 
 TOP = 3
@@ -21,23 +22,13 @@ GREEDY_PROMPT = [0, 0, 4]  # greedy continues 4, 4, ...: the repeat head's draft
 
 
 def decode(engine, n: int, mode: str, depth: int | None = None, prompt: list[int] = PROMPT, **sampler):
-    gen = engine.generator
-    seqs = []
+    requests = []
     for i in range(n):
         req = engine.make_request(prompt, mode=mode, depth=depth, max_tokens=8, seed=500 + i, **sampler)
         req.logprobs = TOP
-        seq = engine.new_sequence(req)
-        gen.admit(seq)
-        gen.prefill(seq)
-        seqs.append(seq)
-    live = [s for s in seqs if not s.finished]
-    with torch.inference_mode():
-        while live:
-            engine.step(live)
-            live = [s for s in live if not s.finished]
-    for s in seqs:
-        gen.release(s)
-    return seqs
+        requests.append((i, req))
+    done = dict(decode_rows(engine, iter(requests), n))
+    return [done[i] for i in range(n)]
 
 
 def reference(hf, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from mtplx.engine.sampling import SamplingParams, logits_to_probs
+from mtplx.forge.data import decode_rows
 from tests.tiny_models import repeat_head, tiny_engine
 
 V = 8
@@ -33,23 +34,11 @@ def exact_distribution(hf, params: SamplingParams, length: int = 3) -> dict[tupl
 def sample_mtp(engine, n: int, depth: int, policy: str, samplers: list[dict] | None = None, **sampler) -> list[tuple]:
     """n independent 3-token MTP continuations, decoded as rows of one batch (row i with
     ``samplers[i % len(samplers)]`` where given)."""
-    gen = engine.generator
-    seqs = []
-    for i in range(n):
-        row_sampler = samplers[i % len(samplers)] if samplers else sampler
-        req = engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=3, seed=10_000 + i,
-                                  draft_policy=policy, **row_sampler)
-        seq = engine.new_sequence(req)
-        gen.admit(seq)
-        gen.prefill(seq)
-        seqs.append(seq)
-    live = [s for s in seqs if not s.finished]
-    with torch.inference_mode():
-        while live:
-            gen.step(live)
-            live = [s for s in live if not s.finished]
-    for s in seqs:
-        gen.release(s)
+    requests = [(i, engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=3, seed=10_000 + i,
+                                        draft_policy=policy, **(samplers[i % len(samplers)] if samplers else sampler)))
+                for i in range(n)]
+    done = dict(decode_rows(engine, iter(requests), n))
+    seqs = [done[i] for i in range(n)]
     assert engine.runner.blocks.num_used_blocks == 0
     return [tuple(s.generated) for s in seqs]
 
