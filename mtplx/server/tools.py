@@ -327,34 +327,12 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def json_value_end(text: str, start: int) -> int | None:
-    """The index just past the JSON object or array starting at ``text[start]``, or None if it
-    has not ended yet."""
+def _structure(text: str, start: int = 0):
+    """(index, character, bracket depth after it) for each character of ``text`` from ``start``
+    that lies outside JSON strings (the quotes themselves included)."""
     depth, in_string, escape = 0, False, False
     for i in range(start, len(text)):
         ch = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
-def _split_top_level(text: str, sep: str) -> list[str]:
-    """``text`` split on ``sep`` outside JSON strings and brackets."""
-    parts, depth, start, in_string, escape = [], 0, 0, False, False
-    for i, ch in enumerate(text):
         if in_string:
             if escape:
                 escape = False
@@ -369,7 +347,23 @@ def _split_top_level(text: str, sep: str) -> list[str]:
             depth += 1
         elif ch in "}]":
             depth -= 1
-        elif ch == sep and depth == 0:
+        yield i, ch, depth
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array starting at ``text[start]``, or None if it
+    has not ended yet."""
+    for i, ch, depth in _structure(text, start):
+        if ch in "}]" and depth == 0:
+            return i + 1
+    return None
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split on ``sep`` outside JSON strings and brackets."""
+    parts, start = [], 0
+    for i, ch, depth in _structure(text):
+        if ch == sep and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     parts.append(text[start:])
