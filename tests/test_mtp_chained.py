@@ -9,6 +9,7 @@ import torch
 from mtplx.engine.generator import StepResult
 from mtplx.engine.runner import CYCLE_FIELDS, CycleLaunch, advance_cycle
 from mtplx.engine.speculative import CycleOutcome
+from tests.test_adaptive_depth import switching_engine
 from tests.tiny_models import repeat_head, tiny_engine
 
 PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 8, 9, 10, 11, 40], list(range(20, 39))]
@@ -174,14 +175,16 @@ SAMPLED = [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=1.0, top_k
            dict(temperature=0.0), dict(temperature=1.3, min_p=0.05, seed=3)]
 
 
-@pytest.mark.parametrize("depth, mirror", [(0, False), (1, False), (3, False), (1, True), (3, True)])
+@pytest.mark.parametrize("depth, mirror", [(0, False), (1, False), (3, False), (1, True), (3, True),
+                                          ("auto", False), ("auto", True)])
 def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth, mirror):
     """Rows at temperature > 0 chain too: exact rejection sampling of their drafts (or, AR,
     their token's sample) runs on the device from noise each row draws from its own generator
     just before the launch, in the host path's order; mirror rows (drafts sampled from the
     head's distribution) draft there too. A seed gives the same tokens chained or not, for rows
-    of different settings (a greedy one among them) in one batch."""
-    engine = chained_engine()
+    of different settings (a greedy one among them) in one batch; with depth="auto", rows
+    whose depths change cycle by cycle."""
+    engine = switching_engine() if depth == "auto" else chained_engine()
     mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
     if mirror:
         mode["draft_policy"] = "mirror"

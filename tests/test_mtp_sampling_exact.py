@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from mtplx.engine.adaptive_depth import AutoDepth, DepthCosts
 from mtplx.engine.sampling import SamplingParams, logits_to_probs
 from mtplx.forge.data import decode_rows
 from tests.tiny_models import repeat_head, tiny_engine
@@ -31,10 +32,11 @@ def exact_distribution(hf, params: SamplingParams, length: int = 3) -> dict[tupl
     return dist
 
 
-def sample_mtp(engine, n: int, depth: int, policy: str, samplers: list[dict] | None = None, **sampler) -> list[tuple]:
-    """n independent 3-token MTP continuations, decoded as rows of one batch (row i with
-    ``samplers[i % len(samplers)]`` where given)."""
-    requests = [(i, engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=3, seed=10_000 + i,
+def sample_mtp(engine, n: int, depth: int, policy: str, samplers: list[dict] | None = None, length: int = 3,
+               **sampler) -> list[tuple]:
+    """n independent ``length``-token MTP continuations, decoded as rows of one batch (row i
+    with ``samplers[i % len(samplers)]`` where given)."""
+    requests = [(i, engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=length, seed=10_000 + i,
                                         draft_policy=policy, **(samplers[i % len(samplers)] if samplers else sampler)))
                 for i in range(n)]
     done = dict(decode_rows(engine, iter(requests), n))
@@ -129,7 +131,7 @@ PLAIN = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]  # temperature
 
 @pytest.mark.parametrize("depth,head,policy,samplers", [
     (1, "random", "greedy", FILTERED), (3, "repeat", "greedy", FILTERED), (2, "repeat", "greedy", PLAIN),
-    (2, "random", "mirror", FILTERED), (3, "repeat", "mirror", PLAIN)])
+    (2, "random", "mirror", FILTERED), (3, "repeat", "mirror", PLAIN), ("auto", "repeat", "mirror", FILTERED)])
 def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth, head, policy, samplers):
     """The chained path (the one a GPU runs): rows of two different samplers in one batch, each
     row's drafts (argmax, or under the mirror policy sampled from the head) accepted by
@@ -139,7 +141,29 @@ def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth
     engine.generator.chain.enabled = True
     launches = []
     engine.generator.observers.append(lambda event, seq: launches.append(event == "chain_start"))
-    samples = sample_mtp(engine, N, depth, policy, samplers=samplers)
+    if depth == "auto":
+        _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers)
+    else:
+        samples = sample_mtp(engine, N, depth, policy, samplers=samplers)
+        for i, sampler in enumerate(samplers):
+            assert_fits(samples[i::2], exact_distribution(hf, SamplingParams(**sampler)))
     assert any(launches)  # the rows decoded chained
+
+
+def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers):
+    """depth="auto" rows start at depth 1; a row's third cycle drafts 3 tokens if its first
+    cycle's draft was accepted, else 1: its depth depends on its own earlier draws. Five
+    tokens, so later cycles' tokens are tested: the last two tokens' joint distribution
+    (marginalised from the enumerated five-token one) and the first three's."""
+    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.1, 1.2), 0.1), (0.3,) * 3, (0.3,) * 3, rate=1.0)
+    depths = set()
+    engine.generator.observers.append(lambda event, seq: depths.add(len(seq.stats.cycles_by_depth)))
+    samples = sample_mtp(engine, N, "auto", policy, samplers=samplers, length=5)
+    assert depths >= {1, 3}  # rows that stayed at depth 1 and rows that went to 3
     for i, sampler in enumerate(samplers):
-        assert_fits(samples[i::2], exact_distribution(hf, SamplingParams(**sampler)))
+        dist = exact_distribution(hf, SamplingParams(**sampler), length=5)
+        for part in (slice(0, 3), slice(3, 5)):
+            marginal: dict[tuple, float] = {}
+            for k, p in dist.items():
+                marginal[k[part]] = marginal.get(k[part], 0.0) + p
+            assert_fits([s[part] for s in samples[i::2]], marginal)

@@ -43,7 +43,7 @@ class CycleChain:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
         flight = self.flight
         return (flight is not None and flight.depth == depth and len(seqs) == len(flight.seqs)
-                and all(a is b for a, b in zip(seqs, flight.seqs))
+                and all(a is b and a.next_depth == a.depth for a, b in zip(seqs, flight.seqs))
                 and not self._released and not any(s.finished for s in seqs))
 
     def reserve(self, seqs: list[Sequence], depth: int) -> bool:
@@ -67,8 +67,12 @@ class CycleChain:
     def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
         """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
-        last = self.flight
-        following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs, last.depth)) if self.reserve(seqs, last.depth) else None
+        last, following = self.flight, None
+        # a row whose next depth differs (depth="auto") ends the chain: the graph's depths are fixed
+        if all(s.next_depth == s.depth for s in seqs) and self.reserve(seqs, last.depth):
+            following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs, last.depth))
+            for s in seqs:
+                s.take_depth()
         self.flight = following
         return last, following is not None
 

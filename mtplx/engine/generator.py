@@ -83,7 +83,9 @@ class Generator:
     def admit(self, seq: Sequence) -> None:
         """Take blocks for the prompt, reusing cached prefix blocks. If it raises, the
         sequence holds nothing (OutOfBlocks: nothing was taken; later errors release)."""
-        seq.stats = DecodeStats(depth=seq.depth, prompt_tokens=len(seq.prompt_ids))
+        plan = seq.depth_plan
+        seq.stats = DecodeStats(depth=plan.max_depth if plan else seq.depth, adaptive=plan is not None,
+                                prompt_tokens=len(seq.prompt_ids))
         seq.t_start = time.perf_counter()
         # AR sequences on a model with a head leave the head's KV entries unwritten: their
         # blocks go to a separate prefix cache, so an MTP request never drafts from them
@@ -148,15 +150,15 @@ class Generator:
         """One cycle for each row (all of one mode: MTP rows at their depths, or AR rows).
         A chained cycle in flight over exactly these rows goes on; over other rows it is
         committed first (its rows are in ``advanced`` too)."""
-        depth = max(s.depth for s in seqs) if seqs[0].mode == "mtp" else 0
+        mtp = seqs[0].mode == "mtp"
         result = StepResult()
-        if self.chain.continues(seqs, depth):
+        if self.chain.continues(seqs, max(s.next_depth for s in seqs) if mtp else 0):
             self._chain_step(seqs, result)
             return result
         self.drain(result)
         seqs = [s for s in seqs if not s.finished and s.seq_id not in result.failed]
         if seqs:
-            self._cycle(seqs, depth, result)
+            self._cycle(seqs, max(s.take_depth() for s in seqs) if mtp else 0, result)
         return result
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
@@ -210,6 +212,8 @@ class Generator:
             try:
                 if seq.mode == "mtp":
                     seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
+                    if seq.depth_plan is not None:
+                        seq.depth_plan.observe(len(drafts), accepted)
                     seq.hidden_backlog = None if continued else hidden[r, : accepted + 1]
                 seq.trunk_len += accepted + 1
                 if not continued:

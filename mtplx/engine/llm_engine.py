@@ -7,6 +7,7 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
+from mtplx.engine.adaptive_depth import DEFAULT_MAX_DEPTH, AutoDepth, DepthCosts
 from mtplx.engine.faults import FaultHook
 from mtplx.engine.generator import Generator, StepResult
 from mtplx.engine.kv_allocator import KVAllocator
@@ -39,13 +40,14 @@ class Request:
     params: SamplingParams
     max_tokens: int
     mode: str
-    depth: int
+    depth: int  # the draft depth; with adaptive, the deepest a cycle may draft
     draft_policy: str
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     grammar: Any = None  # constraints.Grammar: decode only text it accepts (None: unconstrained)
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (prompt scoring; None: off)
+    adaptive: bool = False  # depth="auto": each cycle's depth chosen per row (adaptive_depth.py)
 
 
 class Engine:
@@ -54,18 +56,23 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, depth: int | None = None, kv_cache_tokens: int = 16384,
                  block_size: int = 16, cuda_graphs: bool = True, chain: bool | None = None,
                  default_mode: str | None = None, sampled_mode: str | None = None,
-                 sampled_depth: int | None = None):
+                 sampled_depth: int | str | None = None, max_depth: int = DEFAULT_MAX_DEPTH,
+                 depth_costs: DepthCosts | None = None):
         """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
         where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
         default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
         has a head; ``mtplx.load`` passes "ar" where ``mtplx tune`` found MTP slower).
         sampled_mode, sampled_depth: the same for requests with temperature > 0 (None: as
-        greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning."""
+        greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning.
+        depth, sampled_depth: 1..MAX_DEPTH or "auto" (each row picks each cycle's depth up to
+        max_depth, from its own acceptance and depth_costs: the cycle costs ``mtplx tune``
+        measured, or the device's defaults)."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
         if sampled_depth is not None:
             self._check_depth(sampled_depth, "sampled_depth")
+        self._check_depth(max_depth, "max_depth")
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -87,11 +94,12 @@ class Engine:
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
+        self.auto_depth = AutoDepth(max_depth, depth_costs or DepthCosts.default(self.device.type))
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.runner.compile_kernels()
         if self.runner.graphs is not None:  # capture now: the first request runs as fast as the rest
-            deepest = max(3, self.default_depth, sampled_depth or 0)
+            deepest = max(3, max_depth, *(d for d in (self.default_depth, sampled_depth) if isinstance(d, int)))
             self.runner.graphs.capture_all(depths=tuple(range(1, deepest + 1)))
 
     @property
@@ -137,7 +145,7 @@ class Engine:
                 "prompt", f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
         return ids
 
-    def make_request(self, prompt, *, mode: str | None = None, depth: int | None = None, max_tokens: int = 256,
+    def make_request(self, prompt, *, mode: str | None = None, depth: int | str | None = None, max_tokens: int = 256,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
                      stop: str | Seq[str] | None = None, chat: bool = False, draft_policy: str = "greedy",
@@ -145,7 +153,8 @@ class Engine:
         """Validate every parameter and tokenise the prompt (errors name the parameter).
 
         A request that names no mode (or depth) gets the engine's default; a sampled one
-        (temperature > 0) the sampled default where the engine has one (``mtplx tune``)."""
+        (temperature > 0) the sampled default where the engine has one (``mtplx tune``).
+        depth: 1..MAX_DEPTH, or "auto" (adaptive, up to the engine's ``max_depth``)."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
         params.validate(self.config.vocab_size)
@@ -164,22 +173,30 @@ class Engine:
         if draft_policy not in DRAFT_POLICIES:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
         depth = self._check_depth(depth) if depth is not None else default_depth
+        adaptive = depth == "auto"
+        depth = self.auto_depth.max_depth if adaptive else depth
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
-                       depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos))
+                       depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos),
+                       adaptive=adaptive and mode == "mtp")
 
     @staticmethod
-    def _check_depth(depth, name: str = "depth") -> int:
+    def _check_depth(depth, name: str = "depth") -> int | str:
+        if depth == "auto" and name != "max_depth":
+            return depth
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
-            raise InvalidParameter(name, f"must be an integer from 1 to {MAX_DEPTH}, got {depth!r}")
+            also = "" if name == "max_depth" else ", or 'auto'"
+            raise InvalidParameter(name, f"must be an integer from 1 to {MAX_DEPTH}{also}, got {depth!r}")
         return depth
 
     def new_sequence(self, req: Request) -> Sequence:
+        plan = self.auto_depth.plan(req.params.greedy) if req.adaptive else None
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
-                        depth=req.depth, draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
+                        depth=plan.next_depth if plan else req.depth, depth_plan=plan,
+                        draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
                         constraint=req.grammar.matcher() if req.grammar is not None else None,
                         logprobs=None if req.logprobs is None else [], top_logprobs=req.logprobs or 0,
                         prompt_logprobs=None if req.prompt_logprobs is None else [],

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mtplx.engine.adaptive_depth import DepthPlan
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.stats import DecodeStats
 
@@ -29,7 +30,8 @@ class Sequence:
     max_tokens: int
     generator: torch.Generator
     mode: str = "ar"  # "ar" or "mtp"
-    depth: int = 0
+    depth: int = 0  # this cycle's draft depth (0: AR)
+    depth_plan: DepthPlan | None = None  # depth="auto": picks each cycle's depth (adaptive_depth.py)
     draft_policy: str = "greedy"
     ignore_eos: bool = False
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -63,6 +65,17 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def next_depth(self) -> int:
+        """The depth of this row's next cycle: fixed, or decided by its plan."""
+        return self.depth_plan.next_depth if self.depth_plan is not None else self.depth
+
+    def take_depth(self) -> int:
+        """A cycle over this row is being launched: its depth (the plan moves on)."""
+        if self.depth_plan is not None:
+            self.depth = self.depth_plan.take()
+        return self.depth
 
     @property
     def host_path(self) -> bool:

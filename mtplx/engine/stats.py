@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DecodeStats:
-    depth: int = 0
+    depth: int = 0  # the request's depth; with adaptive, the deepest a cycle may draft
+    adaptive: bool = False  # depth="auto": cycles_by_depth says which depths the row chose
+    cycles_by_depth: list[int] = field(default_factory=list)  # cycles that drafted 1, 2, ... tokens
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_calls: int = 0
@@ -31,6 +33,9 @@ class DecodeStats:
             grow = drafted - len(self.drafted_by_depth)
             self.drafted_by_depth += [0] * grow
             self.accepted_by_depth += [0] * grow
+        if drafted:
+            self.cycles_by_depth += [0] * (drafted - len(self.cycles_by_depth))
+            self.cycles_by_depth[drafted - 1] += 1
         for i in range(drafted):
             self.drafted_by_depth[i] += 1
             self.accepted_by_depth[i] += int(i < accepted)

@@ -1,0 +1,139 @@
+"""Adaptive draft depth (``depth="auto"``): each row picks its depth cycle by cycle.
+
+A row keeps a running estimate of its conditional acceptance by position, alpha_j = P(draft j
+accepted | drafts 1..j-1 accepted), updated from every cycle it commits. The expected tokens of
+a cycle of depth d are E(d) = 1 + sum_{i<=d} prod_{j<=i} alpha_j, and the row picks the depth in
+1..max_depth with the most tokens per unit of cycle cost, E(d) / cost(d), where cost(d) is the
+measured time of a depth-d cycle in AR steps (``DepthCosts``: ``mtplx tune`` measures it per
+machine and regime; the defaults are this project's measurements). So a row deepens where its
+drafts keep being accepted (code, lists, repeated text) and stays shallow where they do not.
+
+Positions deeper than the row drafts are not observed; their estimate follows the row's
+observed first-position rate in proportion to the prior (content that accepts more at depth 1
+accepts more deeper too), so a shallow row can still find that deeper drafts would pay.
+
+Exactness and seeds: a cycle's depth is fixed before its drafts are drawn, from the row's
+committed outcomes alone, so every emitted token keeps the target's distribution (speculative
+sampling is exact for any depth chosen in advance). The depth of a row's cycle n depends only on
+the outcomes of its cycles up to n - 2: a chained cycle launches before the host has read the
+one in flight, and the unchained path uses the same lag, so a seed gives the same tokens chained
+or not, alone or batched. A switch needs a clear gain (``HYSTERESIS``): every depth change ends a
+chain of cycles on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+HYSTERESIS = 0.03  # a depth must promise 3% more tokens per unit of cost than the current one
+RATE = 0.15  # weight of the newest cycle in the running acceptance (about the last 6-7 cycles)
+DEFAULT_MAX_DEPTH = 3
+
+# Conditional acceptance by position before a row has committed anything. Measured on held-out
+# chat prompts with the shipped SmolLM2 head (REFERENCE.md section 10; docs/forge.md): greedy
+# 0.46 / 0.20 / 0.10 by position at depth 3, sampled (temperature 0.7) 0.44 at depth 1.
+GREEDY_PRIOR = (0.50, 0.43, 0.50)
+SAMPLED_PRIOR = (0.42, 0.40, 0.45)
+
+
+@dataclass(frozen=True)
+class DepthCosts:
+    """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
+    the table cost ``per_draft`` more each. Measured: on the H200 (CUDA graphs) greedy AR 1,369
+    tok/s, depth 1 1.27x, 2 1.17x at acceptance 0.53 / 0.20 (REFERENCE.md section 10) give
+    1.20 and 1.48; on the 2-core CPU `mtplx bench` gave 1.22, 1.48 and 2.03 (docs/forge.md)."""
+
+    cycles: tuple[float, ...]
+    per_draft: float
+
+    def of(self, depth: int) -> float:
+        if depth <= len(self.cycles):
+            return self.cycles[depth - 1]
+        return self.cycles[-1] + self.per_draft * (depth - len(self.cycles))
+
+    @classmethod
+    def default(cls, device_type: str) -> DepthCosts:
+        if device_type == "cuda":
+            return cls((1.20, 1.48, 1.75), 0.27)
+        return cls((1.22, 1.48, 2.03), 0.55)
+
+    @classmethod
+    def from_measurement(cls, ar_tok_s: float, tok_s: dict[int, float],
+                         acceptance: dict[int, list[float]]) -> DepthCosts | None:
+        """From side-by-side tok/s of AR and fixed depths and each depth's acceptance by
+        position (``mtplx tune``): a depth-d cycle yields 1 + sum(acceptance) tokens in
+        (those tokens / its tok/s) seconds, an AR step 1 / ar_tok_s. None if a depth is missing."""
+        depths = sorted(tok_s)
+        if not depths or depths != list(range(1, len(depths) + 1)) or ar_tok_s <= 0:
+            return None
+        cycles = tuple((1 + sum(acceptance[d][:d])) * ar_tok_s / tok_s[d] for d in depths)
+        per_draft = cycles[-1] - cycles[-2] if len(cycles) > 1 else cycles[0] - 1
+        return cls(cycles, max(per_draft, 0.05))
+
+
+@dataclass(frozen=True)
+class AutoDepth:
+    """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs and
+    the prior acceptance for greedy and for sampled rows."""
+
+    max_depth: int
+    costs: DepthCosts
+    greedy_prior: tuple[float, ...] = GREEDY_PRIOR
+    sampled_prior: tuple[float, ...] = SAMPLED_PRIOR
+    rate: float = RATE
+
+    def plan(self, greedy: bool) -> DepthPlan:
+        prior = self.greedy_prior if greedy else self.sampled_prior
+        prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
+        return DepthPlan(self.max_depth, self.costs, prior, self.rate)
+
+
+class DepthPlan:
+    """One row's depths: ``upcoming`` holds the depths decided for its next cycles (two before
+    its first cycle, then one more for every cycle it commits), ``take`` hands the next one to
+    the cycle being launched."""
+
+    def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE):
+        self.max_depth, self.costs, self.prior, self.rate = max_depth, costs, prior, rate
+        self.alpha = list(prior)
+        self.current = self.choose(incumbent=None)
+        self.upcoming: deque[int] = deque([self.current, self.current])
+
+    @property
+    def next_depth(self) -> int:
+        """The depth of the row's next cycle (decided from outcomes two cycles back)."""
+        return self.upcoming[0] if self.upcoming else self.current
+
+    def take(self) -> int:
+        """The depth of the cycle being launched now (at most one cycle of a row is in flight,
+        so a decided depth is always waiting)."""
+        self.current = self.upcoming.popleft() if self.upcoming else self.current
+        return self.current
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted.
+        Decides the depth of the cycle two launches after it."""
+        for j in range(min(drafted, accepted + 1)):  # positions that were tested
+            self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
+        scale = self.alpha[0] / max(self.prior[0], 1e-3)
+        for j in range(drafted, self.max_depth):  # untested: follow the first position's rate
+            target = min(0.98, self.prior[j] * scale)
+            self.alpha[j] += self.rate * (target - self.alpha[j])
+        self.upcoming.append(self.choose(incumbent=self.upcoming[-1] if self.upcoming else self.current))
+
+    def expected_tokens(self, depth: int) -> float:
+        tokens, reach = 1.0, 1.0
+        for j in range(depth):
+            reach *= self.alpha[j]
+            tokens += reach
+        return tokens
+
+    def choose(self, incumbent: int | None) -> int:
+        """The depth with the most expected tokens per unit of cycle cost; the incumbent stays
+        unless another promises ``HYSTERESIS`` more."""
+        score = {d: self.expected_tokens(d) / self.costs.of(d) for d in range(1, self.max_depth + 1)}
+        best = max(score, key=score.get)
+        if incumbent is not None and score[best] <= score[incumbent] * (1 + HYSTERESIS):
+            return incumbent
+        return best
