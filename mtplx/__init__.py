@@ -16,7 +16,7 @@ def __getattr__(name):
 
 
 def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
-         kv_cache_tokens=16384, block_size=16, quantize=None):
+         kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None):
     """Load a model and return an ``Engine``.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
@@ -26,7 +26,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1); where `mtplx tune`
     found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
     decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
-    ``depth`` is not given). head: a directory holding a forged ``mtp.safetensors``.
+    ``depth`` is not given). depth="auto": each request's rows pick each cycle's depth (1 to
+    ``max_depth``, default 3) from their own acceptance and the cycle costs `mtplx tune` measured
+    (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
     quantize: the trunk's linear weights: None / "none" (default) float; "gguf" runs a GGUF
     file's own 4/8-bit blocks (fast on the CPU); "int4" / "int8" quantize on load
     (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
@@ -51,6 +53,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     sampled_depth = sampled.get("depth") if depth is None else None  # an explicit depth is for every request
     if depth is None:
         depth = choice.get("depth")
+    from mtplx.engine.adaptive_depth import DEFAULT_MAX_DEPTH
+
     return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
-                  sampled_depth=sampled_depth)
+                  sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
+                  depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"))

@@ -24,17 +24,21 @@ BENCH_PROMPTS = (
 @dataclass(frozen=True)
 class Config:
     mode: str  # "ar" or "mtp"
-    depth: int = 0
+    depth: int | str = 0  # 1.., or "auto" (adaptive, up to the engine's max_depth)
+    draft_policy: str = "greedy"
 
     @property
     def label(self) -> str:
-        return "ar" if self.mode == "ar" else f"mtp_d{self.depth}"
+        if self.mode == "ar":
+            return "ar"
+        depth = "auto" if self.depth == "auto" else f"d{self.depth}"
+        return f"mtp_{depth}" + ("" if self.draft_policy == "greedy" else f"_{self.draft_policy}")
 
 
-def configs_for(engine, depths) -> list[Config]:
+def configs_for(engine, depths, draft_policies=("greedy",)) -> list[Config]:
     out = [Config("ar")]
     if engine.has_mtp:
-        out += [Config("mtp", d) for d in depths]
+        out += [Config("mtp", d, p) for p in draft_policies for d in depths]
     return out
 
 
@@ -42,6 +46,8 @@ def run_once(engine, prompt, config: Config, max_tokens: int, **sampling) -> dic
     """One generation; decode time excludes the prompt's prefill (first token)."""
     t0 = time.perf_counter()
     chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    if config.mode == "mtp":
+        sampling = {**sampling, "draft_policy": config.draft_policy}
     result = engine.generate(prompt, chat=chat, mode=config.mode,
                              depth=config.depth or None, max_tokens=max_tokens, **sampling)
     elapsed = time.perf_counter() - t0
@@ -49,13 +55,14 @@ def run_once(engine, prompt, config: Config, max_tokens: int, **sampling) -> dic
     return {"tokens": s["generated_tokens"], "decode_s": s["decode_s"], "ttft_s": s["ttft_s"], "e2e_s": elapsed,
             "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"], "verify_calls": s["verify_calls"],
             "drafted_by_depth": s["drafted_by_depth"], "accepted_by_depth": s["accepted_by_depth"],
-            "token_ids": result.token_ids}
+            "cycles_by_depth": s.get("cycles_by_depth", []), "token_ids": result.token_ids}
 
 
 def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int = 128, repeats: int = 1,
-            progress=None, **sampling) -> dict:
-    """AR and MTP at each depth on every prompt, interleaved. Returns a JSON-able report."""
-    configs = configs_for(engine, depths)
+            progress=None, draft_policies=("greedy",), **sampling) -> dict:
+    """AR and MTP at each depth (an int, or "auto") and draft policy on every prompt,
+    interleaved. Returns a JSON-able report."""
+    configs = configs_for(engine, depths, draft_policies)
     messages = [[{"role": "user", "content": p}] for p in prompts] if engine.tokenizer else list(prompts)
     run_once(engine, messages[0], configs[-1], 8, **sampling)  # warm-up
     runs = {c.label: [] for c in configs}
@@ -83,7 +90,8 @@ def summarize(runs: list[dict], config: Config) -> dict:
     tokens = sum(r["tokens"] - 1 for r in runs)  # tokens after the first one
     decode_s = sum(r["decode_s"] for r in runs)
     per_run = [(r["tokens"] - 1) / r["decode_s"] for r in runs if r["decode_s"]]
-    out = {"mode": config.mode, "depth": config.depth, "tok_s": tokens / decode_s if decode_s else 0.0,
+    out = {"mode": config.mode, "depth": config.depth, "draft_policy": config.draft_policy,
+           "tok_s": tokens / decode_s if decode_s else 0.0,
            "generated_tokens": sum(r["tokens"] for r in runs),
            "median_ttft_s": statistics.median(r["ttft_s"] for r in runs),
            # one slow run (a compile, another job) drags tok_s down: the spread shows it
@@ -91,13 +99,14 @@ def summarize(runs: list[dict], config: Config) -> dict:
     if config.mode == "mtp":
         calls = sum(r["verify_calls"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
-        drafted_by = [sum(r["drafted_by_depth"][i] for r in runs if len(r["drafted_by_depth"]) > i)
-                      for i in range(config.depth)]
-        accepted_by = [sum(r["accepted_by_depth"][i] for r in runs if len(r["accepted_by_depth"]) > i)
-                       for i in range(config.depth)]
+        deepest = max(len(r["drafted_by_depth"]) for r in runs)
+        drafted_by, accepted_by, cycles_by = ([sum(r[key][i] for r in runs if len(r[key]) > i) for i in range(deepest)]
+                                              for key in ("drafted_by_depth", "accepted_by_depth", "cycles_by_depth"))
         out.update(mean_acceptance_length=1 + accepted / calls if calls else None,
                    acceptance_rate=accepted / max(1, sum(r["drafted"] for r in runs)),
                    acceptance_by_depth=[a / d if d else 0.0 for a, d in zip(accepted_by, drafted_by)])
+        if config.depth == "auto":  # the depths the rows chose: cycles that drafted 1, 2, ... tokens
+            out["cycles_by_depth"] = cycles_by
     return out
 
 

@@ -56,6 +56,14 @@ def _int(lo: int, hi: int, optional: bool = True) -> Callable[[Any], Any]:
     return convert
 
 
+def _depth(v):
+    """A draft depth: 1..8, or "auto" (adaptive depth, a value here, not the default); None or
+    "" unset it."""
+    if v in (None, ""):
+        return None
+    return "auto" if v == "auto" else _int(1, 8, optional=False)(v)
+
+
 def _float(lo: float, hi: float) -> Callable[[Any], Any]:
     def convert(v):
         if v in (None, "auto"):
@@ -106,7 +114,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("scheduler_mode", lambda v: SchedulerMode(v),
         f"one of {', '.join(SchedulerMode.choices())}"),
     Key("generation_mode", _choice(("mtp", "ar"), True), "mtp, ar or auto (mtp when the model has a head)"),
-    Key("depth", _int(1, 8), "an integer from 1 to 8, or auto"),
+    Key("depth", _depth, "an integer from 1 to 8, or auto (chosen cycle by cycle, up to max_depth)"),
+    Key("max_depth", _int(1, 8), "the deepest a depth=auto cycle drafts: an integer from 1 to 8, or auto (3)"),
     Key("host", _required_text, "a host name or IP address"),
     Key("port", _int(1, 65535, optional=False), "an integer from 1 to 65535"),
     Key("max_active_requests", _int(1, 1024), "an integer from 1 to 1024, or auto (the mode's default)"),
@@ -144,7 +153,8 @@ class Config:
     model: str | None = None
     scheduler_mode: SchedulerMode = SchedulerMode.SERIAL
     generation_mode: str | None = None
-    depth: int | None = None
+    depth: int | str | None = None
+    max_depth: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_active_requests: int | None = None
@@ -230,7 +240,8 @@ def _line_of(text: str, name: str) -> int | str:
 
 def set_value(name: str, text: str, path: Path | None = None) -> Any:
     """Check ``text`` for key ``name`` and write it to the file (creating it); returns the
-    value. The values "auto" and "" remove the key (back to the default)."""
+    value. The values "auto" and "" remove the key (back to the default), except for depth,
+    where "auto" is adaptive depth (``unset`` removes it)."""
     path = path or config_path()
     value = convert(name, text, "config set")
     values = read_file(path)

@@ -70,13 +70,43 @@ def tuned(loaded, device, dtype, path: Path | None = None) -> dict:
 
 
 def _verdict(entry) -> dict:
-    """One regime's saved verdict: {"mode": "ar"}, {"depth": d}, or {} when absent or malformed."""
+    """One regime's saved verdict: {"mode": "ar"}, {"depth": d} (d: 1..8 or "auto"), or {} when
+    absent or malformed; with "depth_costs" (a DepthCosts) where the entry holds valid ones."""
     if not isinstance(entry, dict):
         return {}
+    costs = _costs(entry.get("depth_costs"))
+    extra = {"depth_costs": costs} if costs else {}
     if entry.get("mode") == "ar":
-        return {"mode": "ar"}
+        return {"mode": "ar", **extra}
     depth = entry.get("depth")
-    return {"depth": depth} if isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 8 else {}
+    if depth == "auto" or isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 8:
+        return {"depth": depth, **extra}
+    return {}
+
+
+def _costs(saved):
+    """A saved cycle-cost table ({"cycles": [...], "per_draft": x}) as DepthCosts, or None."""
+    from mtplx.engine.adaptive_depth import DepthCosts
+
+    try:
+        cycles = tuple(float(c) for c in saved["cycles"])
+        per_draft = float(saved["per_draft"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return DepthCosts(cycles, per_draft) if cycles and all(c > 0 for c in cycles) and per_draft > 0 else None
+
+
+def depth_costs(report: dict):
+    """The cycle costs (DepthCosts) implied by a ``benchmarking.measure`` report of AR and fixed
+    depths 1..n side by side, or None where depth 1 is missing."""
+    from mtplx.engine.adaptive_depth import DepthCosts
+
+    configs = report["configs"]
+    fixed = {e["depth"]: e for e in configs.values() if e["mode"] == "mtp" and isinstance(e["depth"], int)
+             and e.get("draft_policy", "greedy") == "greedy"}
+    depths = [d for d in range(1, len(fixed) + 1) if d in fixed]
+    return DepthCosts.from_measurement(configs["ar"]["tok_s"], {d: fixed[d]["tok_s"] for d in depths},
+                                       {d: fixed[d]["acceptance_by_depth"] for d in depths})
 
 
 def tuned_depth(loaded, device, dtype, path: Path | None = None) -> int | None:
@@ -112,10 +142,11 @@ def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
 
 def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None, *,
                 sampled: tuple[dict, dict] | None = None) -> Path:
-    """Record the greedy verdict (``choice``, a ``pick_depth`` of ``report``): the winning depth,
-    or, with no winner, that AR is the fastest here, replacing any earlier entry for this key.
-    ``sampled``: the (choice, report) of the sampled measurement, recorded under "sampled" with
-    its sampling settings. Returns the path written."""
+    """Record the greedy verdict (``choice``, a ``pick_depth`` of ``report``): the winning depth
+    (an int or "auto"), or, with no winner, that AR is the fastest here, replacing any earlier
+    entry for this key; with the cycle costs depth="auto" uses (``choice["depth_costs"]``, a
+    DepthCosts, where measured). ``sampled``: the (choice, report) of the sampled measurement,
+    recorded under "sampled" with its sampling settings. Returns the path written."""
     path = path or tuning_path()
     data = read_tuning(path)
     entry = {**_verdict_record(choice, report), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -135,11 +166,19 @@ def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | 
 
 def _verdict_record(choice: dict, report: dict) -> dict:
     """A ``pick_depth`` verdict and the figures behind it, as saved."""
+    costs = choice.get("depth_costs")
+    saved = {"depth_costs": {"cycles": [round(c, 4) for c in costs.cycles], "per_draft": round(costs.per_draft, 4)}} \
+        if costs is not None else {}
+    return {**_figures(choice, report), **saved}
+
+
+def _figures(choice: dict, report: dict) -> dict:
     if choice["depth"] is None:
         mtp = [c["tok_s"] for label, c in report["configs"].items() if label != "ar"]
         return {"mode": "ar", "tok_s": round(choice["ar_tok_s"], 2), "ar_tok_s": round(choice["ar_tok_s"], 2),
                 "best_mtp_tok_s": round(max(mtp), 2) if mtp else None}
-    by_depth = report["configs"].get(f"mtp_d{choice['depth']}", {})
+    label = "mtp_auto" if choice["depth"] == "auto" else f"mtp_d{choice['depth']}"
+    by_depth = report["configs"].get(label, {})
     return {"depth": choice["depth"], "tok_s": round(choice["tok_s"], 2), "ar_tok_s": round(choice["ar_tok_s"], 2),
             "speedup": round(choice["speedup"], 3), "acceptance_by_depth": by_depth.get("acceptance_by_depth")}
 

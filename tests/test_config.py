@@ -37,7 +37,9 @@ def test_set_then_load_round_trips_every_kind_of_value(cfg_file):
     assert (cfg.depth, cfg.port, cfg.decode_batch_max, cfg.batch_wait_ms, cfg.max_queued_requests) == (3, 9001, 4, 12.5, 7)
     assert cfg.host == "::1" and cfg.generation_mode == "mtp" and cfg.dtype == "bfloat16"
     assert cfg.source("port") == f"config file {cfg_file}"
-    set_value("depth", "auto")
+    set_value("depth", "auto")  # adaptive depth: a value, not the default
+    assert Config.load().depth == "auto"
+    unset_value("depth")
     unset_value("port")
     cfg = Config.load()
     assert cfg.depth is None and cfg.port == 8000 and cfg.scheduler_mode is SchedulerMode.MTP_BATCH

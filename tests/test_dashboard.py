@@ -214,14 +214,17 @@ def test_live_settings_apply_to_the_next_request(server):
         assert stats["generation_mode"] == "ar"
         assert ids == stats_and_ids(temperature=0, generation_mode="ar")[1]  # default temperature 0: greedy
 
+        assert post({"generation_mode": "mtp", "depth": "auto"}).status_code == 200  # adaptive, up to 3
+        stats, _ = stats_and_ids()
+        assert (stats["generation_mode"], stats["depth"], stats["adaptive"]) == ("mtp", 3, True)
         assert post({"generation_mode": "mtp", "depth": 3}).status_code == 200
         stats, _ = stats_and_ids()
-        assert (stats["generation_mode"], stats["depth"]) == ("mtp", 3)
+        assert (stats["generation_mode"], stats["depth"], stats["adaptive"]) == ("mtp", 3, False)
         assert one_sample(url)["defaults"] == {"generation_mode": "mtp", "depth": 3, "temperature": 0.0,
                                                "engine_depth": state.engine.default_depth}
         assert post({"scheduler_mode": "serial"}).status_code == 200  # unchanged: nothing to restart
     finally:
-        assert post({"generation_mode": "auto", "depth": "auto", "temperature": "auto"}).status_code == 200
+        assert post({"generation_mode": "auto", "depth": None, "temperature": "auto"}).status_code == 200
     assert state.scheduler.settings.generation_mode is None and state.default_temperature == state.model_temperature
 
 

@@ -76,12 +76,15 @@ def test_no_winner_replaces_an_earlier_depth_with_ar():
 def test_tune_saves_ar_when_no_depth_beats_it_greedy_and_sampled(monkeypatch, capsys):
     engine, _ = tiny_engine("llama")  # a random head: its drafts are almost never accepted
     monkeypatch.setattr(tune_command, "load_engine", lambda args: engine)
-    args = argparse.Namespace(depths="1,2", max_tokens=12, repeats=1)
+    args = argparse.Namespace(depths="1,2", max_tokens=12, repeats=1, no_auto=False)
     assert tune_command.run(args) == 0
     out = capsys.readouterr().out
     assert "greedy: no MTP depth beat AR" in out and "sampled: no MTP depth beat AR" in out
     assert "greedy requests default to AR, sampled requests (temperature > 0) default to AR" in out
-    assert tuning.tuned(engine.loaded, engine.device, engine.dtype) == {"mode": "ar", "sampled": {"mode": "ar"}}
+    tuned = tuning.tuned(engine.loaded, engine.device, engine.dtype)
+    costs = tuned.pop("depth_costs"), tuned["sampled"].pop("depth_costs")  # measured, for depth="auto"
+    assert tuned == {"mode": "ar", "sampled": {"mode": "ar"}}
+    assert all(len(c.cycles) == 2 and c.of(1) > 0 for c in costs)
     [entry] = json.loads(tuning.tuning_path().read_text())["entries"].values()
     assert entry["sampled"]["sampling"] == tuning.SAMPLED
     assert {"tok_s", "ar_tok_s", "best_mtp_tok_s"} <= entry.keys() & entry["sampled"].keys()
@@ -213,3 +216,25 @@ def test_tune_without_a_head_has_nothing_to_do(monkeypatch):
     monkeypatch.setattr(tune_command, "load_engine", lambda args: engine)
     assert tune_command.run(argparse.Namespace(depths="1", max_tokens=8, repeats=1)) == 0
     assert not tuning.tuning_path().exists()
+
+
+def test_an_auto_verdict_and_its_cycle_costs_are_saved_and_given_to_the_engine():
+    """`mtplx tune` derives the cycle costs depth="auto" weighs from its side-by-side run (a
+    depth-d cycle yields 1 + its acceptance by position tokens at its tok/s), and saves auto
+    where auto beat the fixed depths; mtplx.load hands both to the engine."""
+    engine, _ = tiny_engine("llama")
+    args = (engine.loaded, engine.device, engine.dtype)
+    fixed = _report(40.0, {1: (50.0, 0.5), 2: (48.0, 0.4)})
+    costs = tuning.depth_costs(fixed)
+    assert costs.cycles == pytest.approx((1.5 * 40 / 50, 1.8 * 40 / 48))
+    second = _report(40.0, {1: (50.0, 0.5)})
+    second["configs"]["mtp_auto"] = {"mode": "mtp", "depth": "auto", "tok_s": 55.0, "acceptance_rate": 0.5,
+                                     "acceptance_by_depth": [0.5, 0.4]}
+    choice = {**tuning.pick_depth(second), "depth_costs": costs}
+    assert choice["depth"] == "auto"
+    tuning.save_choice(*args, choice, second)
+    tuned = tuning.tuned(*args)
+    assert tuned["depth"] == "auto" and tuned["depth_costs"].cycles == pytest.approx(costs.cycles, abs=1e-4)
+    engine = mtplx.Engine(engine.loaded, depth=tuned["depth"], depth_costs=tuned["depth_costs"])
+    assert engine.make_request([3, 4, 5]).adaptive
+    assert engine.auto_depth.costs is tuned["depth_costs"]

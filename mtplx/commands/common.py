@@ -15,35 +15,51 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=("none", "gguf", "int4", "int8"),
                    help="trunk linear weights: gguf runs a GGUF file's own 4/8-bit blocks (fast on the CPU); "
                         "int4/int8 quantize on load; none (default): float")
+    p.add_argument("--max-depth", type=int, default=None,
+                   help="the deepest a depth=auto cycle drafts (default 3)")
 
 
 def load_engine(args, depth=None):
     import mtplx
 
     return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
-                      allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None))
+                      allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None),
+                      max_depth=getattr(args, "max_depth", None))
 
 
 # a token-id prompt suite for models without a tokenizer
 TOKEN_ID_SUITE = ((1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12))
 
 
-def parse_depths(text: str) -> tuple[int, ...]:
-    """``"1,2,3"`` -> (1, 2, 3); a clear error names the option otherwise."""
+def parse_depths(text: str) -> tuple[int | str, ...]:
+    """``"1,2,3,auto"`` -> (1, 2, 3, "auto"); a clear error names the option otherwise."""
     from mtplx.errors import InvalidParameter
 
     try:
-        return tuple(int(d) for d in text.split(",") if d.strip())
+        return tuple(d.strip() if d.strip() == "auto" else int(d) for d in text.split(",") if d.strip())
     except ValueError:
-        raise InvalidParameter("depths", f"{text!r} is not a comma-separated list of integers") from None
+        raise InvalidParameter("depths", f"{text!r} is not a comma-separated list of integers and 'auto'") from None
 
 
-def measure_side_by_side(engine, args, **sampling) -> dict:
-    """AR and every ``--depths`` depth on the prompt suite, interleaved (benchmarking.measure)."""
+def parse_depth(text: str | None) -> int | str | None:
+    """A ``--depth`` value: an integer, "auto", or None (not given)."""
+    if text is None or text == "auto":
+        return text
+    from mtplx.errors import InvalidParameter
+
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidParameter("depth", f"{text!r} is not an integer or 'auto'") from None
+
+
+def measure_side_by_side(engine, args, depths: str | None = None, **sampling) -> dict:
+    """AR and every ``--depths`` depth (or ``depths``) on the prompt suite, interleaved
+    (benchmarking.measure)."""
     import sys
 
     from mtplx.benchmarking import measure
 
     suite = {} if engine.tokenizer else {"prompts": TOKEN_ID_SUITE}
-    return measure(engine, depths=parse_depths(args.depths), max_tokens=args.max_tokens, repeats=args.repeats,
+    return measure(engine, depths=parse_depths(depths or args.depths), max_tokens=args.max_tokens, repeats=args.repeats,
                    progress=lambda label: print(f"  ran {label}", file=sys.stderr), **suite, **sampling)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mtplx.commands.common import add_model_options, load_engine
+from mtplx.commands.common import add_model_options, load_engine, parse_depth
 
 
 def add_parser(sub) -> None:
@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     add_model_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--mode", choices=("ar", "mtp"), default=None, help="default: mtp when the model has a head")
-    p.add_argument("--depth", type=int, default=None, help="MTP draft depth (default: tuned, else 1)")
+    p.add_argument("--depth", type=parse_depth, default=None,
+                   help="MTP draft depth, or auto (chosen cycle by cycle; default: tuned, else 1)")
     p.add_argument("--draft-policy", choices=("greedy", "mirror"), default="greedy")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

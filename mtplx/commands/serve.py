@@ -22,7 +22,7 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py 
 # lifecycle.DEFAULT_SHUTDOWN_GRACE_S, written out: building the parser must not import the server.
 
 # flags that are also config keys (the flag wins when given)
-CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "host", "port", "max_active_requests",
+CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "max_depth", "host", "port", "max_active_requests",
                 "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "quantize", "api_key")
 
 
@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
                         "(default serial)")
     p.add_argument("--generation-mode", default=None, metavar="mtp|ar",
                    help="default per request (default: mtp when the model has an MTP head)")
-    p.add_argument("--depth", default=None, help="MTP draft depth, 1-8 (default: the engine's)")
+    p.add_argument("--depth", default=None,
+                   help="MTP draft depth, 1-8, or auto (chosen cycle by cycle; default: the engine's)")
     p.add_argument("--max-active-requests", default=None, help="ar_batch: requests decoded together (default 8)")
     p.add_argument("--decode-batch-max", default=None, help="mtp_batch: rows verified per forward (default 8)")
     p.add_argument("--batch-wait-ms", default=None, help="mtp_batch: gather window in ms (default 20)")
@@ -96,7 +97,8 @@ def run(args) -> int:
 
     with sock:
         engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
-                            allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize)
+                            allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize,
+                            max_depth=cfg.max_depth)
         scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,

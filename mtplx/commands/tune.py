@@ -1,5 +1,7 @@
 """``mtplx tune``: measure AR and MTP depths 1..3 on this machine, greedy and sampled; for each
-regime save the fastest depth if it beats AR, else that AR is fastest."""
+regime derive the cycle costs depth="auto" weighs (adaptive_depth.DepthCosts), measure auto
+against AR and the best fixed depth with them, and save the fastest (a depth or auto) if it
+beats AR, else that AR is fastest; the costs are saved either way."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ def add_parser(sub) -> None:
     p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths to try (default 1,2,3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt suite")
+    p.add_argument("--no-auto", action="store_true", help="do not measure depth=auto (saves the second pass)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     from mtplx.benchmarking import render_table
-    from mtplx.tuning import SAMPLED, pick_depth, save_choice
+    from mtplx.tuning import SAMPLED, depth_costs, pick_depth, save_choice
 
     parse_depths(args.depths)  # a bad value fails before the model loads
     engine = load_engine(args)
@@ -35,6 +40,15 @@ def run(args) -> int:
         report = measure_side_by_side(engine, args, **sampling)
         print(render_table(report))
         choice = pick_depth(report)
+        costs = depth_costs(report)
+        if costs is not None and not args.no_auto and choice["depth"] is not None:
+            # depth=auto with this regime's measured costs, against AR and the best fixed depth
+            engine.auto_depth = replace(engine.auto_depth, **{"costs" if regime == "greedy" else "sampled_costs": costs})
+            second = measure_side_by_side(engine, args, depths=f"{choice['depth']},auto", **sampling)
+            print(render_table(second))
+            if pick_depth(second)["depth"] == "auto":
+                choice, report = pick_depth(second), second
+        choice["depth_costs"] = costs
         print(f"{regime}: {choice['message']}")
         verdicts[regime] = choice, report
     path = save_choice(engine.loaded, engine.device, engine.dtype, *verdicts["greedy"], sampled=verdicts["sampled"])

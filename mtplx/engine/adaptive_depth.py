@@ -74,11 +74,13 @@ class DepthCosts:
 
 @dataclass(frozen=True)
 class AutoDepth:
-    """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs and
-    the prior acceptance for greedy and for sampled rows."""
+    """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs (of
+    greedy cycles, and of sampled ones where measured apart) and the prior acceptance for greedy
+    and for sampled rows."""
 
     max_depth: int
     costs: DepthCosts
+    sampled_costs: DepthCosts | None = None
     greedy_prior: tuple[float, ...] = GREEDY_PRIOR
     sampled_prior: tuple[float, ...] = SAMPLED_PRIOR
     rate: float = RATE
@@ -86,7 +88,8 @@ class AutoDepth:
     def plan(self, greedy: bool) -> DepthPlan:
         prior = self.greedy_prior if greedy else self.sampled_prior
         prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
-        return DepthPlan(self.max_depth, self.costs, prior, self.rate)
+        costs = self.costs if greedy else self.sampled_costs or self.costs
+        return DepthPlan(self.max_depth, costs, prior, self.rate)
 
 
 class DepthPlan:

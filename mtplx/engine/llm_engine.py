@@ -57,7 +57,7 @@ class Engine:
                  block_size: int = 16, cuda_graphs: bool = True, chain: bool | None = None,
                  default_mode: str | None = None, sampled_mode: str | None = None,
                  sampled_depth: int | str | None = None, max_depth: int = DEFAULT_MAX_DEPTH,
-                 depth_costs: DepthCosts | None = None):
+                 depth_costs: DepthCosts | None = None, sampled_depth_costs: DepthCosts | None = None):
         """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
         where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
         default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
@@ -66,7 +66,7 @@ class Engine:
         greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning.
         depth, sampled_depth: 1..MAX_DEPTH or "auto" (each row picks each cycle's depth up to
         max_depth, from its own acceptance and depth_costs: the cycle costs ``mtplx tune``
-        measured, or the device's defaults)."""
+        measured, or the device's defaults; sampled_depth_costs: those of sampled cycles)."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
@@ -94,7 +94,7 @@ class Engine:
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
-        self.auto_depth = AutoDepth(max_depth, depth_costs or DepthCosts.default(self.device.type))
+        self.auto_depth = AutoDepth(max_depth, depth_costs or DepthCosts.default(self.device.type), sampled_depth_costs)
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.runner.compile_kernels()

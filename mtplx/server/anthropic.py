@@ -137,7 +137,7 @@ class MessagesRequest(PromptFields):
     stream: bool = False
     # mtplx extensions, as on the OpenAI routes
     generation_mode: Literal["mtp", "ar"] | None = None
-    depth: int | None = None
+    depth: int | Literal["auto"] | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
 
     def check_supported(self) -> None:

@@ -98,7 +98,7 @@ class GenerationFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     generation_mode: Literal["mtp", "ar"] | None = None
-    depth: int | None = None
+    depth: int | Literal["auto"] | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
     return_token_ids: bool = False
     ignore_eos: bool = False

@@ -55,7 +55,7 @@ class ResponsesRequest(RequestBody):
     seed: int | None = None
     top_k: int = 0
     generation_mode: Literal["mtp", "ar"] | None = None
-    depth: int | None = None
+    depth: int | Literal["auto"] | None = None
     draft_policy: Literal["greedy", "mirror"] = "greedy"
 
     def check_supported(self) -> None:

@@ -1,0 +1,135 @@
+"""MTP at every temperature (issue 15): AR and MTP at fixed depths and depth="auto", with argmax
+and mirror drafts, greedy and sampled, on held-out chat prompts, side by side in one run;
+then the scheduler at 1, 4 and 8 streams, and hyper vs serial, with sampling.
+
+    PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
+        [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler]
+
+The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
+(``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
+(which select heads), so nothing was trained or tuned on them. Wall-clock through
+``engine.generate`` (decode tok/s after the first token) and the in-process scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HELD_OUT_CHAT = (
+    "My tomato plants have yellow leaves at the bottom. What could be wrong and how do I fix it?",
+    "Write a short cover letter for a junior data analyst position at a logistics company.",
+    "How does a refrigerator keep food cold? Explain it to a twelve-year-old.",
+    "Write a JavaScript function that removes duplicate values from an array and explain how it works.",
+    "What should I pack for a three-day hiking trip in the mountains in autumn?",
+    "Compare renting and buying a home for someone who may move cities in four years.",
+    "Write a limerick about a cat who is afraid of cucumbers.",
+    "Explain what a hash table is and why lookups are usually fast.",
+    "Give me a weekly plan to start running if I have never run before.",
+    "Translate into plain English: 'The party of the first part shall indemnify the party of the second part.'",
+    "What are three common mistakes people make when writing SQL queries, with examples?",
+    "Describe the water cycle in five steps.",
+)
+
+REGIMES = {"greedy": {}, "t0.7": {"temperature": 0.7, "top_p": 0.95, "seed": 1234},
+           "t1.0": {"temperature": 1.0, "seed": 1234}}
+
+
+def check_held_out() -> None:
+    from mtplx.benchmarking import BENCH_PROMPTS
+    from mtplx.forge.prompts import HELD_OUT_PROMPTS, training_prompts
+
+    used = {p.strip().lower() for p in (*BENCH_PROMPTS, *HELD_OUT_PROMPTS, *training_prompts())}
+    clash = [p for p in HELD_OUT_CHAT if p.strip().lower() in used]
+    if clash:
+        raise SystemExit(f"held-out prompts used elsewhere: {clash}")
+
+
+def decoding(engine, prompts, max_tokens: int, depths) -> dict:
+    from mtplx.benchmarking import measure, render_table
+
+    out = {}
+    for name, sampling in REGIMES.items():
+        policies = ("greedy",) if not sampling else ("greedy", "mirror")
+        t0 = time.perf_counter()
+        out[name] = measure(engine, depths=depths, prompts=prompts, max_tokens=max_tokens,
+                            draft_policies=policies, **sampling)
+        out[name]["wall_s"] = time.perf_counter() - t0
+        for r in out[name]["configs"].values():
+            r.pop("token_ids", None)
+        print(f"{name} {sampling}:\n{render_table(out[name])}", flush=True)
+    return out
+
+
+def scheduler(engine, prompts, max_tokens: int, depth) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import run_jobs
+
+    def requests(n: int, mode: str | None, sampling: dict, seed0: int = 0) -> list:
+        return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
+                                    depth=depth if mode == "mtp" else None, max_tokens=max_tokens, ignore_eos=True,
+                                    **{**sampling, **({"seed": seed0 + i} if "seed" in sampling else {})})
+                for i in range(n)]
+
+    out = {}
+    for name, sampling in REGIMES.items():
+        entry = out[name] = {}
+        for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
+            run_jobs(engine, mode, requests(1, gen_mode, sampling))  # warm-up
+            for streams in (1, 4, 8):
+                elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode, sampling))
+                entry[f"{mode}_tok_s_x{streams}"] = sum(r.completion_tokens for r in results) / elapsed
+        if sampling:  # hyper vs serial: the same seeded requests, best of three interleaved
+            runs = {"serial": [], "hyper": []}
+            for _ in range(3):
+                for mode in runs:
+                    elapsed, results = run_jobs(engine, mode, requests(len(prompts), None, sampling, 100))
+                    runs[mode].append((sum(r.completion_tokens for r in results) / elapsed, results))
+            serial, hyper = (max(runs[m], key=lambda t: t[0]) for m in ("serial", "hyper"))
+            entry["serial_tok_s"], entry["hyper_tok_s"] = serial[0], hyper[0]
+            entry["hyper_over_serial"] = hyper[0] / serial[0]
+            entry["hyper_byte_identical"] = all(a.token_ids == b.token_ids for a, b in zip(serial[1], hyper[1]))
+        print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the default model)")
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
+    ap.add_argument("--depths", default="1,2,3,auto")
+    ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
+    ap.add_argument("--no-scheduler", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    check_held_out()
+
+    import torch
+
+    import mtplx
+    from mtplx.commands.common import parse_depth, parse_depths
+
+    t0 = time.perf_counter()
+    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
+    report = {"engine_build_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
+              "torch": torch.__version__, "max_tokens": args.max_tokens, "auto_depth": repr(engine.auto_depth),
+              "prompts": list(HELD_OUT_CHAT[: args.prompts])}
+    if engine.device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    with torch.inference_mode():
+        report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths))
+    if not args.no_scheduler:
+        report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth))
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
