@@ -300,7 +300,8 @@ def launch(load: Callable, world: int, device: torch.device, timeout_s: float = 
     check_world(world, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     address = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
+    # CUDA cannot be forked; on the CPU a fork starts in a moment with everything imported
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")
     workers, conns = [], []
     for rank in range(1, world):
         ours, theirs = ctx.Pipe()
