@@ -114,3 +114,31 @@ def test_more_ranks_than_gpus_is_refused():
         check_world(2, torch.device("cuda"))
     with pytest.raises(InvalidParameter, match="integer >= 1"):
         check_world(0, torch.device("cpu"))
+
+
+def test_the_server_exits_non_zero_naming_a_rank_that_died(tmp_path):
+    import json
+    import re
+
+    from safetensors.torch import save_file
+
+    from tests.serve_process import ServeProcess
+
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(SHAPES["dense"]))
+    loaded = random_loaded(SHAPES["dense"], "cpu", head=False)
+    save_file({k: v.contiguous() for k, v in loaded.model.state_dict().items()}, model_dir / "model.safetensors")
+    server = ServeProcess(tmp_path, "--model", str(model_dir), "--device", "cpu", "--tensor-parallel", "2")
+    try:
+        server.wait_ready(timeout=120)
+        import httpx
+
+        body = {"model": "tiny", "prompt": [5, 9, 3], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        pid = int(re.search(r"rank 1 pid (\d+)", server.output).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert server.wait_exit(timeout=30) != 0
+        assert re.search(r"rank 1 \(pid \d+\) exited killed by signal 9", server.output)
+    finally:
+        server.kill()

@@ -273,7 +273,7 @@ class TensorParallel:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(timeout=5)
-        if dist.is_initialized():
+        if dist.is_initialized() and self.failure is None:  # with a rank gone it could wait for that rank
             dist.destroy_process_group()
 
 
