@@ -16,7 +16,7 @@ def __getattr__(name):
 
 
 def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
-         kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None):
+         kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None, tensor_parallel=1):
     """Load a model and return an ``Engine``.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
@@ -32,7 +32,12 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     quantize: the trunk's linear weights: None / "none" (default) float; "gguf" runs a GGUF
     file's own 4/8-bit blocks (fast on the CPU); "int4" / "int8" quantize on load
     (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
+    tensor_parallel: split the model across this many processes, one per GPU (NCCL; on the CPU
+    gloo, for tests): this process is rank 0 and starts the others; float weights only
+    (docs/tensor_parallel.md). ``engine.tensor_parallel.close()`` stops them.
     """
+    import functools
+
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint
     from mtplx.runtime import resolve_device, resolve_dtype
@@ -44,8 +49,15 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
         model = default_model_path()
         head = head or default_head_dir()
-    loaded = load_checkpoint(model, device=dev, dtype=dt, head_dir=head, allow_unverified_head=allow_unverified_head,
-                             quantize=quantize)
+    load = functools.partial(load_checkpoint, model, dtype=dt, head_dir=head,
+                             allow_unverified_head=allow_unverified_head, quantize=quantize)
+    tp = None
+    if tensor_parallel != 1:
+        from mtplx.engine.tensor_parallel import launch
+
+        tp, loaded = launch(load, tensor_parallel, dev)
+    else:
+        loaded = load(device=dev)
     from mtplx.tuning import tuned
 
     choice = tuned(loaded, dev, dt)  # what `mtplx tune` saved for this model, device and dtype
@@ -58,4 +70,5 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
                   sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
-                  depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"))
+                  depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"),
+                  tensor_parallel=tp)

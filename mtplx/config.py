@@ -128,6 +128,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "float32, bfloat16, float16 (or fp32, bf16, fp16) or auto"),
     Key("quantize", _choice(("none", "gguf", "int4", "int8"), True),
         "none, gguf (a GGUF file's own quantized blocks), int4, int8 or auto (none)"),
+    Key("tensor_parallel", _int(1, 64, optional=False),
+        "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),
 )}
 
@@ -164,6 +166,7 @@ class Config:
     device: str | None = None
     dtype: str | None = None
     quantize: str | None = None
+    tensor_parallel: int = 1
     api_key: str | None = None
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 

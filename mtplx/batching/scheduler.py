@@ -85,7 +85,7 @@ class Scheduler:
         and running jobs go on. One attribute write, so a signal handler may call it."""
         self._admitting = False
 
-    def cut_off(self, error: SchedulerStopped) -> int:
+    def cut_off(self, error: Exception) -> int:
         """End every job that has not ended yet with ``error`` (its client gets an error
         event or a 503): queued jobs leave the queue, running ones stop at the next cycle
         boundary and free their KV blocks. Returns how many were cut off."""

@@ -47,10 +47,17 @@ class RecurrentStateCache:
         if not self._free:
             self._grow(max(1, self.capacity))
         slot = self._free.pop()
+        self.zero(slot)
+        return slot
+
+    def zero(self, slot: int) -> None:
+        """Reset a slot to the state before any token, growing the pool to hold it (another
+        tensor-parallel rank's allocate: engine/tensor_parallel.py)."""
+        if slot >= self.capacity:
+            self._grow(slot + 1 - self.capacity)
         for conv, ssm in zip(self.conv, self.ssm):
             conv[slot].zero_()
             ssm[slot].zero_()
-        return slot
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or slot in self._free:

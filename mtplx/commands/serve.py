@@ -9,6 +9,7 @@ line. SIGINT/SIGTERM drain the server (``mtplx.server.lifecycle``) and exit 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py 
 
 # flags that are also config keys (the flag wins when given)
 CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "max_depth", "host", "port", "max_active_requests",
-                "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "quantize", "api_key")
+                "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "quantize", "tensor_parallel",
+                "api_key")
 
 
 def add_parser(sub) -> None:
@@ -43,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-wait-ms", default=None, help="mtp_batch: gather window in ms (default 20)")
     p.add_argument("--max-queue", "--max-queued-requests", dest="max_queued_requests", default=None, metavar="N",
                    help="waiting requests beyond which new ones get 503 + Retry-After (default 64)")
+    p.add_argument("--tensor-parallel", default=None, metavar="N",
+                   help="split the model across N processes, one per GPU (NCCL; gloo on the CPU); rank 0 serves "
+                        "HTTP, schedules and samples (default 1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (or 'X-API-Key: KEY') on every route but /health "
                         "and /metrics")
@@ -98,7 +103,7 @@ def run(args) -> int:
     with sock:
         engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
                             allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize,
-                            max_depth=cfg.max_depth)
+                            max_depth=cfg.max_depth, tensor_parallel=cfg.tensor_parallel)
         scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,
@@ -108,7 +113,20 @@ def run(args) -> int:
               f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'}); "
               f"dashboard at http://{_url_host(cfg.host)}:{cfg.port}/dashboard", file=sys.stderr)
         server = DrainingServer(uvicorn_config(app, args.log_level), app.state.mtplx.scheduler, args.shutdown_grace_s)
-        server.run(sockets=[sock])
+        tp = engine.tensor_parallel
+        if tp is not None:  # a rank that dies fails the requests in flight (500) and ends the server
+            pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(tp.workers, start=1))
+            print(f"mtplx serve: tensor parallel over {tp.world} ranks (rank 0 pid {os.getpid()}, {pids})",
+                  file=sys.stderr)
+            tp.watch(server.abort)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if tp is not None:
+                tp.close()
+    if server.failure is not None:
+        print(f"mtplx serve: stopped: {server.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

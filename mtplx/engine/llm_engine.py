@@ -14,6 +14,7 @@ from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import SamplingParams, make_generator
 from mtplx.engine.sequence import Sequence
+from mtplx.engine.tensor_parallel import TensorParallel
 from mtplx.errors import InvalidParameter
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.models.layers import fuse_projections
@@ -57,7 +58,8 @@ class Engine:
                  block_size: int = 16, cuda_graphs: bool = True, chain: bool | None = None,
                  default_mode: str | None = None, sampled_mode: str | None = None,
                  sampled_depth: int | str | None = None, max_depth: int = DEFAULT_MAX_DEPTH,
-                 depth_costs: DepthCosts | None = None, sampled_depth_costs: DepthCosts | None = None):
+                 depth_costs: DepthCosts | None = None, sampled_depth_costs: DepthCosts | None = None,
+                 tensor_parallel: TensorParallel | None = None):
         """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
         where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
         default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
@@ -66,7 +68,9 @@ class Engine:
         greedy ones, default_mode and depth); ``mtplx.load`` passes the sampled tuning.
         depth, sampled_depth: 1..MAX_DEPTH or "auto" (each row picks each cycle's depth up to
         max_depth, from its own acceptance and depth_costs: the cycle costs ``mtplx tune``
-        measured, or the device's defaults; sampled_depth_costs: those of sampled cycles)."""
+        measured, or the device's defaults; sampled_depth_costs: those of sampled cycles).
+        tensor_parallel: rank 0's handle on the other ranks (``tensor_parallel.launch``, which
+        also gave ``loaded``, rank 0's slice): every forward is mirrored on them; no CUDA graphs."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
@@ -85,7 +89,10 @@ class Engine:
                 fuse_projections(loaded.head)
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
-        if self.device.type == "cuda" and cuda_graphs:
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:  # before the allocator takes the runner's state cache
+            tensor_parallel.mirror(self.runner)
+        if self.device.type == "cuda" and cuda_graphs and tensor_parallel is None:
             from mtplx.engine.cuda_graphs import GraphCache
 
             self.runner.graphs = GraphCache(self.runner, max_context=self.max_context)

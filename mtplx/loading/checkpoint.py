@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from mtplx.errors import InvalidParameter, ModelLoadError
 from mtplx.loading import hf_dir
-from mtplx.loading.mtp_weights import extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
+from mtplx.loading.sharding import shard_state
+from mtplx.loading.mtp_weights import HeadWeights, extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
 from mtplx.loading.text_weights import text_model_state
 from mtplx.loading.tokenizer import Tokenizer
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
+from mtplx.models.parallel import Shard
 from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_rtn
 
 QUANTIZE_CHOICES = (None, "none", "gguf", "int4", "int8")
@@ -34,16 +36,21 @@ class LoadedModel:
 
 def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
                     head_dir: str | Path | None = None, allow_unverified_head: bool = False,
-                    quantize: str | None = None) -> LoadedModel:
+                    quantize: str | None = None, shard: Shard | None = None) -> LoadedModel:
     """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
 
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
     quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None or "none":
     float; "gguf": a GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
-    "int4" / "int8": round-to-nearest with groups of 32 inputs."""
+    "int4" / "int8": round-to-nearest with groups of 32 inputs. shard: load one tensor-parallel
+    rank's slice of the trunk and head (float weights only; ``LoadedModel.config`` stays the
+    whole model's, ``model.config`` is the rank's)."""
     path = Path(path).expanduser()
     if quantize not in QUANTIZE_CHOICES:
         raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
+    if shard is not None and shard.world > 1 and quantize not in (None, "none"):
+        raise InvalidParameter("tensor_parallel", f"quantize={quantize!r} cannot be sharded yet: tensor "
+                                                  "parallelism needs float weights (quantize none)")
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist (give a Hugging Face directory or a .gguf file)")
     if path.is_file() and path.suffix == ".gguf":
@@ -70,7 +77,10 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     trunk_state = {k: v for k, v in state.items() if not is_head_key(k, config)}
     if quantize in ("int4", "int8"):
         trunk_state = quantize_state(trunk_state, config, bits=int(quantize[3:]))
-    model = materialize(build_model_on_meta(config), trunk_state, device, dtype, tied=config.tie_word_embeddings)
+    if shard is not None:
+        trunk_state = shard_state(trunk_state, config, shard)
+    model = materialize(build_model_on_meta(config, shard), trunk_state, device, dtype,
+                        tied=config.tie_word_embeddings)
     output = trunk_state.get("lm_head.weight")
 
     head_weights = native
@@ -82,13 +92,27 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
         raise ModelLoadError(f"no {SIDECAR_WEIGHTS} in {sidecar_dir}")
     head, head_info = None, {}
     if head_weights is not None:
-        head = attach_head(model, head_weights, device, dtype)
+        head = attach_head(model, head_weights, device, dtype, shard, config)
         if isinstance(output, QuantizedWeight) and output.bits == 8:
             # drafts read the output matrix once more per drafted token: half the bytes in int4
             model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device)
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
     return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info)
+
+
+def shard_loaded(loaded: LoadedModel, shard: Shard, device) -> LoadedModel:
+    """One tensor-parallel rank's slice, on ``device``, of a whole model already in memory
+    (tests and benchmarks build their models so; ``load_checkpoint(shard=...)`` slices a
+    checkpoint as it loads)."""
+    config, dtype = loaded.config, loaded.model.model.embed_tokens.weight.dtype
+    state = shard_state(dict(loaded.model.state_dict()), config, shard)
+    model = materialize(build_model_on_meta(config, shard), state, device, dtype, tied=config.tie_word_embeddings)
+    head = None
+    if loaded.head is not None:
+        weights = HeadWeights(dict(loaded.head.state_dict()), loaded.head.mtp)
+        head = attach_head(model, weights, device, dtype, shard, config)
+    return replace(loaded, model=model, head=head)
 
 
 def _as_list(x) -> list:

@@ -7,23 +7,37 @@ from torch import nn
 
 from mtplx.errors import ModelLoadError
 from mtplx.loading.mtp_weights import HeadWeights
+from mtplx.loading.sharding import shard_state
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.models.layers import MLP, Attention, rope_inv_freq
 from mtplx.models.mtp import MTPHead
+from mtplx.models.parallel import Shard, local_config, parallelize
 from mtplx.models.quant import QuantizedWeight, QuantLinear
 from mtplx.models.registry import build_model
 
 
-def build_model_on_meta(config: ModelConfig) -> CausalLM:
+def build_model_on_meta(config: ModelConfig, shard: Shard | None = None) -> CausalLM:
+    """The model's modules on the meta device; with ``shard``, one tensor-parallel rank's
+    (its heads and channels, vocabulary-parallel embedding and output; models/parallel.py)."""
+    if shard is None:
+        with torch.device("meta"):
+            return build_model(config)
     with torch.device("meta"):
-        return build_model(config)
+        return parallelize(build_model(local_config(config, shard)), shard, config)
 
 
-def attach_head(model: CausalLM, weights: HeadWeights, device, dtype) -> MTPHead:
+def attach_head(model: CausalLM, weights: HeadWeights, device, dtype, shard: Shard | None = None,
+                config: ModelConfig | None = None) -> MTPHead:
+    """The MTP head for ``model``; with ``shard``, the rank's slice of it (``config``: the
+    whole model's)."""
     with torch.device("meta"):
         head = MTPHead(model, weights.mtp)
-    return materialize(head, weights.state_dict, device, dtype, tied=False, what="MTP head")
+    state = weights.state_dict
+    if shard is not None:
+        parallelize(head, shard, config)
+        state = shard_state(state, config, shard)
+    return materialize(head, state, device, dtype, tied=False, what="MTP head")
 
 
 def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,

@@ -11,6 +11,7 @@ from torch import nn
 from mtplx.cache.attention import AttentionMetadata, paged_attention, write_kv
 from mtplx.kernels import fused, gemv
 from mtplx.models.config import ModelConfig
+from mtplx.models.parallel import reduce_partial
 
 
 class RMSNorm(nn.Module):
@@ -273,9 +274,10 @@ class DecoderLayer(nn.Module):
             qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)
         q, k, v = attn.split_qkv(qkv)
         o = gemv.gemv(attn.attend_fused(q, k, v, rotary, meta, k_pool, v_pool), attn.o_proj.weight, attn.o_proj.bias)
+        o = reduce_partial(attn.o_proj, o)  # tensor parallelism: sum the ranks' partial outputs
         if gemv.prologue_pays(mlp.gate_up_weight):
             x, gate_up = gemv.norm_gemv(x, o, ln2.weight, ln2.eps, mlp.gate_up_weight, mlp.gate_up_bias)
         else:
             x, h = ln2.add_forward(x, o)
             gate_up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias)
-        return x, gemv.silu_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return x, reduce_partial(mlp.down_proj, gemv.silu_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias))

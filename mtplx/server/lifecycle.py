@@ -69,6 +69,15 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.scheduler, self.grace_s = scheduler, grace_s
         self.cut_off = 0  # jobs failed at the end of the grace period
+        self.failure: BaseException | None = None  # why the engine cannot go on (``abort``)
+
+    def abort(self, error: BaseException) -> None:
+        """The engine cannot go on (a tensor-parallel rank died): fail every unfinished request
+        with ``error`` (a 500), refuse new ones and shut down; ``mtplx serve`` then exits
+        non-zero. Called from the watchdog's thread."""
+        self.failure = error
+        self.scheduler.cut_off(error)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         self.scheduler.stop_admitting()  # at once, not at uvicorn's next 0.1 s tick
