@@ -103,6 +103,7 @@ def summarize(runs: list[dict], config: Config) -> dict:
         drafted_by, accepted_by, cycles_by = ([sum(r[key][i] for r in runs if len(r[key]) > i) for i in range(deepest)]
                                               for key in ("drafted_by_depth", "accepted_by_depth", "cycles_by_depth"))
         out.update(mean_acceptance_length=1 + accepted / calls if calls else None,
+                   mean_depth=sum(r["drafted"] for r in runs) / calls if calls else 0.0,
                    acceptance_rate=accepted / max(1, sum(r["drafted"] for r in runs)),
                    acceptance_by_depth=[a / d if d else 0.0 for a, d in zip(accepted_by, drafted_by)])
         if config.depth == "auto":  # the depths the rows chose: cycles that drafted 1, 2, ... tokens
@@ -125,7 +126,7 @@ def weight_traffic(engine, configs: dict) -> dict:
     bandwidth = memory_read_bandwidth() if engine.device.type == "cpu" else None
     out = {"trunk_bytes": trunk, "memory_read_gb_s": bandwidth, "configs": {}}
     for label, e in configs.items():
-        per_token = trunk if e["mode"] == "ar" else (trunk + e["depth"] * per_draft) / (e["mean_acceptance_length"] or 1)
+        per_token = trunk if e["mode"] == "ar" else (trunk + e["mean_depth"] * per_draft) / (e["mean_acceptance_length"] or 1)
         gb_s = per_token * e["tok_s"] / 1e9
         out["configs"][label] = {"bytes_per_token": round(per_token), "weight_gb_s": gb_s,
                                  "bandwidth_share": gb_s / bandwidth if bandwidth else None}
