@@ -23,7 +23,13 @@ def build_model_on_meta(config: ModelConfig) -> CausalLM:
 def attach_head(model: CausalLM, weights: HeadWeights, device, dtype) -> MTPHead:
     with torch.device("meta"):
         head = MTPHead(model, weights.mtp)
-    return materialize(head, weights.state_dict, device, dtype, tied=False, what="MTP head")
+    head = materialize(head, weights.state_dict, device, dtype, tied=False, what="MTP head")
+    if weights.mtp.draft_vocab:
+        try:
+            head.bind_draft_vocab(model)
+        except ValueError as exc:
+            raise ModelLoadError(f"MTP head {weights.source or ''}: {exc}") from exc
+    return head
 
 
 def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,
