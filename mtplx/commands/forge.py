@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
 def _add_build(actions) -> None:
     p = actions.add_parser("build", help="train an MTP head by self-distillation against the frozen trunk")
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="folder for mtp.safetensors and mtplx_forge.json")
+    p.add_argument("--out", default=None, help="folder for mtp.safetensors and mtplx_forge.json "
+                                               "(required unless --corpus-only)")
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: OUT/forge-work)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted build from its work folder")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -30,7 +31,8 @@ def _add_build(actions) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--tokens", type=int, default=1_000_000, help="generated tokens to aim for (default 1M)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="longest completion per prompt")
-    g.add_argument("--temperatures", default="0,0.7", help="sampling temperatures, mixed over prompts")
+    g.add_argument("--temperatures", default="0,0.7,1.0",
+                   help="sampling temperatures, mixed over prompts and rounds (default 0,0.7,1.0)")
     g.add_argument("--rounds", type=int, default=3, help="passes over the prompt set, at most")
     g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
     g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
@@ -40,6 +42,18 @@ def _add_build(actions) -> None:
                         "needs a chat template; one measured run did not improve acceptance, see docs/forge.md)")
     g.add_argument("--self-prompt-temperature", type=float, default=0.9,
                    help="sampling temperature of the self-generated prompts (default 0.9)")
+    g.add_argument("--corpus", default=None,
+                   help="train on this stored corpus (an earlier build's corpus.pt) instead of generating one")
+    g.add_argument("--corpus-only", action="store_true",
+                   help="generate the corpus into the work folder (WORK/corpus.pt: token ids, int32) and stop")
+    g = p.add_argument_group("head")
+    g.add_argument("--features", default="final", choices=("final", "prenorm", "fuse3"),
+                   help="what the head reads of the trunk: final (the final-normed hidden state), prenorm (the "
+                        "last layer's output before the final norm), fuse3 (EAGLE-3: layers L/4, L/2 and the last, "
+                        "projected to the hidden size)")
+    g.add_argument("--head-layers", type=int, default=1, choices=(1, 2), help="decoder layers in the head")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft only from the N most frequent corpus tokens (FR-Spec; 0: the whole vocabulary)")
     g = p.add_argument_group("training")
     g.add_argument("--depth", type=int, default=3, help="draft depths trained (default 3)")
     g.add_argument("--epochs", type=float, default=3.0)
@@ -51,6 +65,8 @@ def _add_build(actions) -> None:
     g = p.add_argument_group("measurement")
     g.add_argument("--measure-depth", type=int, default=3)
     g.add_argument("--measure-max-tokens", type=int, default=128)
+    g.add_argument("--measure-temperatures", default="0,0.7,1.0",
+                   help="held-out acceptance at each temperature (0: greedy; others: mirror drafts)")
     p.set_defaults(func=run_build)
 
 
@@ -68,15 +84,17 @@ def _add_verify(actions) -> None:
 def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
-    from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.build import BuildSettings, acceptance_line, build, load_prompts_file, load_trunk
     from mtplx.forge.train import TrainSettings
 
-    try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
-    except ValueError:
-        raise InvalidParameter("temperatures", f"{args.temperatures!r} is not a comma-separated list") from None
-    if not temperatures or any(t < 0 for t in temperatures):
-        raise InvalidParameter("temperatures", "give one or more temperatures >= 0")
+    temperatures = parse_temperatures(args.temperatures, "temperatures")
+    measure_temperatures = parse_temperatures(args.measure_temperatures, "measure-temperatures")
+    if args.out is None and not args.corpus_only:
+        raise InvalidParameter("out", "give the folder for the head (--out), or --corpus-only with --work")
+    if args.corpus_only and args.work is None:
+        raise InvalidParameter("work", "--corpus-only writes WORK/corpus.pt: give --work")
+    if args.draft_vocab < 0:
+        raise InvalidParameter("draft-vocab", f"must be >= 0 (0: the whole vocabulary), got {args.draft_vocab}")
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
@@ -89,7 +107,8 @@ def run_build(args) -> int:
         tokens=args.tokens, max_new_tokens=args.max_new_tokens, temperatures=temperatures, rounds=args.rounds,
         gen_rows=args.gen_rows, seed=args.seed, self_prompt_temperature=args.self_prompt_temperature,
         max_seconds=args.max_seconds, measure_depth=args.measure_depth,
-        measure_max_tokens=args.measure_max_tokens,
+        measure_max_tokens=args.measure_max_tokens, measure_temperatures=measure_temperatures,
+        features=args.features, head_layers=args.head_layers, draft_vocab=args.draft_vocab,
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                             seed=args.seed))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
@@ -99,15 +118,32 @@ def run_build(args) -> int:
         cut = max(1, len(train_prompts) // 10)
         train_prompts, held_out = train_prompts[:-cut], train_prompts[-cut:]
     command = "mtplx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["forge"] else ""
-    provenance = build(trunk, Path(args.out), train_prompts=train_prompts, held_out_prompts=held_out,
-                       settings=settings, work_dir=Path(args.work) if args.work else None, resume=args.resume,
-                       text_files=[Path(t) for t in args.text],
-                       prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command)
-    m = provenance["measured"]["held_out"]
-    print(f"forged {args.out}: held-out acceptance by depth "
-          + "/".join(f"{a:.2f}" for a in m["acceptance_by_depth"])
-          + f", mean acceptance length {m['mean_acceptance_length']:.2f} at depth {m['depth']}")
+    provenance = build(trunk, Path(args.out) if args.out else None, train_prompts=train_prompts,
+                       held_out_prompts=held_out, settings=settings, work_dir=Path(args.work) if args.work else None,
+                       resume=args.resume, text_files=[Path(t) for t in args.text],
+                       prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command,
+                       corpus_file=Path(args.corpus) if args.corpus else None, corpus_only=args.corpus_only)
+    if args.corpus_only:
+        print(f"corpus: {Path(args.work) / 'corpus.pt'}")
+        return 0
+    measured = provenance["measured"]
+    print(f"forged {args.out}: held-out acceptance by depth (mean acceptance length) "
+          + acceptance_line({"greedy": measured["held_out"], "sampled": measured["held_out_sampled"]}
+                            if measured["held_out"] else {"sampled": measured["held_out_sampled"]}))
     return 0
+
+
+def parse_temperatures(text: str, option: str) -> tuple[float, ...]:
+    """``"0,0.7,1.0"`` -> (0.0, 0.7, 1.0); a clear error names the option otherwise."""
+    from mtplx.errors import InvalidParameter
+
+    try:
+        temperatures = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise InvalidParameter(option, f"{text!r} is not a comma-separated list") from None
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise InvalidParameter(option, "give one or more temperatures >= 0")
+    return temperatures
 
 
 def run_verify(args) -> int:

@@ -17,13 +17,18 @@ EOS = -1  # marks "the generation ended here" in an enumerated outcome
 
 
 def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_tokens: int = 128,
-               rows: int = 32) -> dict:
-    """Greedy MTP at ``depth`` over the prompts (token ids, chat template applied by the caller).
+               rows: int = 32, temperature: float = 0.0, seed: int = 0) -> dict:
+    """MTP at ``depth`` over the prompts (token ids, chat template applied by the caller):
+    greedy, or at ``temperature`` > 0 sampled with mirror drafts (drafts sampled from the
+    head's distribution, what rejection sampling accepts most often), prompt i with seed
+    ``seed + i``.
 
     Returns acceptance_by_depth (the share of cycles whose draft i was accepted, i = 1..depth:
     position 1 is "depth-1 acceptance"), mean_acceptance_length (1 + accepted / verify calls,
     bonus token included), and the totals."""
-    requests = ((str(i), engine.make_request(p, mode="mtp", depth=depth, max_tokens=max_tokens))
+    sampling = dict(temperature=temperature, draft_policy="mirror") if temperature > 0 else {}
+    requests = ((str(i), engine.make_request(p, mode="mtp", depth=depth, max_tokens=max_tokens, seed=seed + i,
+                                             **sampling))
                 for i, p in enumerate(prompts))
     drafted, accepted = [0] * depth, [0] * depth
     calls = tokens = 0
@@ -34,7 +39,8 @@ def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_toke
         for i, (d, a) in enumerate(zip(st.drafted_by_depth, st.accepted_by_depth)):
             drafted[i] += d
             accepted[i] += a
-    return {"depth": depth, "prompts": len(prompts), "generated_tokens": tokens, "verify_calls": calls,
+    return {"depth": depth, "temperature": temperature, "prompts": len(prompts), "generated_tokens": tokens,
+            "verify_calls": calls,
             "acceptance_by_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "mean_acceptance_length": 1 + sum(accepted) / calls if calls else None}
 
