@@ -134,6 +134,23 @@ def test_forge_build_and_verify_commands_run_end_to_end(forged, tmp_path):
     assert verdict["verdict"].startswith(("depth", "no MTP depth beat AR"))
 
 
+def test_verify_against_refuses_a_head_that_accepts_less_and_replace_installs_one_that_does_not(forged, tmp_path):
+    from mtplx.cli import main
+    from mtplx.forge.artifact import head_state, write_head
+    from tests.tiny_models import random_head
+
+    trunk = load_trunk(forged.trunk, device="cpu")
+    weak = tmp_path / "weak"  # a random head for the same trunk: it hardly ever drafts the trunk's token
+    write_head(weak, head_state(random_head(trunk.loaded.model, seed=3)), {"trunk_sha256": trunk.sha256})
+    run = ["forge", "verify", "--model", str(forged.trunk), "--device", "cpu", "--depths", "1", "--max-tokens", "4",
+           "--samples", "30", "--acceptance-max-tokens", "12", "--no-write"]
+    strong_weights = (forged.head / "mtp.safetensors").read_bytes()
+    assert main([*run, "--head", str(weak), "--against", str(forged.head), "--replace"]) == 3
+    assert (forged.head / "mtp.safetensors").read_bytes() == strong_weights  # refused: nothing copied
+    assert main([*run, "--head", str(forged.head), "--against", str(weak), "--replace"]) == 0
+    assert (weak / "mtp.safetensors").read_bytes() == strong_weights
+
+
 def test_build_fails_before_training_without_a_tokenizer(forged, tmp_path):
     trunk = load_trunk(forged.trunk, device="cpu")
     with pytest.raises(ForgeError, match="no tokenizer"):

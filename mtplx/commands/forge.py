@@ -1,5 +1,7 @@
 """``mtplx forge build`` trains an MTP head for a trunk; ``mtplx forge verify`` checks that a head
-decodes exactly and measures whether it is faster than AR on this machine."""
+decodes exactly, measures its held-out acceptance and whether it is faster than AR on this
+machine, and with ``--against`` (``--replace``) refuses to (or does) replace another head that
+accepts more (less)."""
 
 from __future__ import annotations
 
@@ -78,13 +80,24 @@ def _add_verify(actions) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--samples", type=int, default=300, help="MTP generations in the sampled-distribution test")
     p.add_argument("--no-write", action="store_true", help="do not record the verdict in mtplx_forge.json")
+    g = p.add_argument_group("held-out acceptance")
+    g.add_argument("--acceptance-temperatures", default="0,0.7,1.0",
+                   help="held-out acceptance by depth at each temperature (0: greedy; others: mirror drafts)")
+    g.add_argument("--acceptance-depth", type=int, default=3)
+    g.add_argument("--acceptance-max-tokens", type=int, default=128)
+    g.add_argument("--against", default=None,
+                   help="a head folder (e.g. the shipped one) to measure the same way; exits non-zero if "
+                        "--head accepts less at depth 1, greedy")
+    g.add_argument("--replace", action="store_true",
+                   help="with --against: copy --head over it, only if --head measures at least as well")
     p.set_defaults(func=run_verify)
 
 
 def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
-    from mtplx.forge.build import BuildSettings, acceptance_line, build, load_prompts_file, load_trunk
+    from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.measure import acceptance_line
     from mtplx.forge.train import TrainSettings
 
     temperatures = parse_temperatures(args.temperatures, "temperatures")
@@ -128,8 +141,7 @@ def run_build(args) -> int:
         return 0
     measured = provenance["measured"]
     print(f"forged {args.out}: held-out acceptance by depth (mean acceptance length) "
-          + acceptance_line({"greedy": measured["held_out"], "sampled": measured["held_out_sampled"]}
-                            if measured["held_out"] else {"sampled": measured["held_out_sampled"]}))
+          + acceptance_line({"greedy": measured["held_out"], "sampled": measured["held_out_sampled"]}))
     return 0
 
 
@@ -151,14 +163,20 @@ def run_verify(args) -> int:
     from mtplx.commands.common import TOKEN_ID_SUITE, measure_side_by_side, parse_depths
     from mtplx.errors import InvalidParameter
     from mtplx.forge.artifact import read_provenance, write_provenance
-    from mtplx.forge.measure import sampled_exactness
+    from mtplx.forge.measure import acceptance_line, sampled_exactness
     from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
     from mtplx.tuning import pick_depth
 
     parse_depths(args.depths)  # a bad value fails before the model loads
+    temperatures = parse_temperatures(args.acceptance_temperatures, "acceptance-temperatures")
+    if args.replace and not (args.against and args.head):
+        raise InvalidParameter("replace", "--replace copies --head over --against: give both")
     engine = load_engine(args)
     if not engine.has_mtp:
         raise InvalidParameter("head", "this model has no MTP head to verify (pass --head DIR)")
+    held = held_out_acceptance(engine, args, temperatures)
+    print(f"held-out acceptance by depth (mean acceptance length), {args.head or 'this head'}: "
+          + acceptance_line(held))
     report = measure_side_by_side(engine, args)
     greedy_ok = bool(report.get("greedy_identical_to_ar"))
     print(f"greedy identity with AR: {'pass' if greedy_ok else 'FAIL'}")
@@ -178,10 +196,54 @@ def run_verify(args) -> int:
                    "speed": {k: {"tok_s": round(v["tok_s"], 2), "acceptance_by_depth": v.get("acceptance_by_depth"),
                                  "mean_acceptance_length": v.get("mean_acceptance_length")}
                              for k, v in report["configs"].items()},
-                   "verdict": choice["message"], "fastest_depth": choice["depth"]}
+                   "verdict": choice["message"], "fastest_depth": choice["depth"], "held_out_acceptance": held}
         try:
             write_provenance(head_dir, {**read_provenance(head_dir), "verify": verdict})
             print(f"recorded the verdict in {head_dir / 'mtplx_forge.json'}")
         except OSError as exc:
             print(f"could not record the verdict in {head_dir}: {exc}", file=sys.stderr)
-    return 0 if greedy_ok and sampled_ok else 1
+    if not (greedy_ok and sampled_ok):
+        return 1
+    return compare_heads(args, held, temperatures) if args.against else 0
+
+
+def held_out_acceptance(engine, args, temperatures) -> dict:
+    """Acceptance by depth on the held-out prompts (chat template; a trunk without a tokenizer:
+    the token-id suite), at each temperature (``measure.acceptance_by_temperature``)."""
+    from mtplx.commands.common import TOKEN_ID_SUITE
+    from mtplx.forge.measure import acceptance_by_temperature
+    from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
+
+    prompts = ([engine.tokenizer.apply_chat_template(as_chat(p)) for p in HELD_OUT_PROMPTS] if engine.tokenizer
+               else [list(p) for p in TOKEN_ID_SUITE])
+    return acceptance_by_temperature(engine, prompts, temperatures=temperatures, depth=args.acceptance_depth,
+                                     max_tokens=args.acceptance_max_tokens, rows=8)
+
+
+def compare_heads(args, held: dict, temperatures) -> int:
+    """Measure the --against head as --head was; refuse (non-zero) where --head accepts less at
+    depth 1, greedy; with --replace copy --head over --against where it does not."""
+    import shutil
+    from argparse import Namespace
+
+    from mtplx.forge.measure import acceptance_line
+    from mtplx.loading.mtp_weights import SIDECAR_PROVENANCE, SIDECAR_WEIGHTS
+
+    other = load_engine(Namespace(**{**vars(args), "head": args.against}))
+    theirs = held_out_acceptance(other, args, temperatures)
+    print(f"held-out acceptance by depth (mean acceptance length), {args.against}: " + acceptance_line(theirs))
+    if "greedy" not in held:
+        print("forge verify: --against compares depth-1 greedy acceptance; include 0 in --acceptance-temperatures",
+              file=sys.stderr)
+        return 2
+    new, old = held["greedy"]["acceptance_by_depth"][0], theirs["greedy"]["acceptance_by_depth"][0]
+    if new < old:
+        print(f"forge verify: {args.head} accepts less than {args.against} at depth 1, greedy "
+              f"({new:.3f} < {old:.3f}); keeping {args.against}", file=sys.stderr)
+        return 3
+    print(f"{args.head} accepts at least as much as {args.against} at depth 1, greedy ({new:.3f} >= {old:.3f})")
+    if args.replace:
+        for name in (SIDECAR_WEIGHTS, SIDECAR_PROVENANCE):
+            shutil.copyfile(Path(args.head) / name, Path(args.against) / name)
+        print(f"replaced the head in {args.against} with {args.head}")
+    return 0

@@ -37,7 +37,7 @@ from mtplx.forge import ForgeError
 from mtplx.forge import prompts as prompt_set
 from mtplx.forge.artifact import head_state, write_head
 from mtplx.forge.data import Corpus, Sample, generate_corpus, make_jobs
-from mtplx.forge.measure import acceptance
+from mtplx.forge.measure import acceptance_by_temperature, acceptance_line
 from mtplx.forge.self_prompts import SelfPrompts, generate_self_prompts, interleave, user_turn_prefix
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch, split_samples
 from mtplx.loading.checkpoint import LoadedModel
@@ -302,32 +302,19 @@ def draft_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> tuple[torch.
 def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp: MTPConfig,
                  held_out: list[list[int]], settings: BuildSettings) -> dict:
     """Acceptance of the head as it will ship (its saved tensors, attached the way load() does)
-    on the held-out prompts, at each of ``settings.measure_temperatures``: {"greedy": report at
-    temperature 0 (if measured), "sampled": {"0.7": report, ...}} (mirror drafts, one seed per
-    prompt)."""
+    on the held-out prompts at each of ``settings.measure_temperatures``
+    (``measure.acceptance_by_temperature``: greedy, and sampled with mirror drafts)."""
     state = {k[len("mtp."):]: v for k, v in head_weights.items()}
     device, dtype = loaded.model.lm_head.weight.device, loaded.model.lm_head.weight.dtype
     head = attach_head(loaded.model, HeadWeights(state, mtp), device, dtype)
     longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
     engine = decoding_engine(loaded, head, settings.measure_rows, longest)
-    out: dict = {"sampled": {}}
-    for temperature in settings.measure_temperatures:
-        report = acceptance(engine, held_out, depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
-                            rows=settings.measure_rows, temperature=temperature, seed=settings.seed)
-        report.update(device=str(device), dtype=str(dtype).replace("torch.", ""),
-                      max_tokens=settings.measure_max_tokens)
-        if temperature == 0:
-            out["greedy"] = report
-        else:
-            out["sampled"][f"{temperature:g}"] = report
+    out = acceptance_by_temperature(engine, held_out, temperatures=settings.measure_temperatures,
+                                    depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
+                                    rows=settings.measure_rows, seed=settings.seed)
+    for report in ([out["greedy"]] if "greedy" in out else []) + list(out["sampled"].values()):
+        report.update(device=str(device), dtype=str(dtype).replace("torch.", ""))
     return out
-
-
-def acceptance_line(measured: dict) -> str:
-    """``T 0: 0.46/0.20/0.10 (1.76), T 0.7: ...``: acceptance by depth and mean acceptance length."""
-    reports = ([("0", measured["greedy"])] if "greedy" in measured else []) + list(measured["sampled"].items())
-    return ", ".join(f"T {t}: " + "/".join(f"{a:.3f}" for a in r["acceptance_by_depth"])
-                     + f" ({r['mean_acceptance_length'] or 0:.2f})" for t, r in reports)
 
 
 # -- the whole build -------------------------------------------------------------------------------

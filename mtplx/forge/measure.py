@@ -45,6 +45,29 @@ def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_toke
             "mean_acceptance_length": 1 + sum(accepted) / calls if calls else None}
 
 
+def acceptance_by_temperature(engine: Engine, prompts: list[list[int]], *, temperatures, depth: int,
+                              max_tokens: int = 128, rows: int = 32, seed: int = 0) -> dict:
+    """``acceptance`` at each temperature: {"greedy": report at 0 (if asked), "sampled":
+    {"0.7": report, ...}}."""
+    out: dict = {"sampled": {}}
+    for temperature in temperatures:
+        report = acceptance(engine, prompts, depth=depth, max_tokens=max_tokens, rows=rows,
+                            temperature=temperature, seed=seed)
+        if temperature == 0:
+            out["greedy"] = report
+        else:
+            out["sampled"][f"{temperature:g}"] = report
+    return out
+
+
+def acceptance_line(measured: dict) -> str:
+    """``T 0: 0.460/0.200/0.100 (1.76), T 0.7: ...``: acceptance by depth and, in brackets, the
+    mean acceptance length, from ``acceptance_by_temperature``'s result."""
+    reports = ([("0", measured["greedy"])] if measured.get("greedy") else []) + list(measured["sampled"].items())
+    return ", ".join(f"T {t}: " + "/".join(f"{a:.3f}" for a in r["acceptance_by_depth"])
+                     + f" ({r['mean_acceptance_length'] or 0:.2f})" for t, r in reports)
+
+
 # -- exactness of sampled MTP decoding -------------------------------------------------------------
 
 def exact_distribution(engine: Engine, prompt: list[int], params: SamplingParams, steps: int) -> dict[tuple, float]:
