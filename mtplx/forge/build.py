@@ -299,16 +299,24 @@ def draft_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> tuple[torch.
                  "coverage": round(int(counts[ids].sum()) / total, 5), "chosen_from": "corpus completion tokens"}
 
 
+def head_engine(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp: MTPConfig,
+                held_out: list[list[int]], settings: BuildSettings) -> Engine:
+    """An engine over the trunk with the head as it will ship (its saved tensors, attached the way
+    load() does), its cache sized for ``measure_rows`` held-out prompts."""
+    state = {k[len("mtp."):]: v for k, v in head_weights.items()}
+    device, dtype = loaded.model.lm_head.weight.device, loaded.model.lm_head.weight.dtype
+    head = attach_head(loaded.model, HeadWeights(state, mtp), device, dtype)
+    longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
+    return decoding_engine(loaded, head, settings.measure_rows, longest)
+
+
 def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp: MTPConfig,
                  held_out: list[list[int]], settings: BuildSettings) -> dict:
     """Acceptance of the head as it will ship (its saved tensors, attached the way load() does)
     on the held-out prompts at each of ``settings.measure_temperatures``
     (``measure.acceptance_by_temperature``: greedy, and sampled with mirror drafts)."""
-    state = {k[len("mtp."):]: v for k, v in head_weights.items()}
-    device, dtype = loaded.model.lm_head.weight.device, loaded.model.lm_head.weight.dtype
-    head = attach_head(loaded.model, HeadWeights(state, mtp), device, dtype)
-    longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
-    engine = decoding_engine(loaded, head, settings.measure_rows, longest)
+    engine = head_engine(loaded, head_weights, mtp, held_out, settings)
+    device, dtype = engine.device, loaded.model.lm_head.weight.dtype
     out = acceptance_by_temperature(engine, held_out, temperatures=settings.measure_temperatures,
                                     depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
                                     rows=settings.measure_rows, seed=settings.seed)
@@ -382,7 +390,7 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
     save_file(weights, str(work_dir / "trained_head.safetensors"))  # survives a failure in what follows
     measured = measure_head(loaded, weights, mtp, held_ids, settings)
     log("held-out acceptance by depth " + acceptance_line(measured) + f" at depth {settings.measure_depth}")
-    provenance = _provenance(trunk, trainer, corpus, measured, settings, mtp, vocab, train_ids, self_prompts,
+    provenance = provenance_of(trunk, trainer, corpus, measured, settings, mtp, vocab, train_ids, self_prompts,
                              text_files, prompt_source, command, corpus_file, time.monotonic() - start)
     write_head(Path(out_dir), weights, provenance)
     log(f"wrote {Path(out_dir) / 'mtp.safetensors'} and mtplx_forge.json")
@@ -405,7 +413,7 @@ def _prepare_work_dir(work_dir: Path, resume: bool, stored_corpus: bool = False)
     work_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _provenance(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
+def provenance_of(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
                 mtp: MTPConfig, vocab: dict | None, train_ids: list[list[int]], self_prompts: SelfPrompts | None,
                 text_files, prompt_source: str, command: str, corpus_file: Path | None, seconds: float) -> dict:
     cfg = trunk.loaded.config

@@ -68,6 +68,46 @@ def acceptance_line(measured: dict) -> str:
                      + f" ({r['mean_acceptance_length'] or 0:.2f})" for t, r in reports)
 
 
+def step_costs(engine: Engine, prompt: list[int], steps: int = 200) -> dict:
+    """Seconds of one row's draft step (a head forward of one pair fed its own output, then the
+    draft logits and their argmax, as a host-path draft step runs them: through the engine's
+    graphs where captured) and of one AR trunk step, each the median of ``steps`` timed after
+    warm-up. The row is thrown away afterwards (the steps rewrite KV entries of its prompt)."""
+    import statistics
+    import time
+
+    runner = engine.runner
+    seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", max_tokens=1))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        engine.generator.admit(seq)
+        engine.generator.prefill(seq)
+        at = seq.trunk_len - 1
+        h = torch.zeros(1, 1, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+        token = [[prompt[-1]]]
+
+        def draft():
+            out = runner.head_forward([seq], h, token, [at])
+            return runner.draft_logits(out[:, 0]).argmax(-1)
+
+        def ar():
+            return runner.logits(runner.trunk([seq], token, [at])[:, 0]).argmax(-1)
+
+        costs = {}
+        for name, work in (("draft_step_s", draft), ("ar_step_s", ar)):
+            times = []
+            for i in range(steps + 10):
+                sync()
+                t0 = time.perf_counter()
+                work()
+                sync()
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+            costs[name] = statistics.median(times)
+    engine.generator.release(seq)
+    return costs
+
+
 # -- exactness of sampled MTP decoding -------------------------------------------------------------
 
 def exact_distribution(engine: Engine, prompt: list[int], params: SamplingParams, steps: int) -> dict[tuple, float]:
