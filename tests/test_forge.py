@@ -28,6 +28,7 @@ from mtplx.forge.self_prompts import (MIN_WORDS, SelfPrompts, generate_self_prom
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch
 from mtplx.engine.sampling import SamplingParams
 from mtplx.loading.tokenizer import Tokenizer
+from mtplx.models.config import MTPConfig
 from tests.tiny_models import hf_reference, tiny_engine
 
 VOCAB = 96
@@ -66,11 +67,13 @@ def forged(tmp_path_factory):
     return SimpleNamespace(root=root, trunk=trunk_dir, head=root / "head", provenance=provenance)
 
 
-def test_training_forward_equals_the_engine_head_at_every_depth():
-    engine, _ = tiny_engine("qwen3")
+@pytest.mark.parametrize("features,layers", [("final", 1), ("fuse3", 2)])
+def test_training_forward_equals_the_engine_head_at_every_depth(features, layers):
+    engine, _ = tiny_engine("qwen3", num_hidden_layers=4,
+                            mtp=MTPConfig(layout="sidecar", features=features, head_layers=layers))
     model, head, runner = engine.loaded.model, engine.runner.head, engine.runner
     ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(0))
-    hidden = trunk_hidden(model, ids)
+    hidden = trunk_hidden(model, ids, head.trunk_layers)
     outs = head_outputs(head, model, hidden, ids, depth=3)
     seq = engine.new_sequence(engine.make_request(ids[0].tolist(), mode="mtp", depth=3))
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
@@ -129,6 +132,23 @@ def test_forge_build_and_verify_commands_run_end_to_end(forged, tmp_path):
     verdict = json.loads((out / "mtplx_forge.json").read_text())["verify"]
     assert verdict["greedy_identical_to_ar"] and verdict["sampled_exactness"]["p_value"] >= 1e-3
     assert verdict["verdict"].startswith(("depth", "no MTP depth beat AR"))
+
+
+def test_verify_against_refuses_a_head_that_accepts_less_and_replace_installs_one_that_does_not(forged, tmp_path):
+    from mtplx.cli import main
+    from mtplx.forge.artifact import head_state, write_head
+    from tests.tiny_models import random_head
+
+    trunk = load_trunk(forged.trunk, device="cpu")
+    weak = tmp_path / "weak"  # a random head for the same trunk: it hardly ever drafts the trunk's token
+    write_head(weak, head_state(random_head(trunk.loaded.model, seed=3)), {"trunk_sha256": trunk.sha256})
+    run = ["forge", "verify", "--model", str(forged.trunk), "--device", "cpu", "--depths", "1", "--max-tokens", "4",
+           "--samples", "30", "--acceptance-max-tokens", "12", "--no-write"]
+    strong_weights = (forged.head / "mtp.safetensors").read_bytes()
+    assert main([*run, "--head", str(weak), "--against", str(forged.head), "--replace"]) == 3
+    assert (forged.head / "mtp.safetensors").read_bytes() == strong_weights  # refused: nothing copied
+    assert main([*run, "--head", str(forged.head), "--against", str(weak), "--replace"]) == 0
+    assert (weak / "mtp.safetensors").read_bytes() == strong_weights
 
 
 def test_build_fails_before_training_without_a_tokenizer(forged, tmp_path):
@@ -213,6 +233,73 @@ def test_sampled_exactness_check_accepts_mtp_and_rejects_a_wrong_distribution():
     # a sampler that always returns the likeliest outcome is caught
     likeliest = max(expected, key=expected.get)
     assert chi_square(Counter({likeliest: 150}), expected)["p_value"] < 1e-6
+
+
+def test_validation_split_keeps_every_sample_of_a_prompt_on_one_side():
+    """Completions of one prompt at several temperatures and rounds never straddle the split."""
+    from mtplx.forge.data import Sample
+    from mtplx.forge.train import split_samples
+
+    prompt_ids = _token_prompts(400, 11)
+    jobs = make_jobs(prompt_ids, (0.0, 0.7, 1.0), rounds=3, seed=0)
+    samples = [Sample(list(j.prompt_ids) + [7, 8], len(j.prompt_ids), j.key) for j in jobs]
+    train, val = split_samples(samples)
+    assert val and len(train) + len(val) == len(samples)
+    val_prompts = {tuple(s.tokens[:s.prompt_len]) for s in val}
+    assert not val_prompts & {tuple(s.tokens[:s.prompt_len]) for s in train}
+    assert all(sum(tuple(p) == v for p in prompt_ids) * 3 == sum(tuple(s.tokens[:s.prompt_len]) == v for s in val)
+               for v in val_prompts)  # each held-out prompt with all three of its samples
+
+
+def test_a_stored_corpus_trains_heads_of_every_kind_that_load_and_decode_exactly(forged, tmp_path):
+    """--corpus-only stores the corpus; --corpus trains on it without generating; a fused
+    two-layer head with a pruned draft vocabulary records its choices, loads through
+    mtplx.load with them, and decodes as AR does."""
+    from mtplx.cli import main
+
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(_token_prompts(12, 9)))
+    common = ["--model", str(forged.trunk), "--prompts", str(prompts_file), "--device", "cpu"]
+    work = tmp_path / "work"
+    assert main(["forge", "build", *common, "--work", str(work), "--corpus-only", "--tokens", "150",
+                 "--max-new-tokens", "10", "--gen-rows", "8"]) == 0
+    corpus = Corpus.load(work / "corpus.pt")
+    assert corpus.generated_tokens >= 150 and corpus.description["temperatures"] == [0.0, 0.7, 1.0]
+    assert not (work / "train.pt").exists()
+    monkey = build_module.build_corpus
+    build_module.build_corpus = lambda *a, **k: pytest.fail("a stored corpus is not generated again")
+    try:
+        out = tmp_path / "head"
+        assert main(["forge", "build", *common, "--out", str(out), "--corpus", str(work / "corpus.pt"),
+                     "--features", "fuse3", "--head-layers", "2", "--draft-vocab", "48", "--epochs", "2",
+                     "--batch-tokens", "128", "--measure-max-tokens", "8"]) == 0
+    finally:
+        build_module.build_corpus = monkey
+    p = json.loads((out / "mtplx_forge.json").read_text())
+    assert p["head"]["features"] == "fuse3" and p["head"]["num_layers"] == 2 and p["head"]["feature_layers"] == [0, 1, 1]
+    vocab = p["head"]["draft_vocab"]
+    assert vocab["size"] == 48 and vocab["corpus_tokens"] == corpus.generated_tokens and 0.5 <= vocab["coverage"] <= 1
+    assert set(p["measured"]["held_out_sampled"]) == {"0.7", "1"} and p["data"]["corpus_file"]
+    engine = mtplx.load(str(forged.trunk), head=str(out), device="cpu")
+    head = engine.runner.head
+    assert (head.mtp.features, len(head.layers), head.draft_vocab.numel()) == ("fuse3", 2, 48)
+    for prompt in _token_prompts(2, 7):
+        ar = engine.generate(prompt, mode="ar", max_tokens=20).token_ids
+        assert engine.generate(prompt, mode="mtp", depth=3, max_tokens=20).token_ids == ar
+
+
+def test_a_head_without_recorded_features_loads_as_before(forged):
+    """Heads forged before features existed record none: they load as final-feature, one-layer,
+    whole-vocabulary heads (the shipped head is one: test_shipped_default_head_loads_...)."""
+    from mtplx.loading.mtp_weights import sidecar_config
+
+    config = load_trunk(forged.trunk, device="cpu").loaded.config
+    old = {"head": {"layout": "qwen3_5 ...", "num_layers": 1, "parameters": 1}}
+    mtp = sidecar_config({}, old, config)
+    assert (mtp.features, mtp.head_layers, mtp.draft_vocab, mtp.layout) == ("final", 1, 0, "sidecar")
+    assert sidecar_config({}, None, config) == mtp
+    with pytest.raises(ModelLoadError, match="features"):
+        sidecar_config({}, {"head": {"features": "fuse9"}}, config)
 
 
 def test_held_out_prompts_are_not_training_prompts():
@@ -411,6 +498,8 @@ def test_shipped_default_head_loads_on_the_default_trunk(default_gguf):
     engine = mtplx.load(device="cpu")
     assert engine.has_mtp and engine.loaded.head_info["verified"]
     assert Path(engine.loaded.head_info["source"]).resolve() == HEAD_DIR.resolve()
+    head = engine.runner.head  # forged before head features: read as it always was
+    assert (head.mtp.features, len(head.layers), head.mtp.draft_vocab, head.trunk_layers) == ("final", 1, 0, ())
     drafted = accepted = 0
     for question in prompts.HELD_OUT_PROMPTS[:3]:  # a trained head, not a random one (~0.0)
         prompt = [{"role": "user", "content": question}]

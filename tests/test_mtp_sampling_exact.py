@@ -68,14 +68,17 @@ def assert_fits(samples: list[tuple], dist: dict[tuple, float]):
     assert p > 1e-3, f"chi-square p={p:.2e} over {len(obs)} bins"
 
 
-def _engine(head_sharpness: float = 1.0, head: str = "random", kv_tokens_per_row: int = 12):
+def _engine(head_sharpness: float = 1.0, head: str = "random", kv_tokens_per_row: int = 12,
+            draft_vocab: list[int] | None = None):
     engine, hf = tiny_engine("llama", seed=3, head_seed=4, block_size=4, kv_cache_tokens=N * kv_tokens_per_row,
-                             **TINY_VOCAB)
+                             draft_vocab=draft_vocab, **TINY_VOCAB)
     with torch.no_grad():  # peaked, varied next-token distributions (random init is near uniform)
         hf.lm_head.weight.mul_(25.0)
         engine.loaded.model.lm_head.weight.mul_(25.0)
     if head == "repeat":  # drafts often accepted: exercises partial and full acceptance
-        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model, draft_vocab=draft_vocab).state_dict())
+    if draft_vocab is not None:  # the trunk's output rows changed above: the head's copy of them too
+        engine.runner.head.bind_draft_vocab(engine.loaded.model)
     if head_sharpness != 1.0:  # an over-confident head: near one-hot drafts
         with torch.no_grad():
             engine.runner.head.norm.weight.mul_(head_sharpness)
@@ -167,3 +170,13 @@ def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers):
             for k, p in dist.items():
                 marginal[k[part]] = marginal.get(k[part], 0.0) + p
             assert_fits([s[part] for s in samples[i::2]], marginal)
+
+
+@pytest.mark.parametrize("chained,head", [(False, "random"), (True, "repeat")])
+def test_a_pruned_draft_vocabulary_keeps_the_distribution(chained, head):
+    """Mirror drafts from a head whose draft vocabulary leaves out three of the eight tokens
+    (q is zero there), step by step and chained: the samples fit the exact AR distribution."""
+    engine, hf = _engine(head=head, kv_tokens_per_row=24, draft_vocab=[0, 2, 3, 5, 7])
+    engine.generator.chain.enabled = chained
+    sampler = dict(temperature=1.0)
+    assert_fits(sample_mtp(engine, N // 2, 3, "mirror", **sampler), exact_distribution(hf, SamplingParams(**sampler)))

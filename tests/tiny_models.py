@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
@@ -44,40 +46,50 @@ def ours_from_hf(hf_model, cfg_dict, dtype=torch.float32):
     return materialize(build_model_on_meta(config), state, "cpu", dtype, tied=config.tie_word_embeddings)
 
 
-def random_head(model, seed: int = 1, scale: float = 0.05) -> "torch.nn.Module":
-    """A random MTP head for ``model`` (Qwen3.5 layout names)."""
+def random_head(model, seed: int = 1, scale: float = 0.05, mtp: MTPConfig | None = None,
+                draft_vocab: list[int] | None = None) -> "torch.nn.Module":
+    """A random MTP head for ``model`` (Qwen3.5 layout names); ``mtp``: its features, layers,
+    and with ``draft_vocab`` (token ids) a pruned draft vocabulary."""
     from mtplx.models.mtp import MTPHead
 
+    mtp = mtp or MTPConfig(layout="sidecar")
+    if draft_vocab is not None:
+        mtp = dataclasses.replace(mtp, draft_vocab=len(draft_vocab))
     with torch.device("meta"):
-        shape_src = MTPHead(model, MTPConfig(layout="sidecar"))
+        shape_src = MTPHead(model, mtp)
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, t in shape_src.state_dict().items():
-        if "norm" in name:
+        if name == "draft_vocab":
+            state[name] = torch.tensor(draft_vocab, dtype=torch.int32)
+        elif "norm" in name:
             state[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
         else:
             state[name] = scale * torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5) / scale
-    return attach_head(model, HeadWeights(state, MTPConfig(layout="sidecar")), "cpu", model.lm_head.weight.dtype)
+    return attach_head(model, HeadWeights(state, mtp), "cpu", model.lm_head.weight.dtype)
 
 
 def tiny_engine(arch: str = "llama", *, head: bool = True, seed: int = 0, head_seed: int = 1,
-                kv_cache_tokens: int = 4096, block_size: int = 4, **overrides):
-    """An Engine over a tiny random model (no tokenizer: token-id prompts) and its HF twin."""
+                kv_cache_tokens: int = 4096, block_size: int = 4, mtp: MTPConfig | None = None,
+                draft_vocab: list[int] | None = None, **overrides):
+    """An Engine over a tiny random model (no tokenizer: token-id prompts) and its HF twin;
+    ``mtp``, ``draft_vocab``: the random head's (``random_head``)."""
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import LoadedModel
 
     hf, cfg = hf_reference(arch, seed=seed, **overrides)
     model = ours_from_hf(hf, cfg)
-    mtp = random_head(model, seed=head_seed) if head else None
-    loaded = LoadedModel(model, mtp, None, model.config, source=None)
+    mtp_head = random_head(model, seed=head_seed, mtp=mtp, draft_vocab=draft_vocab) if head else None
+    loaded = LoadedModel(model, mtp_head, None, model.config, source=None)
     return Engine(loaded, kv_cache_tokens=kv_cache_tokens, block_size=block_size), hf
 
 
-def repeat_head(model) -> "torch.nn.Module":
+def repeat_head(model, **kwargs) -> "torch.nn.Module":
     """A head that drafts the token the trunk just predicted (identity layer, fc passes the
     hidden state through). Tiny random models fall into loops, so its drafts are often right:
-    it exercises partial and full acceptance, which a random head rarely reaches."""
-    head = random_head(model)
+    it exercises partial and full acceptance, which a random head rarely reaches. ``kwargs``:
+    ``random_head``'s (a draft vocabulary; the features must stay "final")."""
+    head = random_head(model, **kwargs)
     h = model.config.hidden_size
     with torch.no_grad():
         head.fc.weight.zero_()
@@ -86,7 +98,7 @@ def repeat_head(model) -> "torch.nn.Module":
         # scale, so the head's logits are the trunk's and its draft repeats the token fed
         for p in (head.pre_fc_norm_hidden.weight, head.norm.weight):
             p.fill_(1.0)
-        layer = head.layers[0]
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
+        for layer in head.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return head

@@ -1,5 +1,7 @@
 """``mtplx forge build`` trains an MTP head for a trunk; ``mtplx forge verify`` checks that a head
-decodes exactly and measures whether it is faster than AR on this machine."""
+decodes exactly, measures its held-out acceptance and whether it is faster than AR on this
+machine, and with ``--against`` (``--replace``) refuses to (or does) replace another head that
+accepts more (less)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def add_parser(sub) -> None:
 def _add_build(actions) -> None:
     p = actions.add_parser("build", help="train an MTP head by self-distillation against the frozen trunk")
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="folder for mtp.safetensors and mtplx_forge.json")
+    p.add_argument("--out", default=None, help="folder for mtp.safetensors and mtplx_forge.json "
+                                               "(required unless --corpus-only)")
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: OUT/forge-work)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted build from its work folder")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -30,7 +33,8 @@ def _add_build(actions) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--tokens", type=int, default=1_000_000, help="generated tokens to aim for (default 1M)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="longest completion per prompt")
-    g.add_argument("--temperatures", default="0,0.7", help="sampling temperatures, mixed over prompts")
+    g.add_argument("--temperatures", default="0,0.7,1.0",
+                   help="sampling temperatures, mixed over prompts and rounds (default 0,0.7,1.0)")
     g.add_argument("--rounds", type=int, default=3, help="passes over the prompt set, at most")
     g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
     g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
@@ -40,6 +44,18 @@ def _add_build(actions) -> None:
                         "needs a chat template; one measured run did not improve acceptance, see docs/forge.md)")
     g.add_argument("--self-prompt-temperature", type=float, default=0.9,
                    help="sampling temperature of the self-generated prompts (default 0.9)")
+    g.add_argument("--corpus", default=None,
+                   help="train on this stored corpus (an earlier build's corpus.pt) instead of generating one")
+    g.add_argument("--corpus-only", action="store_true",
+                   help="generate the corpus into the work folder (WORK/corpus.pt: token ids, int32) and stop")
+    g = p.add_argument_group("head")
+    g.add_argument("--features", default="final", choices=("final", "prenorm", "fuse3"),
+                   help="what the head reads of the trunk: final (the final-normed hidden state), prenorm (the "
+                        "last layer's output before the final norm), fuse3 (EAGLE-3: layers L/4, L/2 and the last, "
+                        "projected to the hidden size)")
+    g.add_argument("--head-layers", type=int, default=1, choices=(1, 2), help="decoder layers in the head")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft only from the N most frequent corpus tokens (FR-Spec; 0: the whole vocabulary)")
     g = p.add_argument_group("training")
     g.add_argument("--depth", type=int, default=3, help="draft depths trained (default 3)")
     g.add_argument("--epochs", type=float, default=3.0)
@@ -51,6 +67,8 @@ def _add_build(actions) -> None:
     g = p.add_argument_group("measurement")
     g.add_argument("--measure-depth", type=int, default=3)
     g.add_argument("--measure-max-tokens", type=int, default=128)
+    g.add_argument("--measure-temperatures", default="0,0.7,1.0",
+                   help="held-out acceptance at each temperature (0: greedy; others: mirror drafts)")
     p.set_defaults(func=run_build)
 
 
@@ -62,6 +80,16 @@ def _add_verify(actions) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--samples", type=int, default=300, help="MTP generations in the sampled-distribution test")
     p.add_argument("--no-write", action="store_true", help="do not record the verdict in mtplx_forge.json")
+    g = p.add_argument_group("held-out acceptance")
+    g.add_argument("--acceptance-temperatures", default="0,0.7,1.0",
+                   help="held-out acceptance by depth at each temperature (0: greedy; others: mirror drafts)")
+    g.add_argument("--acceptance-depth", type=int, default=3)
+    g.add_argument("--acceptance-max-tokens", type=int, default=128)
+    g.add_argument("--against", default=None,
+                   help="a head folder (e.g. the shipped one) to measure the same way; exits non-zero if "
+                        "--head accepts less at depth 1, greedy")
+    g.add_argument("--replace", action="store_true",
+                   help="with --against: copy --head over it, only if --head measures at least as well")
     p.set_defaults(func=run_verify)
 
 
@@ -69,14 +97,17 @@ def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
     from mtplx.forge.build import BuildSettings, build, load_prompts_file, load_trunk
+    from mtplx.forge.measure import acceptance_line
     from mtplx.forge.train import TrainSettings
 
-    try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
-    except ValueError:
-        raise InvalidParameter("temperatures", f"{args.temperatures!r} is not a comma-separated list") from None
-    if not temperatures or any(t < 0 for t in temperatures):
-        raise InvalidParameter("temperatures", "give one or more temperatures >= 0")
+    temperatures = parse_temperatures(args.temperatures, "temperatures")
+    measure_temperatures = parse_temperatures(args.measure_temperatures, "measure-temperatures")
+    if args.out is None and not args.corpus_only:
+        raise InvalidParameter("out", "give the folder for the head (--out), or --corpus-only with --work")
+    if args.corpus_only and args.work is None:
+        raise InvalidParameter("work", "--corpus-only writes WORK/corpus.pt: give --work")
+    if args.draft_vocab < 0:
+        raise InvalidParameter("draft-vocab", f"must be >= 0 (0: the whole vocabulary), got {args.draft_vocab}")
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
@@ -89,7 +120,8 @@ def run_build(args) -> int:
         tokens=args.tokens, max_new_tokens=args.max_new_tokens, temperatures=temperatures, rounds=args.rounds,
         gen_rows=args.gen_rows, seed=args.seed, self_prompt_temperature=args.self_prompt_temperature,
         max_seconds=args.max_seconds, measure_depth=args.measure_depth,
-        measure_max_tokens=args.measure_max_tokens,
+        measure_max_tokens=args.measure_max_tokens, measure_temperatures=measure_temperatures,
+        features=args.features, head_layers=args.head_layers, draft_vocab=args.draft_vocab,
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                             seed=args.seed))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
@@ -99,15 +131,31 @@ def run_build(args) -> int:
         cut = max(1, len(train_prompts) // 10)
         train_prompts, held_out = train_prompts[:-cut], train_prompts[-cut:]
     command = "mtplx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["forge"] else ""
-    provenance = build(trunk, Path(args.out), train_prompts=train_prompts, held_out_prompts=held_out,
-                       settings=settings, work_dir=Path(args.work) if args.work else None, resume=args.resume,
-                       text_files=[Path(t) for t in args.text],
-                       prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command)
-    m = provenance["measured"]["held_out"]
-    print(f"forged {args.out}: held-out acceptance by depth "
-          + "/".join(f"{a:.2f}" for a in m["acceptance_by_depth"])
-          + f", mean acceptance length {m['mean_acceptance_length']:.2f} at depth {m['depth']}")
+    provenance = build(trunk, Path(args.out) if args.out else None, train_prompts=train_prompts,
+                       held_out_prompts=held_out, settings=settings, work_dir=Path(args.work) if args.work else None,
+                       resume=args.resume, text_files=[Path(t) for t in args.text],
+                       prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command,
+                       corpus_file=Path(args.corpus) if args.corpus else None, corpus_only=args.corpus_only)
+    if args.corpus_only:
+        print(f"corpus: {Path(args.work) / 'corpus.pt'}")
+        return 0
+    measured = provenance["measured"]
+    print(f"forged {args.out}: held-out acceptance by depth (mean acceptance length) "
+          + acceptance_line({"greedy": measured["held_out"], "sampled": measured["held_out_sampled"]}))
     return 0
+
+
+def parse_temperatures(text: str, option: str) -> tuple[float, ...]:
+    """``"0,0.7,1.0"`` -> (0.0, 0.7, 1.0); a clear error names the option otherwise."""
+    from mtplx.errors import InvalidParameter
+
+    try:
+        temperatures = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise InvalidParameter(option, f"{text!r} is not a comma-separated list") from None
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise InvalidParameter(option, "give one or more temperatures >= 0")
+    return temperatures
 
 
 def run_verify(args) -> int:
@@ -115,14 +163,20 @@ def run_verify(args) -> int:
     from mtplx.commands.common import TOKEN_ID_SUITE, measure_side_by_side, parse_depths
     from mtplx.errors import InvalidParameter
     from mtplx.forge.artifact import read_provenance, write_provenance
-    from mtplx.forge.measure import sampled_exactness
+    from mtplx.forge.measure import acceptance_line, sampled_exactness
     from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
     from mtplx.tuning import pick_depth
 
     parse_depths(args.depths)  # a bad value fails before the model loads
+    temperatures = parse_temperatures(args.acceptance_temperatures, "acceptance-temperatures")
+    if args.replace and not (args.against and args.head):
+        raise InvalidParameter("replace", "--replace copies --head over --against: give both")
     engine = load_engine(args)
     if not engine.has_mtp:
         raise InvalidParameter("head", "this model has no MTP head to verify (pass --head DIR)")
+    held = held_out_acceptance(engine, args, temperatures)
+    print(f"held-out acceptance by depth (mean acceptance length), {args.head or 'this head'}: "
+          + acceptance_line(held))
     report = measure_side_by_side(engine, args)
     greedy_ok = bool(report.get("greedy_identical_to_ar"))
     print(f"greedy identity with AR: {'pass' if greedy_ok else 'FAIL'}")
@@ -142,10 +196,54 @@ def run_verify(args) -> int:
                    "speed": {k: {"tok_s": round(v["tok_s"], 2), "acceptance_by_depth": v.get("acceptance_by_depth"),
                                  "mean_acceptance_length": v.get("mean_acceptance_length")}
                              for k, v in report["configs"].items()},
-                   "verdict": choice["message"], "fastest_depth": choice["depth"]}
+                   "verdict": choice["message"], "fastest_depth": choice["depth"], "held_out_acceptance": held}
         try:
             write_provenance(head_dir, {**read_provenance(head_dir), "verify": verdict})
             print(f"recorded the verdict in {head_dir / 'mtplx_forge.json'}")
         except OSError as exc:
             print(f"could not record the verdict in {head_dir}: {exc}", file=sys.stderr)
-    return 0 if greedy_ok and sampled_ok else 1
+    if not (greedy_ok and sampled_ok):
+        return 1
+    return compare_heads(args, held, temperatures) if args.against else 0
+
+
+def held_out_acceptance(engine, args, temperatures) -> dict:
+    """Acceptance by depth on the held-out prompts (chat template; a trunk without a tokenizer:
+    the token-id suite), at each temperature (``measure.acceptance_by_temperature``)."""
+    from mtplx.commands.common import TOKEN_ID_SUITE
+    from mtplx.forge.measure import acceptance_by_temperature
+    from mtplx.forge.prompts import HELD_OUT_PROMPTS, as_chat
+
+    prompts = ([engine.tokenizer.apply_chat_template(as_chat(p)) for p in HELD_OUT_PROMPTS] if engine.tokenizer
+               else [list(p) for p in TOKEN_ID_SUITE])
+    return acceptance_by_temperature(engine, prompts, temperatures=temperatures, depth=args.acceptance_depth,
+                                     max_tokens=args.acceptance_max_tokens, rows=8)
+
+
+def compare_heads(args, held: dict, temperatures) -> int:
+    """Measure the --against head as --head was; refuse (non-zero) where --head accepts less at
+    depth 1, greedy; with --replace copy --head over --against where it does not."""
+    import shutil
+    from argparse import Namespace
+
+    from mtplx.forge.measure import acceptance_line
+    from mtplx.loading.mtp_weights import SIDECAR_PROVENANCE, SIDECAR_WEIGHTS
+
+    other = load_engine(Namespace(**{**vars(args), "head": args.against}))
+    theirs = held_out_acceptance(other, args, temperatures)
+    print(f"held-out acceptance by depth (mean acceptance length), {args.against}: " + acceptance_line(theirs))
+    if "greedy" not in held:
+        print("forge verify: --against compares depth-1 greedy acceptance; include 0 in --acceptance-temperatures",
+              file=sys.stderr)
+        return 2
+    new, old = held["greedy"]["acceptance_by_depth"][0], theirs["greedy"]["acceptance_by_depth"][0]
+    if new < old:
+        print(f"forge verify: {args.head} accepts less than {args.against} at depth 1, greedy "
+              f"({new:.3f} < {old:.3f}); keeping {args.against}", file=sys.stderr)
+        return 3
+    print(f"{args.head} accepts at least as much as {args.against} at depth 1, greedy ({new:.3f} >= {old:.3f})")
+    if args.replace:
+        for name in (SIDECAR_WEIGHTS, SIDECAR_PROVENANCE):
+            shutil.copyfile(Path(args.head) / name, Path(args.against) / name)
+        print(f"replaced the head in {args.against} with {args.head}")
+    return 0

@@ -151,7 +151,8 @@ class GraphCache:
         up to GEMM shapes' rounding."""
         r_ = self.runner
         q = max(len(r) for r in token_rows)
-        out = torch.zeros(len(seqs), q, r_.model.config.hidden_size, dtype=r_.dtype, device=r_.device)
+        width = self.graphs[(kind, 1, PREFILL_BUCKETS[-1])].out.shape[-1]
+        out = torch.zeros(len(seqs), q, width, dtype=r_.dtype, device=r_.device)
         for r, (seq, row, start) in enumerate(zip(seqs, token_rows, starts)):
             for done in range(0, len(row), PREFILL_BUCKETS[-1]):
                 n = min(len(row) - done, PREFILL_BUCKETS[-1])
@@ -213,7 +214,8 @@ class GraphCache:
         rather than stall a request on a capture. Returns how many graphs there are."""
         if not self.enabled:
             return 0
-        head = self.runner.head is not None
+        r_ = self.runner
+        head = r_.head is not None
         depths = [d for d in depths if d + 1 <= MAX_GRAPH_QUERY]
         for r in rows:
             self._graph("trunk", r, 1)
@@ -224,6 +226,8 @@ class GraphCache:
                     self._graph("head", r, d + 1)
             if head:
                 self._graph("head", r, 1)
+                if r_.head.trunk_width != r_.model.config.hidden_size:  # drafts feed its own output
+                    self._graph("head_own", r, 1)
                 for d in depths:
                     self._cycle_graph(r, d)
             for variant in CYCLE_VARIANTS[1:]:  # cycles whose rows may sample (mirror ones draft)
@@ -244,19 +248,20 @@ class GraphCache:
 
     def _capture(self, kind: str, R: int, q: int) -> _Graph:
         r_ = self.runner
-        dev, H = r_.device, r_.model.config.hidden_size
+        dev = r_.device
+        H = r_.trunk_width if kind == "head" else r_.model.config.hidden_size  # "head_own": its own output
         long = dict(dtype=torch.long, device=dev)
         rows_in = torch.zeros(3, R, q, **long)
         ids, positions, slots = rows_in.unbind(0)
         slots.fill_(r_.cache.scratch_slot)
         tables = torch.full((R, self.table_width), r_.cache.scratch_block, **long)
-        hidden_in = torch.zeros(R, q, H, dtype=r_.dtype, device=dev) if kind == "head" else None
+        hidden_in = torch.zeros(R, q, H, dtype=r_.dtype, device=dev) if kind != "trunk" else None
         meta = AttentionMetadata(positions, slots, tables)
 
         def forward():
-            if kind == "head":
+            if kind != "trunk":
                 return r_.head(r_.model, hidden_in, ids, meta, r_.cache)
-            return r_.model(ids, meta, r_.cache)
+            return r_.forward_trunk(ids, meta)
 
         graph, out = self._capture_forward(forward)
         staging = torch.empty(3 * R * q + R * self.table_width, dtype=torch.long, pin_memory=True)

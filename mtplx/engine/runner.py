@@ -97,9 +97,9 @@ class ModelRunner:
         self.prefix_cache_disabled_reason = HYBRID_PREFIX_CACHE_REASON if cfg.is_hybrid else None
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_cache_disabled_reason)
         self.cache = PagedKVCache(
-            num_layers=cfg.num_kv_layers + (1 if head is not None else 0),
+            num_layers=cfg.num_kv_layers + (len(head.layers) if head is not None else 0),
             num_blocks=num_blocks, block_size=block_size, kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device,
+            head_dim=cfg.head_dim, hidden_size=self.trunk_width, dtype=self.dtype, device=self.device,
         )
         self.states = make_state_cache(cfg, self.dtype, self.device) if cfg.is_hybrid else None
         self._chain_buffers: dict[tuple[int, int], object] = {}  # eager chained cycles' inputs
@@ -217,14 +217,28 @@ class ModelRunner:
                 meta.capture = True
             else:
                 self._pending.snapshot = self.states.snapshot(meta.state_slots)
-        return self.model(self._pad(token_rows, max(lens)), meta, self.cache)
+        return self.forward_trunk(self._pad(token_rows, max(lens)), meta)
+
+    @property
+    def trunk_width(self) -> int:
+        """Width of the trunk's hidden states here: wider than the model's where the head reads
+        more than the final-normed state (``MTPHead.trunk_layers``); logits read the first H."""
+        return self.head.trunk_width if self.head is not None else self.model.config.hidden_size
+
+    def forward_trunk(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The trunk's forward, returning the feature layers the head reads where it reads some."""
+        layers = self.head.trunk_layers if self.head is not None else ()
+        return self.model(ids, meta, self.cache, layers) if layers else self.model(ids, meta, self.cache)
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
         """MTP head over pairs (hidden[r, i], token_rows[r][i]); the pair's entry goes to the
         token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H]."""
-        if self.graphs is not None and (out := self.graphs.forward("head", seqs, token_rows, starts, hidden)) is not None:
+        # a head fed its own output (narrower than the trunk's where it reads feature layers)
+        # replays graphs of its own
+        kind = "head" if hidden.shape[-1] == self.trunk_width else "head_own"
+        if self.graphs is not None and (out := self.graphs.forward(kind, seqs, token_rows, starts, hidden)) is not None:
             return out
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
@@ -236,7 +250,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_draft_logits(hidden)
+        return self.head.draft_logits(self.model, hidden)
 
     @torch.inference_mode()
     def greedy_cycle(self, seqs: list[Sequence], backlog: torch.Tensor,
@@ -382,7 +396,7 @@ class ModelRunner:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
-            head_logits = self.model.compute_draft_logits(h)
+            head_logits = self.head.draft_logits(self.model, h)
             picks = head_logits.argmax(-1)
             if sampling is not None and sampling.mirror:
                 picks, q = sampling.draft(head_logits, picks, j)
@@ -391,7 +405,7 @@ class ModelRunner:
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
         drafts = torch.stack(tokens, dim=1) if tokens else c.primary[:, :0]
-        hidden = self.model(torch.cat([c.primary, drafts], dim=1), c.verify, self.cache)
+        hidden = self.forward_trunk(torch.cat([c.primary, drafts], dim=1), c.verify)
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
@@ -474,7 +488,7 @@ class CycleBuffers:
         for name in ("catch_up_slots", "draft_slots", "verify_slots"):
             self.fields[name].fill_(runner.cache.scratch_slot)
         self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
-        self.backlog = torch.zeros(rows, C, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
+        self.backlog = torch.zeros(rows, C, runner.trunk_width, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
         self.sampling = None
         self.sampling = None  # rows that may sample: their settings and noise (CycleSampling)

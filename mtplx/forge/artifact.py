@@ -18,20 +18,24 @@ FORMAT = "mtplx-forge/1"
 
 
 def head_state(head: MTPHead, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The head's tensors under sidecar names, on the CPU, in ``dtype``."""
-    return {f"mtp.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    """The head's tensors under sidecar names, on the CPU, floating-point ones in ``dtype``
+    (a draft vocabulary's ids as int32)."""
+    return {f"mtp.{k}": v.detach().to("cpu", dtype if v.is_floating_point() else torch.int32).contiguous()
+            for k, v in head.state_dict().items()}
 
 
-def write_head(out_dir: Path, head: MTPHead, provenance: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write both files into ``out_dir`` (created); each file is replaced atomically."""
+def write_head(out_dir: Path, weights: dict[str, torch.Tensor], provenance: dict) -> Path:
+    """Write ``weights`` (``head_state``'s) and the provenance into ``out_dir`` (created); each
+    file is replaced atomically."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = out_dir / SIDECAR_WEIGHTS
-    tmp = weights.with_suffix(".tmp")
-    save_file(head_state(head, dtype), str(tmp), metadata={"format": FORMAT, "trunk_sha256": provenance["trunk_sha256"]})
-    tmp.replace(weights)
-    provenance = {**provenance, "format": FORMAT, "weights_sha256": _sha256(weights),
+    path = out_dir / SIDECAR_WEIGHTS
+    tmp = path.with_suffix(".tmp")
+    save_file(weights, str(tmp), metadata={"format": FORMAT, "trunk_sha256": provenance["trunk_sha256"]})
+    tmp.replace(path)
+    dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
+    provenance = {**provenance, "format": FORMAT, "weights_sha256": _sha256(path),
                   "weights_dtype": str(dtype).replace("torch.", "")}
     write_provenance(out_dir, provenance)
     return out_dir

@@ -8,8 +8,13 @@ Phases (each resumable from ``work_dir``):
      through the engine; saved every few hundred sequences (``corpus.pt``);
   2. training: self-distillation against the frozen trunk (train.py), checkpointed (``train.pt``);
   3. measurement: the head, rounded to the shipped dtype and loaded the way ``mtplx.load`` loads
-     it, decodes the held-out prompts greedily at the measured depth; acceptance per depth is
-     recorded in the provenance beside the weights.
+     it, decodes the held-out prompts at the measured depth, greedily and sampled (mirror
+     drafts) at each measured temperature; acceptance per depth is recorded in the provenance
+     beside the weights.
+
+``--corpus FILE`` takes phase 1's output from an earlier build (``--corpus-only`` stops after
+it) instead of generating one, so one stored corpus serves many trainings (benchmarks/
+forge_matrix.py trains several head variants on one).
 """
 
 from __future__ import annotations
@@ -32,13 +37,13 @@ from mtplx.forge import ForgeError
 from mtplx.forge import prompts as prompt_set
 from mtplx.forge.artifact import head_state, write_head
 from mtplx.forge.data import Corpus, Sample, generate_corpus, make_jobs
-from mtplx.forge.measure import acceptance
+from mtplx.forge.measure import acceptance_by_temperature, acceptance_line
 from mtplx.forge.self_prompts import SelfPrompts, generate_self_prompts, interleave, user_turn_prefix
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch, split_samples
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.loading.mtp_weights import ZERO_CENTERED_FAMILIES, HeadWeights
 from mtplx.loading.weights import attach_head
-from mtplx.models.config import MTPConfig
+from mtplx.models.config import MTPConfig, feature_layers
 
 # Trunks whose every layer is full attention over the paged KV cache (the training forward's shape).
 FORGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -59,10 +64,19 @@ class BuildSettings:
     self_prompt_temperature: float = 0.9  # 1.0 writes more garbled messages, hardly more varied ones
     self_prompt_max_new_tokens: int = 96
     max_seconds: float | None = None  # wall-clock budget for the whole build
+    features: str = "final"  # what the head reads of the trunk (models/config.py HEAD_FEATURES)
+    head_layers: int = 1
+    draft_vocab: int = 0  # keep the N most frequent corpus tokens as the draft vocabulary (0: all)
     measure_depth: int = 3
     measure_max_tokens: int = 128
     measure_rows: int = 32
+    measure_temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # held-out acceptance at each (0: greedy)
     train: TrainSettings = field(default_factory=TrainSettings)
+
+    def head_config(self, loaded: LoadedModel) -> MTPConfig:
+        """The forged head's MTPConfig (its draft vocabulary's size included)."""
+        return MTPConfig(layout="sidecar", zero_centered_norms=loaded.config.model_type in ZERO_CENTERED_FAMILIES,
+                         features=self.features, head_layers=self.head_layers, draft_vocab=self.draft_vocab)
 
 
 @dataclass
@@ -177,9 +191,13 @@ def build_self_prompts(loaded: LoadedModel, prefix: str, settings: BuildSettings
 
 
 def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: BuildSettings, work_dir: Path,
-                 resume: bool, extra: list[Sample], deadline: float | None, log: Callable[[str], None]) -> Corpus:
+                 resume: bool, extra: list[Sample], deadline: float | None, log: Callable[[str], None],
+                 trunk_sha256: str = "") -> Corpus:
     path = work_dir / "corpus.pt"
     corpus = Corpus.load(path) if resume and path.is_file() else Corpus(samples=list(extra))
+    corpus.description.update(trunk_sha256=trunk_sha256, temperatures=list(settings.temperatures),
+                              max_new_tokens=settings.max_new_tokens, rounds=settings.rounds,
+                              training_prompts=len(prompt_ids), seed=settings.seed)
     if corpus.complete:
         log(f"corpus: resumed, complete ({len(corpus.samples)} sequences, {corpus.generated_tokens} tokens)")
         return corpus
@@ -206,22 +224,45 @@ def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: Bui
     return corpus
 
 
-def train_head(loaded: LoadedModel, corpus: Corpus, settings: BuildSettings, work_dir: Path, resume: bool,
-               deadline: float | None, log: Callable[[str], None]) -> Trainer:
-    ts = settings.train
-    torch.manual_seed(ts.seed)
-    model = loaded.model
+def load_corpus(path: Path, trunk: TrunkInfo) -> Corpus:
+    """A corpus an earlier build stored (``corpus.pt``), checked to come from this trunk."""
+    if not Path(path).is_file():
+        raise ForgeError(f"no corpus at {path}")
+    corpus = Corpus.load(Path(path))
+    recorded = corpus.description.get("trunk_sha256")
+    if recorded and recorded != trunk.sha256:
+        raise ForgeError(f"the corpus {path} was generated by trunk sha256 {recorded}, not this trunk's "
+                         f"({trunk.sha256}); a head must learn its own trunk's distribution")
+    if not any(s.completion_tokens > 0 for s in corpus.samples):
+        raise ForgeError(f"the corpus {path} has no completion token to train on")
+    return corpus
+
+
+def training_batches(loaded: LoadedModel, corpus: Corpus, ts: TrainSettings, layers: tuple[int, ...],
+                     log: Callable[[str], None]) -> tuple[list, list]:
+    """(train, validation) batches of the corpus, split by prompt, with the trunk's hidden states
+    and the outputs of ``layers`` computed once (kept on the device)."""
     train_samples, val_samples = split_samples(corpus.samples)
     t0 = time.monotonic()
-    train = [prepare_batch(b, model, ts.max_len) for b in make_batches(train_samples, ts.batch_tokens, ts.max_len)]
-    val = [prepare_batch(b, model, ts.max_len) for b in make_batches(val_samples, ts.batch_tokens, ts.max_len)]
+    model = loaded.model
+    train = [prepare_batch(b, model, ts.max_len, layers)
+             for b in make_batches(train_samples, ts.batch_tokens, ts.max_len)]
+    val = [prepare_batch(b, model, ts.max_len, layers) for b in make_batches(val_samples, ts.batch_tokens, ts.max_len)]
     if not train:
         raise ForgeError("the corpus has no sequence with a completion token to train on")
     log(f"training: {len(train)} batches, {len(val)} validation batches "
         f"(trunk pass {time.monotonic() - t0:.1f}s)")
-    zc = loaded.config.model_type in ZERO_CENTERED_FAMILIES
-    head = init_head(model, model.lm_head.weight.device, zero_centered=zc)
-    trainer = Trainer(head, model, train, val, ts, checkpoint=work_dir / "train.pt")
+    return train, val
+
+
+def train_head(loaded: LoadedModel, batches: tuple[list, list], mtp: MTPConfig, ts: TrainSettings,
+               checkpoint: Path | None, resume: bool, deadline: float | None, log: Callable[[str], None]) -> Trainer:
+    """Train a head of config ``mtp`` on (train, validation) batches until the epochs or ``deadline``."""
+    torch.manual_seed(ts.seed)
+    model = loaded.model
+    train, val = batches
+    head = init_head(model, model.lm_head.weight.device, mtp)
+    trainer = Trainer(head, model, train, val, ts, checkpoint=checkpoint)
     if resume and trainer.resume():
         log(f"training: resumed at step {trainer.state.step} of {trainer.state.total_steps}")
     bar = tqdm(total=trainer.state.total_steps, initial=trainer.state.step, desc="forge: training",
@@ -240,106 +281,176 @@ def train_head(loaded: LoadedModel, corpus: Corpus, settings: BuildSettings, wor
     return trainer
 
 
-def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], held_out: list[list[int]],
-                 settings: BuildSettings) -> dict:
-    """Acceptance of the head as it will ship: its saved tensors, attached the way load() does."""
-    zc = loaded.config.model_type in ZERO_CENTERED_FAMILIES
+def draft_vocabulary(corpus: Corpus, size: int, vocab_size: int) -> tuple[torch.Tensor, dict]:
+    """FR-Spec: the ``size`` token ids most frequent among the corpus's completion tokens (what
+    the head predicts), ascending, and their provenance (corpus tokens counted, coverage: the
+    share of them inside the vocabulary)."""
+    if not 0 < size < vocab_size:
+        raise ForgeError(f"--draft-vocab must lie between 1 and the vocabulary size - 1 ({vocab_size - 1}), got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in corpus.samples:
+        counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len:], dtype=torch.long), minlength=vocab_size)
+    total = int(counts.sum())
+    if total == 0:
+        raise ForgeError("the corpus has no completion token to choose a draft vocabulary from")
+    top = counts.topk(size).indices  # ties: any order; every id counted once
+    ids = top.sort().values
+    return ids, {"size": size, "vocab_size": vocab_size, "corpus_tokens": total,
+                 "coverage": round(int(counts[ids].sum()) / total, 5), "chosen_from": "corpus completion tokens"}
+
+
+def head_engine(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp: MTPConfig,
+                held_out: list[list[int]], settings: BuildSettings) -> Engine:
+    """An engine over the trunk with the head as it will ship (its saved tensors, attached the way
+    load() does), its cache sized for ``measure_rows`` held-out prompts."""
     state = {k[len("mtp."):]: v for k, v in head_weights.items()}
     device, dtype = loaded.model.lm_head.weight.device, loaded.model.lm_head.weight.dtype
-    head = attach_head(loaded.model, HeadWeights(state, MTPConfig(layout="sidecar", zero_centered_norms=zc)),
-                       device, dtype)
+    head = attach_head(loaded.model, HeadWeights(state, mtp), device, dtype)
     longest = max(len(p) for p in held_out) + settings.measure_max_tokens + settings.measure_depth + 16
-    engine = decoding_engine(loaded, head, settings.measure_rows, longest)
-    report = acceptance(engine, held_out, depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
-                        rows=settings.measure_rows)
-    report.update(device=str(device), dtype=str(dtype).replace("torch.", ""), max_tokens=settings.measure_max_tokens,
-                  greedy=True)
-    return report
+    return decoding_engine(loaded, head, settings.measure_rows, longest)
+
+
+def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp: MTPConfig,
+                 held_out: list[list[int]], settings: BuildSettings) -> dict:
+    """Acceptance of the head as it will ship (its saved tensors, attached the way load() does)
+    on the held-out prompts at each of ``settings.measure_temperatures``
+    (``measure.acceptance_by_temperature``: greedy, and sampled with mirror drafts)."""
+    engine = head_engine(loaded, head_weights, mtp, held_out, settings)
+    device, dtype = engine.device, loaded.model.lm_head.weight.dtype
+    out = acceptance_by_temperature(engine, held_out, temperatures=settings.measure_temperatures,
+                                    depth=settings.measure_depth, max_tokens=settings.measure_max_tokens,
+                                    rows=settings.measure_rows, seed=settings.seed)
+    for report in ([out["greedy"]] if "greedy" in out else []) + list(out["sampled"].values()):
+        report.update(device=str(device), dtype=str(dtype).replace("torch.", ""))
+    return out
 
 
 # -- the whole build -------------------------------------------------------------------------------
 
-def build(trunk: TrunkInfo, out_dir: Path, *, train_prompts: list, held_out_prompts: list,
+def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_out_prompts: list,
           settings: BuildSettings, work_dir: Path | None = None, resume: bool = False,
           text_files: list[Path] = (), prompt_source: str = prompt_set.PROMPT_SET_VERSION, command: str = "",
+          corpus_file: Path | None = None, corpus_only: bool = False,
           log: Callable[[str], None] | None = None) -> dict:
-    """Forge a head for ``trunk`` into ``out_dir``; returns the provenance written beside it."""
+    """Forge a head for ``trunk`` into ``out_dir``; returns the provenance written beside it.
+    corpus_file: train on this stored corpus (no prompts, no generation); corpus_only: stop
+    after the corpus (``work_dir/corpus.pt``; returns its description)."""
     log = log or (lambda line: print(f"forge: {line}", file=sys.stderr))
     loaded = trunk.loaded
     needs_tokenizer = any(isinstance(p, str) for p in list(train_prompts) + list(held_out_prompts)) or bool(text_files)
     check_trunk(loaded, needs_tokenizer)
     if not train_prompts or not held_out_prompts:
         raise ForgeError("forge needs at least one training prompt and one held-out prompt")
+    if corpus_file is not None and (corpus_only or settings.self_prompts or text_files):
+        raise ForgeError("--corpus trains on a stored corpus: it takes no --corpus-only, --self-prompts or --text")
+    mtp = settings.head_config(loaded)
+    feature_layers(mtp.features, loaded.config.num_hidden_layers)  # an unknown choice fails before any work
     prefix = user_turn_prefix(loaded.tokenizer) if settings.self_prompts else None  # fails before any work
+    if work_dir is None and out_dir is None:
+        raise ForgeError("give a work folder (--work) for the corpus")
     work_dir = Path(work_dir or Path(out_dir) / "forge-work")
-    _prepare_work_dir(work_dir, resume)
+    _prepare_work_dir(work_dir, resume, stored_corpus=corpus_file is not None)
     start = time.monotonic()
     deadline = (lambda share: start + share * settings.max_seconds) if settings.max_seconds else (lambda share: None)
 
     self_prompts = None
-    if settings.self_prompts:
-        exclude = [p for p in list(held_out_prompts) + list(train_prompts) if isinstance(p, str)]
-        self_prompts = build_self_prompts(loaded, prefix, settings, work_dir, resume, exclude,
-                                          deadline(PROMPT_PHASE), log)
-    elif resume and (work_dir / "prompts.json").is_file():
-        raise ForgeError(f"{work_dir} holds a build with self-generated prompts (prompts.json); "
-                         "resume it with the --self-prompts it was started with")
-    all_prompts = interleave(list(train_prompts), self_prompts.prompts) if self_prompts else list(train_prompts)
-    train_ids = encode_prompts(loaded, all_prompts)
+    train_ids: list[list[int]] = []
+    if corpus_file is not None:
+        corpus = load_corpus(corpus_file, trunk)
+        log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens from {corpus_file}")
+    else:
+        if settings.self_prompts:
+            exclude = [p for p in list(held_out_prompts) + list(train_prompts) if isinstance(p, str)]
+            self_prompts = build_self_prompts(loaded, prefix, settings, work_dir, resume, exclude,
+                                              deadline(PROMPT_PHASE), log)
+        elif resume and (work_dir / "prompts.json").is_file():
+            raise ForgeError(f"{work_dir} holds a build with self-generated prompts (prompts.json); "
+                             "resume it with the --self-prompts it was started with")
+        all_prompts = interleave(list(train_prompts), self_prompts.prompts) if self_prompts else list(train_prompts)
+        train_ids = encode_prompts(loaded, all_prompts)
+        extra = text_samples(loaded, text_files, settings.train.max_len) if text_files else []
+        corpus = build_corpus(loaded, train_ids, settings, work_dir, resume, extra,
+                              (start + settings.max_seconds) if corpus_only and settings.max_seconds
+                              else deadline(GEN_PHASE), log, trunk.sha256)
+        corpus.description["self_prompts"] = self_prompts.description() if self_prompts else None
+        corpus.save(work_dir / "corpus.pt")
+        if corpus_only:
+            log(f"wrote {work_dir / 'corpus.pt'}")
+            return corpus.description
     held_ids = encode_prompts(loaded, held_out_prompts)
-    extra = text_samples(loaded, text_files, settings.train.max_len) if text_files else []
-    corpus = build_corpus(loaded, train_ids, settings, work_dir, resume, extra, deadline(GEN_PHASE), log)
-    trainer = train_head(loaded, corpus, settings, work_dir, resume, deadline(TRAIN_PHASE), log)
+    batches = training_batches(loaded, corpus, settings.train, mtp_layers(mtp, loaded), log)
+    trainer = train_head(loaded, batches, mtp, settings.train, work_dir / "train.pt", resume, deadline(TRAIN_PHASE),
+                         log)
     weights = head_state(trainer.head, torch.bfloat16)
+    vocab = None
+    if mtp.draft_vocab:
+        ids, vocab = draft_vocabulary(corpus, mtp.draft_vocab, loaded.config.vocab_size)
+        weights["mtp.draft_vocab"] = ids.to(torch.int32)
+        log(f"draft vocabulary: {vocab['size']} tokens cover {vocab['coverage']:.3f} of the corpus's")
     save_file(weights, str(work_dir / "trained_head.safetensors"))  # survives a failure in what follows
-    measured = measure_head(loaded, weights, held_ids, settings)
-    log("held-out acceptance by depth " + "/".join(f"{a:.3f}" for a in measured["acceptance_by_depth"])
-        + f", mean acceptance length {measured['mean_acceptance_length']:.2f} at depth {measured['depth']}")
-    provenance = _provenance(trunk, trainer, corpus, measured, settings, train_ids, self_prompts, text_files,
-                             prompt_source, command, time.monotonic() - start)
-    write_head(Path(out_dir), trainer.head, provenance, torch.bfloat16)
+    measured = measure_head(loaded, weights, mtp, held_ids, settings)
+    log("held-out acceptance by depth " + acceptance_line(measured) + f" at depth {settings.measure_depth}")
+    provenance = provenance_of(trunk, trainer, corpus, measured, settings, mtp, vocab, train_ids, self_prompts,
+                             text_files, prompt_source, command, corpus_file, time.monotonic() - start)
+    write_head(Path(out_dir), weights, provenance)
     log(f"wrote {Path(out_dir) / 'mtp.safetensors'} and mtplx_forge.json")
     return provenance
 
 
-def _prepare_work_dir(work_dir: Path, resume: bool) -> None:
-    leftovers = [work_dir / name for name in ("prompts.json", "corpus.pt", "train.pt") if (work_dir / name).is_file()]
+def mtp_layers(mtp: MTPConfig, loaded: LoadedModel) -> tuple[int, ...]:
+    """The trunk layers a head of config ``mtp`` reads (``MTPHead.trunk_layers``)."""
+    return feature_layers(mtp.features, loaded.config.num_hidden_layers)
+
+
+def _prepare_work_dir(work_dir: Path, resume: bool, stored_corpus: bool = False) -> None:
+    """Refuse a work folder an earlier build left files in, unless resuming it (with a stored
+    corpus given, only its training checkpoint counts)."""
+    names = ("train.pt",) if stored_corpus else ("prompts.json", "corpus.pt", "train.pt")
+    leftovers = [work_dir / name for name in names if (work_dir / name).is_file()]
     if leftovers and not resume:
         raise ForgeError(f"{work_dir} holds an earlier build ({', '.join(p.name for p in leftovers)}); "
                          "pass --resume to continue it, or delete the folder to start over")
     work_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _provenance(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
-                train_ids: list[list[int]], self_prompts: SelfPrompts | None, text_files, prompt_source: str,
-                command: str, seconds: float) -> dict:
+def provenance_of(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
+                mtp: MTPConfig, vocab: dict | None, train_ids: list[list[int]], self_prompts: SelfPrompts | None,
+                text_files, prompt_source: str, command: str, corpus_file: Path | None, seconds: float) -> dict:
     cfg = trunk.loaded.config
     st = trainer.state
     device = trunk.loaded.model.lm_head.weight.device
     text_tokens = sum(len(s.tokens) for s in corpus.samples if s.key.startswith("text:"))
+    described = corpus.description
+    data = {"prompt_set": prompt_source, "training_prompts": len(train_ids) or described.get("training_prompts"),
+            "self_prompts": self_prompts.description() if self_prompts else described.get("self_prompts"),
+            "sequences": len(corpus.samples), "generated_tokens": corpus.generated_tokens,
+            "temperatures": described.get("temperatures", list(settings.temperatures)),
+            "max_new_tokens": described.get("max_new_tokens", settings.max_new_tokens),
+            "rounds": described.get("rounds", settings.rounds),
+            "generation_seconds": described.get("generation_seconds"),
+            "text_files": [Path(f).name for f in text_files], "text_tokens": text_tokens,
+            "validation_split": "by prompt", "corpus_file": str(corpus_file) if corpus_file else None}
     return {
         "trunk_sha256": trunk.sha256,
         "trunk": {"name": trunk.name, "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
                   "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
                   "num_key_value_heads": cfg.num_key_value_heads, "vocab_size": cfg.vocab_size},
-        "head": {"layout": "qwen3_5 (fc over [norm(embed(t+1)), norm(h_t)], one decoder layer, norm; "
+        "head": {"layout": "qwen3_5 (fc over [norm(embed(t+1)), norm(features_t)], decoder layers, norm; "
                            "embedding and lm_head shared with the trunk)",
-                 "num_layers": 1, "parameters": sum(p.numel() for p in trainer.head.parameters())},
-        "training": {**asdict(settings.train), "objective": "KL(trunk next-token distribution || head), "
-                                                            "completion tokens, depths weighted",
+                 "features": mtp.features, "feature_layers": list(mtp_layers(mtp, trunk.loaded)),
+                 "num_layers": mtp.head_layers, "draft_vocab": vocab,
+                 "parameters": sum(p.numel() for p in trainer.head.parameters())},
+        "training": {**asdict(settings.train), "objective": "KL(trunk next-token distribution || head) at every "
+                                                            "depth, completion tokens, depths weighted; each depth "
+                                                            "fed the head's own earlier output",
                      "steps": st.step, "planned_steps": st.total_steps, "target_tokens_seen": st.tokens_seen,
                      "seconds": round(st.seconds, 1), "device": str(device), "dtype_trunk": str(trunk.loaded.model.lm_head.weight.dtype).replace("torch.", ""),
                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                      "validation_agreement_by_depth": st.history[-1]["agreement"] if st.history else None,
                      "history": st.history[-20:]},
-        "data": {"prompt_set": prompt_source, "training_prompts": len(train_ids),
-                 "self_prompts": self_prompts.description() if self_prompts else None,
-                 "sequences": len(corpus.samples),
-                 "generated_tokens": corpus.generated_tokens, "temperatures": list(settings.temperatures),
-                 "max_new_tokens": settings.max_new_tokens, "rounds": settings.rounds,
-                 "generation_seconds": corpus.description.get("generation_seconds"),
-                 "text_files": [Path(f).name for f in text_files], "text_tokens": text_tokens},
-        "measured": {"held_out": measured},
+        "data": data,
+        "measured": {"held_out": measured.get("greedy"), "held_out_sampled": measured["sampled"],
+                     "sampled_draft_policy": "mirror"},
         "built": {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mtplx_version": __version__,
                   "torch": torch.__version__, "command": command, "seconds": round(seconds, 1)},
     }

@@ -43,6 +43,14 @@ class Sample:
     def completion_tokens(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    @property
+    def group(self) -> str:
+        """The prompt this sample continues (its tokens), or for plain text its key: samples of
+        one group stay on one side of the validation split."""
+        if self.key.startswith("text:"):
+            return self.key
+        return ",".join(map(str, self.tokens[: self.prompt_len]))
+
 
 @dataclass
 class Corpus:

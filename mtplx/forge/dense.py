@@ -11,6 +11,14 @@ differentiable pass, with exactly the inputs, positions and attention the engine
   depth-1 pairs 0..t (committed entries) and to the entries of depths 2..d for the same t (the
   drafts of the same cycle), never to other cycles' drafts.
 * depth d at pair t predicts token t+d+1, the trunk's prediction at position t+d.
+* a head of several layers runs each depth through every layer; layer i attends to layer i's
+  keys with the same tree mask (the engine keeps one KV layer per head layer).
+
+This is training-time test (EAGLE-3's term): every depth is trained on the head's own earlier
+output, as it drafts at inference. The token fed at depth d > 1 is the data's x[t+d]; the
+engine feeds its own draft. Under greedy verification a depth-d draft counts only when the
+drafts before it were the trunk's tokens, and in greedy data those are exactly the data's; in
+sampled data the data's token is one the trunk drew, what an accepted sampled draft is.
 
 The trunk pass reuses the engine's own model code over a throw-away paged cache, so the hidden
 states the head trains on are the ones it sees at inference.
@@ -30,44 +38,59 @@ _BLOCK = 16  # block size of the throw-away cache of ``trunk_hidden``
 
 
 @torch.no_grad()
-def trunk_hidden(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """Final-normed trunk hidden states of whole sequences.
+def trunk_hidden(model: CausalLM, ids: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """Final-normed trunk hidden states of whole sequences, with the outputs of ``layers``
+    after them (what a head with those feature layers reads: ``CausalLM.forward``).
 
     ids: [rows, T] long (padding after a row's end is harmless: attention is causal).
-    Returns [rows, T, H] in the model's dtype, computed by the engine's own forward."""
+    Returns [rows, T, H * (1 + len(layers))] in the model's dtype, computed by the engine's own
+    forward."""
     rows, length = ids.shape
     cfg = model.config
     blocks_per_row = -(-length // _BLOCK)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=rows * blocks_per_row, block_size=_BLOCK,
-                         kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
-                         dtype=model.lm_head.weight.dtype, device=ids.device)
+                         kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                         hidden_size=cfg.hidden_size * (1 + len(layers)),
+                         dtype=model.model.embed_tokens.weight.dtype, device=ids.device)
     tables = torch.arange(rows * blocks_per_row, device=ids.device).view(rows, blocks_per_row)
     positions = torch.arange(length, device=ids.device).expand(rows, length)
     slots = tables.gather(1, positions // _BLOCK) * _BLOCK + positions % _BLOCK
-    return model(ids, AttentionMetadata(positions, slots, tables), cache)
+    meta = AttentionMetadata(positions, slots, tables)
+    return model(ids, meta, cache, layers) if layers else model(ids, meta, cache)
+
+
+def select_features(hidden: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor:
+    """From ``trunk_hidden(..., have)``'s output, the columns ``trunk_hidden(..., want)`` returns
+    (the final-normed state, then the outputs of ``want``; each must be in ``have``)."""
+    if want == have:
+        return hidden
+    h = hidden.shape[-1] // (1 + len(have))
+    parts = [hidden[..., :h]] + [hidden[..., (1 + have.index(i)) * h:(2 + have.index(i)) * h] for i in want]
+    return torch.cat(parts, dim=-1)
 
 
 def head_outputs(head: MTPHead, trunk: CausalLM, hidden: torch.Tensor, ids: torch.Tensor,
                  depth: int) -> list[torch.Tensor]:
     """The head's normed outputs at depths 1..depth for every pair.
 
-    hidden: [rows, T, H] trunk hidden states; ids: [rows, T] the tokens.
+    hidden: [rows, T, head.trunk_width] trunk hidden states; ids: [rows, T] the tokens.
     Returns ``depth`` tensors [rows, T-1, H]; entry t of depth d predicts token t+d+1 and is
     meaningful for t <= T-1-d (later entries use a clamped input token and must be masked)."""
     rows, length = ids.shape
     pairs = length - 1
     t = torch.arange(pairs, device=ids.device)
-    past_k: list[torch.Tensor] = []
-    past_v: list[torch.Tensor] = []
+    past = [([], []) for _ in head.layers]  # per head layer: keys and values of the depths so far
     outs: list[torch.Tensor] = []
     h = hidden[:, :pairs]
     for d in range(1, depth + 1):
         tokens = ids[:, (t + d).clamp(max=length - 1)]
         positions = (t + d).expand(rows, pairs)
         x = _fuse(head, trunk, h, tokens)
-        x, k, v = _layer(head.layers[0], x, trunk.rotary, positions, past_k, past_v, _tree_mask(pairs, d, ids.device))
-        past_k.append(k)
-        past_v.append(v)
+        mask = _tree_mask(pairs, d, ids.device)
+        for layer, (past_k, past_v) in zip(head.layers, past):
+            x, k, v = _layer(layer, x, trunk.rotary, positions, past_k, past_v, mask)
+            past_k.append(k)
+            past_v.append(v)
         h = head.norm(x)
         outs.append(h)
     return outs
@@ -76,7 +99,7 @@ def head_outputs(head: MTPHead, trunk: CausalLM, hidden: torch.Tensor, ids: torc
 def _fuse(head: MTPHead, trunk: CausalLM, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fc over the normed [embedding, hidden] pair (hidden first for MiMo), as MTPHead.forward."""
     e = head.pre_fc_norm_embedding(trunk.model.embed_tokens(tokens))
-    h = head.pre_fc_norm_hidden(hidden)
+    h = head.pre_fc_norm_hidden(head.features(hidden))
     pair = (h, e) if head.mtp.hidden_first else (e, h)
     return head.fc(torch.cat(pair, dim=-1))
 

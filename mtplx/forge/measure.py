@@ -17,13 +17,18 @@ EOS = -1  # marks "the generation ended here" in an enumerated outcome
 
 
 def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_tokens: int = 128,
-               rows: int = 32) -> dict:
-    """Greedy MTP at ``depth`` over the prompts (token ids, chat template applied by the caller).
+               rows: int = 32, temperature: float = 0.0, seed: int = 0) -> dict:
+    """MTP at ``depth`` over the prompts (token ids, chat template applied by the caller):
+    greedy, or at ``temperature`` > 0 sampled with mirror drafts (drafts sampled from the
+    head's distribution, what rejection sampling accepts most often), prompt i with seed
+    ``seed + i``.
 
     Returns acceptance_by_depth (the share of cycles whose draft i was accepted, i = 1..depth:
     position 1 is "depth-1 acceptance"), mean_acceptance_length (1 + accepted / verify calls,
     bonus token included), and the totals."""
-    requests = ((str(i), engine.make_request(p, mode="mtp", depth=depth, max_tokens=max_tokens))
+    sampling = dict(temperature=temperature, draft_policy="mirror") if temperature > 0 else {}
+    requests = ((str(i), engine.make_request(p, mode="mtp", depth=depth, max_tokens=max_tokens, seed=seed + i,
+                                             **sampling))
                 for i, p in enumerate(prompts))
     drafted, accepted = [0] * depth, [0] * depth
     calls = tokens = 0
@@ -34,9 +39,73 @@ def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_toke
         for i, (d, a) in enumerate(zip(st.drafted_by_depth, st.accepted_by_depth)):
             drafted[i] += d
             accepted[i] += a
-    return {"depth": depth, "prompts": len(prompts), "generated_tokens": tokens, "verify_calls": calls,
+    return {"depth": depth, "temperature": temperature, "prompts": len(prompts), "generated_tokens": tokens,
+            "verify_calls": calls,
             "acceptance_by_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "mean_acceptance_length": 1 + sum(accepted) / calls if calls else None}
+
+
+def acceptance_by_temperature(engine: Engine, prompts: list[list[int]], *, temperatures, depth: int,
+                              max_tokens: int = 128, rows: int = 32, seed: int = 0) -> dict:
+    """``acceptance`` at each temperature: {"greedy": report at 0 (if asked), "sampled":
+    {"0.7": report, ...}}."""
+    out: dict = {"sampled": {}}
+    for temperature in temperatures:
+        report = acceptance(engine, prompts, depth=depth, max_tokens=max_tokens, rows=rows,
+                            temperature=temperature, seed=seed)
+        if temperature == 0:
+            out["greedy"] = report
+        else:
+            out["sampled"][f"{temperature:g}"] = report
+    return out
+
+
+def acceptance_line(measured: dict) -> str:
+    """``T 0: 0.460/0.200/0.100 (1.76), T 0.7: ...``: acceptance by depth and, in brackets, the
+    mean acceptance length, from ``acceptance_by_temperature``'s result."""
+    reports = ([("0", measured["greedy"])] if measured.get("greedy") else []) + list(measured["sampled"].items())
+    return ", ".join(f"T {t}: " + "/".join(f"{a:.3f}" for a in r["acceptance_by_depth"])
+                     + f" ({r['mean_acceptance_length'] or 0:.2f})" for t, r in reports)
+
+
+def step_costs(engine: Engine, prompt: list[int], steps: int = 200) -> dict:
+    """Seconds of one row's draft step (a head forward of one pair fed its own output, then the
+    draft logits and their argmax, as a host-path draft step runs them: through the engine's
+    graphs where captured) and of one AR trunk step, each the median of ``steps`` timed after
+    warm-up. The row is thrown away afterwards (the steps rewrite KV entries of its prompt)."""
+    import statistics
+    import time
+
+    runner = engine.runner
+    seq = engine.new_sequence(engine.make_request(prompt, mode="mtp", max_tokens=1))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        engine.generator.admit(seq)
+        engine.generator.prefill(seq)
+        at = seq.trunk_len - 1
+        h = torch.zeros(1, 1, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+        token = [[prompt[-1]]]
+
+        def draft():
+            out = runner.head_forward([seq], h, token, [at])
+            return runner.draft_logits(out[:, 0]).argmax(-1)
+
+        def ar():
+            return runner.logits(runner.trunk([seq], token, [at])[:, 0]).argmax(-1)
+
+        costs = {}
+        for name, work in (("draft_step_s", draft), ("ar_step_s", ar)):
+            times = []
+            for i in range(steps + 10):
+                sync()
+                t0 = time.perf_counter()
+                work()
+                sync()
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+            costs[name] = statistics.median(times)
+    engine.generator.release(seq)
+    return costs
 
 
 # -- exactness of sampled MTP decoding -------------------------------------------------------------

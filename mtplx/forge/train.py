@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from mtplx.forge.data import Sample
-from mtplx.forge.dense import head_outputs, trunk_hidden
+from mtplx.forge.dense import head_outputs, select_features, trunk_hidden
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig
 from mtplx.models.mtp import MTPHead
 
 DEPTH_WEIGHTS = (1.0, 0.7, 0.5, 0.4)  # depth 1 matters most: every later draft needs it accepted
-VALIDATION_EVERY = 50  # one sample in this many (by key) is held out of training
+VALIDATION_EVERY = 50  # one prompt in this many is held out of training, with all its samples
 
 
 @dataclass
@@ -47,13 +47,22 @@ class TrainSettings:
 @dataclass
 class Batch:
     ids: torch.Tensor  # [rows, T] long
-    hidden: torch.Tensor  # [rows, T, H] trunk final-normed hidden states
+    hidden: torch.Tensor  # [rows, T, H * (1 + len(layers))] trunk final-normed states, then ``layers``' outputs
     lengths: torch.Tensor  # [rows] long
     prompt_lens: torch.Tensor  # [rows] long
+    layers: tuple[int, ...] = ()  # trunk layers whose outputs ``hidden`` holds (dense.trunk_hidden)
 
     @property
     def target_tokens(self) -> int:
         return int((self.lengths - self.prompt_lens).clamp(min=0).sum())
+
+    def final(self) -> torch.Tensor:
+        """[rows, T, H] the trunk's final-normed hidden states (its logits' input)."""
+        return self.hidden[..., : self.hidden.shape[-1] // (1 + len(self.layers))]
+
+    def features(self, head: MTPHead) -> torch.Tensor:
+        """[rows, T, head.trunk_width] what ``head`` reads of the trunk."""
+        return select_features(self.hidden, self.layers, head.trunk_layers)
 
 
 @dataclass
@@ -66,8 +75,10 @@ class TrainState:
 
 
 def split_samples(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
-    """(train, validation): a fixed ~2% of samples, chosen by key, never trained on."""
-    val = [s for s in samples if zlib.crc32(s.key.encode()) % VALIDATION_EVERY == 0]
+    """(train, validation): the samples of a fixed ~2% of the prompts, chosen by the prompt's
+    tokens, never trained on: a prompt's completions at every temperature and round fall on one
+    side (a split by sample would validate on prompts the head trained on)."""
+    val = [s for s in samples if zlib.crc32(s.group.encode()) % VALIDATION_EVERY == 0]
     if not val and len(samples) > 1:
         val = samples[:1]
     val_keys = {id(s) for s in val}
@@ -90,8 +101,9 @@ def make_batches(samples: list[Sample], batch_tokens: int, max_len: int) -> list
     return batches
 
 
-def prepare_batch(samples: list[Sample], trunk: CausalLM, max_len: int) -> Batch:
-    """Pad, move to the trunk's device and run the trunk once."""
+def prepare_batch(samples: list[Sample], trunk: CausalLM, max_len: int, layers: tuple[int, ...] = ()) -> Batch:
+    """Pad, move to the trunk's device and run the trunk once (keeping the outputs of ``layers``:
+    the feature layers of the heads to train, ``MTPHead.trunk_layers``, or several heads' union)."""
     device = trunk.lm_head.weight.device
     length = min(max(len(s.tokens) for s in samples), max_len)
     ids = torch.zeros(len(samples), length, dtype=torch.long)
@@ -101,24 +113,32 @@ def prepare_batch(samples: list[Sample], trunk: CausalLM, max_len: int) -> Batch
     ids = ids.to(device)
     lengths = torch.tensor([min(len(s.tokens), length) for s in samples], device=device)
     prompt_lens = torch.tensor([s.prompt_len for s in samples], device=device)
-    return Batch(ids, trunk_hidden(trunk, ids), lengths, prompt_lens)
+    return Batch(ids, trunk_hidden(trunk, ids, layers), lengths, prompt_lens, tuple(layers))
 
 
-def init_head(trunk: CausalLM, device, zero_centered: bool = False) -> MTPHead:
+def init_head(trunk: CausalLM, device, mtp: MTPConfig | None = None) -> MTPHead:
     """A float32 head that starts close to the trunk's own next-token predictor, so training begins
     from a calibrated distribution rather than confident noise: fc passes the normed trunk hidden
-    state through, and the decoder layer (a copy of the trunk's last one) has zeroed output
-    projections, so it adds nothing yet. The output is then h / rms(h) for the trunk's h: the
-    trunk's own logits at a mildly changed temperature."""
-    head = MTPHead(trunk, MTPConfig(layout="sidecar", zero_centered_norms=zero_centered)).to(device, torch.float32)
+    state through, and the decoder layers (copies of the trunk's last one) have zeroed output
+    projections, so they add nothing yet. The output is then h / rms(h) for the trunk's h: the
+    trunk's own logits at a mildly changed temperature. A head reading the pre-norm state (or
+    fused layers, whose fc starts as the last layer's) starts with the final norm's weight as
+    its hidden-input norm's, which makes that input the final-normed state again."""
+    mtp = mtp or MTPConfig(layout="sidecar")
+    head = MTPHead(trunk, replace(mtp, draft_vocab=0)).to(device, torch.float32)  # drafts prune after training
     h = trunk.config.hidden_size
-    layer = head.layers[0]
     with torch.no_grad():
-        layer.load_state_dict({k: v.float() for k, v in trunk.model.layers[-1].state_dict().items()})
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
+        for layer in head.layers:
+            layer.load_state_dict({k: v.float() for k, v in trunk.model.layers[-1].state_dict().items()})
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         head.fc.weight.zero_()
         head.fc.weight[:, h:] = torch.eye(h, device=device)  # [embedding, hidden] order: the hidden half
+        if mtp.features != "final":
+            head.pre_fc_norm_hidden.weight.copy_(trunk.model.norm.weight.float())
+        if mtp.features == "fuse3":  # [low, middle, last]: the last layer's block passes through
+            head.feature_fc.weight.zero_()
+            head.feature_fc.weight[:, -h:] = torch.eye(h, device=device)
     head.requires_grad_(True)
     return head.train()
 
@@ -127,7 +147,7 @@ def depth_losses(head: MTPHead, trunk: CausalLM, batch: Batch, depth: int) -> tu
     """Per depth: (KL summed over target tokens / their count, top-1 agreement with the trunk)."""
     device_type = batch.ids.device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-        outs = head_outputs(head, trunk, batch.hidden, batch.ids, depth)
+        outs = head_outputs(head, trunk, batch.features(head), batch.ids, depth)
     length = batch.ids.shape[1]
     kls, agreements = [], []
     for d, out in enumerate(outs, start=1):
@@ -138,7 +158,7 @@ def depth_losses(head: MTPHead, trunk: CausalLM, batch: Batch, depth: int) -> tu
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
             student = F.log_softmax(trunk.compute_logits(out[:, : length - d][mask]), dim=-1)
         with torch.no_grad():
-            teacher = F.log_softmax(trunk.compute_logits(batch.hidden[:, d:][mask].float()), dim=-1)
+            teacher = F.log_softmax(trunk.compute_logits(batch.final()[:, d:][mask].float()), dim=-1)
         kls.append(F.kl_div(student, teacher, log_target=True, reduction="batchmean"))
         agreements.append((student.argmax(-1) == teacher.argmax(-1)).float().mean().detach())
     return kls, agreements

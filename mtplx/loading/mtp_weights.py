@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mtplx.errors import ModelLoadError
-from mtplx.models.config import MTPConfig, ModelConfig
+from mtplx.models.config import HEAD_FEATURES, MTPConfig, ModelConfig
 
 SIDECAR_WEIGHTS = "mtp.safetensors"
 SIDECAR_PROVENANCE = "mtplx_forge.json"
@@ -129,6 +129,24 @@ def load_sidecar(head_dir: Path, config: ModelConfig, trunk_sha256: str, *,
     except Exception as exc:  # safetensors raises several types for corrupt files
         raise ModelLoadError(f"{weights}: not a readable safetensors file ({exc})") from exc
     state = {k[len("mtp."):]: v for k, v in raw.items() if k.startswith("mtp.")}
-    zero_centered = config.model_type in ZERO_CENTERED_FAMILIES
-    return HeadWeights(state, MTPConfig(layout="sidecar", zero_centered_norms=zero_centered),
+    return HeadWeights(state, sidecar_config(state, provenance, config, where=str(prov_path)),
                        verified=verified, provenance=provenance, source=str(head_dir))
+
+
+def sidecar_config(state: dict[str, torch.Tensor], provenance: dict | None, config: ModelConfig,
+                   where: str = "the sidecar") -> MTPConfig:
+    """A forged head's MTPConfig: features and layer count as ``mtplx_forge.json`` records them
+    under ``head`` (a head without them: "final", one layer, as every head before forge v2), the
+    draft vocabulary's size from its tensor."""
+    head = (provenance or {}).get("head") or {}
+    features, layers = head.get("features", "final"), head.get("num_layers", 1)
+    if features not in HEAD_FEATURES:
+        raise ModelLoadError(f"{where}: head features {features!r} unknown; this mtplx reads {', '.join(HEAD_FEATURES)}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelLoadError(f"{where}: head num_layers must be a positive integer, got {layers!r}")
+    if (features != "final" or layers != 1) and config.is_hybrid:
+        raise ModelLoadError(f"{where}: a head of {layers} layers reading {features!r} features needs a dense "
+                             f"trunk, not {config.model_type}")
+    vocab = state.get("draft_vocab")
+    return MTPConfig(layout="sidecar", zero_centered_norms=config.model_type in ZERO_CENTERED_FAMILIES,
+                     features=features, head_layers=layers, draft_vocab=0 if vocab is None else vocab.numel())

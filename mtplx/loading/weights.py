@@ -37,7 +37,13 @@ def attach_head(model: CausalLM, weights: HeadWeights, device, dtype, shard: Sha
     if shard is not None:
         parallelize(head, shard, config)
         state = shard_state(state, config, shard)
-    return materialize(head, state, device, dtype, tied=False, what="MTP head")
+    head = materialize(head, state, device, dtype, tied=False, what="MTP head")
+    if weights.mtp.draft_vocab:
+        try:
+            head.bind_draft_vocab(model)
+        except ValueError as exc:
+            raise ModelLoadError(f"MTP head {weights.source or ''}: {exc}") from exc
+    return head
 
 
 def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,

@@ -52,19 +52,34 @@ class CausalLM(nn.Module):
         """The MTP head's decoder layer: the family's full-attention block."""
         return DecoderLayer(config, self.make_attention(config), zero_centered_norms)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
-        """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden]."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
+                features: tuple[int, ...] = ()) -> torch.Tensor:
+        """input_ids: [rows, q] long -> final-normed hidden states [rows, q, hidden].
+
+        features: trunk layers whose outputs (the residual stream after the layer, before any
+        norm) an MTP head reads besides (``config.feature_layers``); with some, the result is
+        [rows, q, hidden * (1 + len(features))]: the final-normed state, then those outputs in
+        order. ``compute_logits`` reads the first ``hidden`` columns."""
         x = self.model.embed_tokens(input_ids)
         rotary = self.rotary.bind(meta.positions, x.dtype)
-        delta = None
+        delta, kept = None, {}
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x, delta = layer.forward_chain(x, delta, rotary, meta, cache.k[i], cache.v[i])
-        hidden = self.model.norm.add_forward(x, delta)[1]
+            if i in features and i != last:
+                kept[i] = x + delta  # the sum the next layer's norm forms again (same rounding)
+        x, hidden = self.model.norm.add_forward(x, delta)
+        if features:
+            kept[last] = x
+            hidden = torch.cat([hidden] + [kept[i] for i in features], dim=-1)
         cache.store_block_ends(hidden, meta.slot_mapping)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., hidden] -> logits [..., vocab] float32."""
+        """hidden: [..., hidden] (or a forward's wider output with head features: its first
+        ``hidden`` columns) -> logits [..., vocab] float32."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = hidden[..., : self.config.hidden_size]
         if isinstance(self.lm_head, nn.Linear) and gemv.usable(hidden, self.lm_head.weight):
             return gemv.gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

@@ -38,10 +38,30 @@ class MTPConfig:
     layout: str
     num_layers: int = 1
     zero_centered_norms: bool = False
+    # forged heads (recorded in mtplx_forge.json); the defaults are every head before forge v2
+    features: str = "final"  # the trunk hidden state the head reads: one of HEAD_FEATURES
+    head_layers: int = 1  # decoder layers stacked in the head (each its own KV layer)
+    draft_vocab: int = 0  # rows of a pruned draft vocabulary (0: drafts over the whole vocabulary)
 
     @property
     def hidden_first(self) -> bool:
         return self.layout == "mimo"
+
+
+# What a head reads of the trunk at position t (besides the final-normed hidden state every
+# verify needs for its logits): "final" nothing more; "prenorm" the last layer's output before
+# the final norm; "fuse3" (EAGLE-3) the outputs of a low, a middle and the last layer.
+HEAD_FEATURES = ("final", "prenorm", "fuse3")
+
+
+def feature_layers(features: str, num_layers: int) -> tuple[int, ...]:
+    """The trunk layers whose outputs (the residual stream after the layer, before any norm) a
+    head with these ``features`` reads: () for "final", (L-1,) for "prenorm", (L/4, L/2, L-1)
+    for "fuse3"."""
+    if features not in HEAD_FEATURES:
+        raise ValueError(f"head features must be one of {', '.join(HEAD_FEATURES)}, got {features!r}")
+    last = num_layers - 1
+    return {"final": (), "prenorm": (last,), "fuse3": (num_layers // 4, num_layers // 2, last)}[features]
 
 
 @dataclass(frozen=True)

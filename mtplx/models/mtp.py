@@ -1,25 +1,43 @@
 """The MTP head: predicts token t+2 from the trunk's hidden state at t and the token at t+1.
 
-    e = norm_e(embed(x[t+1])); h = norm_h(hidden[t])
+    e = norm_e(embed(x[t+1])); h = norm_h(features[t])
     x = fc(concat(e, h))            # [hidden, embedding] order for MiMo
-    x = DecoderLayer(x)             # its own KV cache (layer index after the trunk's layers)
+    x = DecoderLayer(x) (x head_layers)  # each its own KV layer (after the trunk's layers)
     out = norm(x); logits = lm_head(out)   # embedding and lm_head shared with the trunk
 
+features[t] is what the head reads of the trunk (``MTPConfig.features``): the final-normed
+hidden state ("final", every native head), the last layer's output before the final norm
+("prenorm"), or feature_fc over the outputs of a low, a middle and the last layer ("fuse3",
+EAGLE-3). The trunk's forward returns those layers' outputs beside the final-normed state when
+the runner asks (``trunk_layers``), in one wider tensor: the same buffers carry it to the head.
+Deeper drafts apply the same module recursively to its own output (width hidden: read as is)
+and its own drafted token.
+
+A pruned draft vocabulary (FR-Spec; ``MTPConfig.draft_vocab`` rows, the ids in the buffer
+``draft_vocab``): drafts are chosen from logits over those rows only (``draft_logits``); the
+verify reads the whole vocabulary, so outputs stay exact.
+
 Module names follow the Qwen3.5 checkpoint layout (``fc``, ``pre_fc_norm_embedding``, ...);
-loading/mtp_weights.py maps the other layouts onto them. Deeper drafts apply the same module
-recursively to its own output and its own drafted token.
+loading/mtp_weights.py maps the other layouts onto them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.kv_cache import PagedKVCache
+from mtplx.kernels import gemv
 from mtplx.models.base import CausalLM
-from mtplx.models.config import MTPConfig
+from mtplx.models.config import MTPConfig, feature_layers
 from mtplx.models.layers import RMSNorm
+
+# a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
+# kept token a grammar masks still has a distribution (uniform over the rest), and low enough
+# that softmax gives those rows exactly 0 otherwise (exp underflows), at any temperature >= 1e-9
+PRUNED_LOGIT = -1e20
 
 
 class MTPHead(nn.Module):
@@ -28,24 +46,69 @@ class MTPHead(nn.Module):
         config = trunk.config
         h, eps, zc = config.hidden_size, config.rms_norm_eps, mtp.zero_centered_norms
         self.mtp = mtp
+        self.hidden_size = h
+        self.trunk_layers = feature_layers(mtp.features, config.num_hidden_layers)
+        if mtp.features == "fuse3":
+            self.feature_fc = nn.Linear(len(self.trunk_layers) * h, h, bias=False)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
-        self.layers = nn.ModuleList([trunk.make_head_layer(config, zc)])
+        self.layers = nn.ModuleList([trunk.make_head_layer(config, zc) for _ in range(mtp.head_layers)])
         self.norm = RMSNorm(h, eps, zc)
-        self.cache_layer = config.num_kv_layers  # KV layer index in the shared cache (after the trunk's)
+        self.cache_layer = config.num_kv_layers  # KV layer index of layers[0] in the shared cache
+        if mtp.draft_vocab:
+            self.register_buffer("draft_vocab", torch.zeros(mtp.draft_vocab, dtype=torch.long))
+            self.register_buffer("draft_rows", None, persistent=False)  # [N, H]: ``bind_draft_vocab``
+
+    @property
+    def trunk_width(self) -> int:
+        """Width of the trunk hidden states this head reads: hidden * (1 + feature layers)."""
+        return self.hidden_size * (1 + len(self.trunk_layers))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's hidden input [..., H] from the trunk's forward output [..., trunk_width]
+        (final-normed state, then the feature layers' outputs), or from its own output [..., H]
+        (taken as it is)."""
+        if hidden.shape[-1] == self.hidden_size:
+            return hidden
+        extra = hidden[..., self.hidden_size:]
+        return self.feature_fc(extra) if self.mtp.features == "fuse3" else extra
 
     def forward(self, trunk: CausalLM, hidden: torch.Tensor, next_tokens: torch.Tensor,
                 meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
-        """hidden: [rows, q, H] (trunk final-normed, or this head's own output);
+        """hidden: [rows, q, trunk_width] (the trunk's) or [rows, q, H] (this head's own output);
         next_tokens: [rows, q] the token after each hidden's position.
         ``meta`` places entry (hidden[t], x[t+1]) at the slot of x[t+1].
-        Returns the head's normed output [rows, q, H]; logits via trunk.compute_logits."""
+        Returns the head's normed output [rows, q, H]; draft logits via ``draft_logits``."""
         e = self.pre_fc_norm_embedding(trunk.model.embed_tokens(next_tokens))
-        h = self.pre_fc_norm_hidden(hidden)
+        h = self.pre_fc_norm_hidden(self.features(hidden))
         pair = (h, e) if self.mtp.hidden_first else (e, h)
         x = self.fc(torch.cat(pair, dim=-1))
-        layer = self.cache_layer
-        x = self.layers[0](x, trunk.rotary.bind(meta.positions, x.dtype), meta.for_head(), cache.k[layer],
-                           cache.v[layer])
+        rotary, head_meta = trunk.rotary.bind(meta.positions, x.dtype), meta.for_head()
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rotary, head_meta, cache.k[self.cache_layer + i], cache.v[self.cache_layer + i])
         return self.norm(x)
+
+    # -- drafting -------------------------------------------------------------------------------
+    def bind_draft_vocab(self, trunk: CausalLM) -> None:
+        """Copy the trunk's output rows of the draft vocabulary (after the ids are loaded)."""
+        vocab = trunk.config.vocab_size
+        ids = self.draft_vocab
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            raise ValueError(f"a draft-vocabulary id lies outside [0, {vocab})")
+        weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
+        dtype = trunk.model.embed_tokens.weight.dtype
+        self.draft_rows = weight.detach().index_select(0, ids.to(weight.device)).to(dtype).contiguous()
+
+    def draft_logits(self, trunk: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] this head's output -> logits [..., vocab] float32 that drafts are
+        chosen from: ``trunk.compute_draft_logits``, or with a pruned draft vocabulary the
+        logits of its rows, scattered to their ids, ``PRUNED_LOGIT`` elsewhere (an argmax lies
+        within the vocabulary; a sampled draft's q is zero outside it)."""
+        if not self.mtp.draft_vocab:
+            return trunk.compute_draft_logits(hidden)
+        rows = self.draft_rows
+        kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
+        lead = hidden.shape[:-1]
+        out = torch.full((*lead, trunk.config.vocab_size), PRUNED_LOGIT, dtype=torch.float32, device=hidden.device)
+        return out.scatter_(-1, self.draft_vocab.expand(*lead, -1), kept)
