@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mtplx import kernels
-from mtplx.kernels import fused, quant_gemv
+from mtplx.kernels import fused
 from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_fp8
 
 pytestmark = pytest.mark.skipif(
