@@ -74,8 +74,8 @@ def unpack(words: torch.Tensor, bits: int, fp8: bool, k: int) -> torch.Tensor:
     """``pack``'s inverse, in PyTorch (the reference path): the fields as float32 [N, K]."""
     n = words.shape[0]
     per = fields_per_word(bits)
-    shifts = (bits * torch.arange(per, device=words.device)).view(1, 1, per, 1)
-    u = (words.to(torch.int64).view(n, -1, 1, WORDS) >> shifts) & ((1 << bits) - 1)
+    shifts = (bits * torch.arange(per, device=words.device, dtype=torch.int32)).view(1, 1, per, 1)
+    u = (words.view(n, -1, 1, WORDS) >> shifts) & ((1 << bits) - 1)  # int32: the mask drops the sign bits
     u = u.view(n, -1)[:, :k]
     if fp8:
         return u.to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -124,16 +124,17 @@ if triton is not None:
         if FP8:
             b = (p >> (8 * j)) & 0xFF
             h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-            return h.to(tl.float32)
-        else:
-            return ((p << (32 - BITS - BITS * j)) >> (32 - BITS)).to(tl.float32)
+            v = h.to(tl.float32)
+        else:  # shift the field to the top, then arithmetic-shift it down: sign-extended
+            v = ((p << (32 - BITS - BITS * j)) >> (32 - BITS)).to(tl.float32)
+        return v
 
     @triton.jit
     def _chunk_products(acc, p, c, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                        BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, WORDS: tl.constexpr):
+                        BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                        WORDS: tl.constexpr):
         """acc [M, BLOCK_N, WORDS] += the products of chunk c's weights p [1, BLOCK_N, WORDS]
-        with the rows' inputs."""
-        PER: tl.constexpr = 32 // BITS
+        with the rows' inputs (PER = 32 // BITS fields per word)."""
         for j in tl.static_range(PER):
             k0 = c * (WORDS * PER) + j * WORDS  # this field's first input
             k = k0 + i
@@ -151,8 +152,8 @@ if triton is not None:
 
     @triton.jit
     def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, group, chunks,
-                      M: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+                      M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
+                      HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two); x has
         row stride sx, out is contiguous. Two chunks are loaded before either is used, so
         each program has two cache lines per weight row in flight."""
@@ -167,9 +168,9 @@ if triton is not None:
             p0 = tl.load(row + c * WORDS, mask=n_ok, other=0)
             p1 = tl.load(row + (c + 1) * WORDS, mask=n_ok & (n * 0 + c + 1 < chunks), other=0)
             acc = _chunk_products(acc, p0, c, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                                  BITS, FP8, HAS_ZERO, WORDS)
+                                  BITS, PER, FP8, HAS_ZERO, WORDS)
             acc = _chunk_products(acc, p1, c + 1, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                                  BITS, FP8, HAS_ZERO, WORDS)
+                                  BITS, PER, FP8, HAS_ZERO, WORDS)
         out = tl.sum(acc, axis=2)
         mo = tl.arange(0, M)[:, None]
         no = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -179,10 +180,9 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(p_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group, chunks,
-                           BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                           BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
                            BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
         """out[n, k] = w[n, k] in out's dtype; one program per BLOCK_N rows and chunk."""
-        PER: tl.constexpr = 32 // BITS
         c = tl.program_id(1)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         i = tl.arange(0, WORDS)[None, :]
@@ -219,7 +219,7 @@ def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits:
     _qgemv_kernel[(triton.cdiv(n, block_n),)](
         x2, x2.stride(0), words, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, rows, n, k, scale.shape[1], group, words.shape[1] // WORDS,
-        M=triton.next_power_of_2(rows), BITS=bits, FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+        M=triton.next_power_of_2(rows), BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, WORDS=WORDS, num_warps=warps)
     return out.view(*x.shape[:-1], n)
 
@@ -231,7 +231,7 @@ def dequantize(words, scale, zero, *, k: int, group: int, bits: int, fp8: bool, 
     chunks = words.shape[1] // WORDS
     _dequantize_kernel[(triton.cdiv(n, 16), chunks)](
         words, scale, zero if zero is not None else scale, out, n, k, scale.shape[1], group, chunks,
-        BITS=bits, FP8=fp8, HAS_ZERO=zero is not None, BLOCK_N=16, WORDS=WORDS, num_warps=4)
+        BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, BLOCK_N=16, WORDS=WORDS, num_warps=4)
     return out
 
 
