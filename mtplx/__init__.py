@@ -31,7 +31,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
     quantize: the trunk's linear weights: None / "none" (default) float; "gguf" runs a GGUF
     file's own 4/8-bit blocks (fast on the CPU); "int4" / "int8" quantize on load
-    (round-to-nearest, a scale per 32 inputs). The MTP head always stays in ``dtype``.
+    (round-to-nearest, a scale per 32 inputs); "fp8" quantizes to float8 e4m3 with a scale per
+    output row (Triton kernels on CUDA; on the CPU dequantized per forward: slow, for quality
+    checks). The MTP head always stays in ``dtype``.
     tensor_parallel: split the model across this many processes, one per GPU (NCCL; on the CPU
     gloo, for tests): this process is rank 0 and starts the others; float weights only
     (docs/tensor_parallel.md). ``engine.tensor_parallel.close()`` stops them.

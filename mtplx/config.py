@@ -126,8 +126,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     # the names mtplx.runtime.DTYPES accepts (not imported here: it would pull in torch)
     Key("dtype", _choice(("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), True),
         "float32, bfloat16, float16 (or fp32, bf16, fp16) or auto"),
-    Key("quantize", _choice(("none", "gguf", "int4", "int8"), True),
-        "none, gguf (a GGUF file's own quantized blocks), int4, int8 or auto (none)"),
+    Key("quantize", _choice(("none", "gguf", "int4", "int8", "fp8"), True),
+        "none, gguf (a GGUF file's own quantized blocks), int4, int8, fp8 or auto (none)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),

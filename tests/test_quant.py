@@ -20,7 +20,9 @@ from mtplx.engine.sequence import Sequence
 from mtplx.errors import InvalidParameter
 from mtplx.loading.gguf_file import load_gguf
 from mtplx.loading.gguf_quant import EXACT, SUPPORTED, quantized_weight
-from mtplx.models.quant import QuantizedWeight, QuantLinear, linear_weight_bytes, quantize_rtn, weight_formats
+from mtplx.kernels import quant_gemv
+from mtplx.models.quant import (QuantizedWeight, QuantLinear, linear_weight_bytes, quantize_fp8, quantize_rtn,
+                                 weight_formats)
 from tests.tiny_models import hf_reference
 
 
@@ -87,6 +89,53 @@ def test_weight_bytes_count_integers_and_scales():
     assert layer.weight_bytes() == 64 * 128 // 2 + 64 * 4 * 2 * 2  # nibbles + bf16 (scale, zero) per group
     eight = QuantLinear(_random_weight(64, 128, 8, 32))
     assert eight.weight_bytes() == 64 * 128 + 2 * 64 * 4 * 2 * 2
+
+
+def _e4m3_values() -> torch.Tensor:
+    """Every finite float8 e4m3fn value, from its bits: (-1)^s 2^(e-7) (1 + m/8), subnormals
+    2^-6 m/8 (the format's definition, independent of torch's float8 casts)."""
+    b = torch.arange(256)
+    s, e, m = b >> 7, (b >> 3) & 15, b & 7
+    mag = torch.where(e > 0, 2.0 ** (e - 7).double() * (1 + m / 8), 2.0 ** -6 * m / 8)
+    v = torch.where(s == 1, -mag, mag)
+    return v[(b & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN
+
+
+def test_fp8_rounds_each_weight_to_the_nearest_e4m3_value_of_its_row_scale():
+    w = torch.randn(24, 80, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.01, 3, 24)[:, None]
+    qw = quantize_fp8(w)
+    assert qw.kind == "fp8" and qw.group_size == 80 and qw.scale.shape == (24, 1)
+    scaled = (w / qw.scale).double()
+    values = _e4m3_values().unique()
+    nearest_gap = (scaled.unsqueeze(-1) - values).abs().min(-1).values
+    assert ((qw.q.double() - scaled).abs() <= nearest_gap + 1e-12).all()
+    assert float(qw.q.float().abs().amax(1).min()) == 448.0  # each row's largest magnitude is the format's
+
+
+def test_fp8_layer_on_the_cpu_multiplies_the_dequantized_weight():
+    qw = quantize_fp8(torch.randn(20, 64, generator=torch.Generator().manual_seed(5)))
+    layer = QuantLinear(qw)
+    assert layer.backend == "dequantize" and layer.format == "fp8 e4m3 per-row (rtn)"
+    assert layer.weight_bytes() == 20 * 64 + 2 * 20 * 4  # one byte per weight, a float32 scale (and offset) per row
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x).double(), x.double() @ (qw.q.double() * qw.scale.double()).T, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_kernel_layout_packs_every_field_where_the_kernels_read_it(fmt):
+    """quant_gemv.pack puts input k of a row into chunk k // (32 per), field (k % (32 per)) // 32,
+    word k % 32 of it (per = fields per word), zero-padded to whole chunks."""
+    bits = 4 if fmt == "int4" else 8
+    qw = _random_weight(5, 96, bits, 32) if fmt != "fp8" else quantize_fp8(torch.randn(5, 96))
+    words = quant_gemv.pack(qw.q, bits)
+    per = 32 // bits
+    assert words.dtype == torch.int32 and words.shape == (5, 32 * -(-96 // (32 * per)))
+    raw = qw.q.view(torch.uint8).long() if qw.fp8 else qw.q.long() & ((1 << bits) - 1)
+    w64 = words.long() & 0xFFFFFFFF
+    for k in (0, 31, 32, 63, 95):
+        chunk, field, word = k // (32 * per), (k % (32 * per)) // 32, k % 32
+        assert torch.equal((w64[:, 32 * chunk + word] >> (bits * field)) & ((1 << bits) - 1), raw[:, k])
+    assert torch.equal(quant_gemv.unpack(words, bits, qw.fp8, 96), qw.q.float())
 
 
 # --- GGUF blocks ------------------------------------------------------------------------------
@@ -183,6 +232,17 @@ def _tiny_bf16_dir(tmp_path):
     with torch.no_grad():
         hf.load_state_dict({k: v.bfloat16().float() for k, v in hf.state_dict().items()})
     return hf, cfg
+
+
+def test_fp8_on_load_quantizes_every_trunk_projection(tmp_path):
+    hf, _ = _tiny_bf16_dir(tmp_path)
+    engine = mtplx.load(tmp_path, device="cpu", quantize="fp8")
+    model, weights = engine.loaded.model, dict(hf.named_parameters())
+    formats = weight_formats(model)
+    assert formats["lm_head"] == "fp8 e4m3 per-row (rtn)"
+    assert formats["model.layers.0.self_attn.qkv_proj"] == "fp8 e4m3 per-row (rtn)"
+    o = weights["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.dequantize(), quantize_fp8(o).dequantize())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

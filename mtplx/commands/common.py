@@ -12,9 +12,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="attach a head trained against different trunk weights, labelled unverified")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantize", default=None, choices=("none", "gguf", "int4", "int8"),
+    p.add_argument("--quantize", default=None, choices=("none", "gguf", "int4", "int8", "fp8"),
                    help="trunk linear weights: gguf runs a GGUF file's own 4/8-bit blocks (fast on the CPU); "
-                        "int4/int8 quantize on load; none (default): float")
+                        "int4/int8/fp8 quantize on load (fp8: CUDA kernels; on the CPU dequantized per "
+                        "forward, slow, for quality checks); none (default): float")
     p.add_argument("--max-depth", type=int, default=None,
                    help="the deepest a depth=auto cycle drafts (default 3)")
 

@@ -17,9 +17,9 @@ from mtplx.models.config import ModelConfig
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
 from mtplx.models.parallel import Shard
-from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_rtn
+from mtplx.models.quant import FORMATS, QuantizedWeight, QuantLinear, quantize, quantize_rtn
 
-QUANTIZE_CHOICES = (None, "none", "gguf", "int4", "int8")
+QUANTIZE_CHOICES = (None, "none", "gguf", *FORMATS)
 QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
 
 
@@ -42,9 +42,10 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
     quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None or "none":
     float; "gguf": a GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
-    "int4" / "int8": round-to-nearest with groups of 32 inputs. shard: load one tensor-parallel
-    rank's slice of the trunk and head (float weights only; ``LoadedModel.config`` stays the
-    whole model's, ``model.config`` is the rank's)."""
+    "int4" / "int8": round-to-nearest with groups of 32 inputs; "fp8": float8 e4m3 with one
+    scale per output row (fast on CUDA; on the CPU dequantized per forward, for quality checks).
+    shard: load one tensor-parallel rank's slice of the trunk and head (float weights only;
+    ``LoadedModel.config`` stays the whole model's, ``model.config`` is the rank's)."""
     path = Path(path).expanduser()
     if quantize not in QUANTIZE_CHOICES:
         raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
@@ -75,8 +76,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
 
     native = extract_native_head(state, config)
     trunk_state = {k: v for k, v in state.items() if not is_head_key(k, config)}
-    if quantize in ("int4", "int8"):
-        trunk_state = quantize_state(trunk_state, config, bits=int(quantize[3:]))
+    if quantize in FORMATS:
+        trunk_state = quantize_state(trunk_state, config, quantize)
     if shard is not None:
         trunk_state = shard_state(trunk_state, config, shard)
     model = materialize(build_model_on_meta(config, shard), trunk_state, device, dtype,
@@ -121,9 +122,10 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def quantize_state(state: dict, config: ModelConfig, bits: int) -> dict:
+def quantize_state(state: dict, config: ModelConfig, fmt: str) -> dict:
     """The trunk's projection and output weights (a tied embedding: as the output matrix) as
-    round-to-nearest ``QuantizedWeight``s; embeddings, norms and biases are left as they are.
+    ``QuantizedWeight``s in ``fmt`` (one of FORMATS); embeddings, norms and biases are left as
+    they are.
     A weight whose inputs are not a whole number of groups stays float."""
     out = dict(state)
     for name, tensor in state.items():
@@ -132,8 +134,8 @@ def quantize_state(state: dict, config: ModelConfig, bits: int) -> dict:
         elif not (name.endswith("_proj.weight") or name == "lm_head.weight") or tensor.dim() != 2:
             continue
         if tensor.shape[1] % QUANTIZE_GROUP == 0:
-            out[name] = quantize_rtn(tensor, bits, QUANTIZE_GROUP)
+            out[name] = quantize(tensor, fmt, QUANTIZE_GROUP)
     embed = state.get("model.embed_tokens.weight")
     if config.tie_word_embeddings and embed is not None and embed.shape[1] % QUANTIZE_GROUP == 0:
-        out["lm_head.weight"] = quantize_rtn(embed, bits, QUANTIZE_GROUP)
+        out["lm_head.weight"] = quantize(embed, fmt, QUANTIZE_GROUP)
     return out

@@ -157,7 +157,7 @@ def _safetensors_formats(path: Path) -> dict[str, tuple[str, str]]:
         with safe_open(file, framework="pt") as f:
             for k in f.keys():
                 dtype = str(f.get_slice(k).get_dtype()).lower()
-                out[k] = (dtype, "float (--quantize int4|int8 to quantize on load)")
+                out[k] = (dtype, "float (--quantize int4|int8|fp8 to quantize on load)")
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

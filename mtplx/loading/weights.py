@@ -10,10 +10,10 @@ from mtplx.loading.mtp_weights import HeadWeights
 from mtplx.loading.sharding import shard_state
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
-from mtplx.models.layers import MLP, Attention, rope_inv_freq
+from mtplx.models.layers import rope_inv_freq
 from mtplx.models.mtp import MTPHead
 from mtplx.models.parallel import Shard, local_config, parallelize
-from mtplx.models.quant import QuantizedWeight, QuantLinear
+from mtplx.models.quant import QuantizedWeight, QuantLinear, fuse_quantized
 from mtplx.models.registry import build_model
 
 
@@ -53,7 +53,7 @@ def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,
     A ``QuantizedWeight`` in ``state`` turns its Linear into a ``QuantLinear`` (no float copy of
     that weight is ever allocated)."""
     module = module.to(dtype)  # still on meta: only the dtypes change
-    quantized = _fuse_quantized(module, _take_quantized_linears(module, state, what))
+    quantized = fuse_quantized(module, _take_quantized_linears(module, state, what))
     module = module.to_empty(device=device)
     expected = module.state_dict()
     for name, target in expected.items():
@@ -96,27 +96,3 @@ def _take_quantized_linears(module: nn.Module, state: dict, what: str) -> dict:
         out[name] = (qw, bias)
         module.set_submodule(name, nn.Identity())
     return out
-
-
-_FUSED = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"), (MLP, ("gate_proj", "up_proj"), "gate_up_proj"))
-
-
-def _fuse_quantized(module: nn.Module, quantized: dict) -> dict:
-    """Quantized q/k/v (and gate/up) of one block with the same format become one matrix, one
-    kernel call instead of three (two): on the CPU each call costs tens of microseconds."""
-    for name, sub in list(module.named_modules()):
-        for kind, parts, target in _FUSED:
-            keys = [f"{name}.{p}" for p in parts]
-            if type(sub) is not kind or not all(k in quantized for k in keys):
-                continue
-            weights, biases = zip(*(quantized[k] for k in keys))
-            if len({(w.bits, w.group_size) for w in weights}) > 1 or len({b is None for b in biases}) > 1:
-                continue
-            fused = QuantizedWeight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
-                                    torch.cat([w.zero for w in weights]), weights[0].bits, weights[0].group_size,
-                                    " + ".join(sorted({w.source for w in weights})))
-            quantized[f"{name}.{target}"] = (fused, None if biases[0] is None else torch.cat(biases))
-            for key, part in zip(keys, parts):
-                del quantized[key]
-                setattr(sub, part, None)
-    return quantized

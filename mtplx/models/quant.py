@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers: int4 and int8 weights with group-wise scales.
+"""Weight-only quantized linear layers: int4 and int8 weights with group-wise scales, and fp8.
 
 A quantized weight [out, in] is integers ``q`` with one scale and one offset per group of
 ``group_size`` consecutive inputs of a row:
@@ -6,7 +6,9 @@ A quantized weight [out, in] is integers ``q`` with one scale and one offset per
     w[n, k] = q[n, k] * scale[n, k // g] + zero[n, k // g]       q: int4 in [-8, 7] or int8
 
 which holds GGUF's block formats exactly (Q4_0: zero 0; Q4_1 / Q4_K: zero = the block's min)
-and round-to-nearest quantization of a 16-bit checkpoint (``quantize_rtn``).
+and round-to-nearest quantization of a 16-bit checkpoint (``quantize_rtn``). An fp8 weight is
+the same with ``q`` float8 e4m3 values, one scale per output row and no offset
+(``quantize_fp8``).
 
 Backends (``QuantLinear.forward``):
 
@@ -16,8 +18,11 @@ Backends (``QuantLinear.forward``):
   which is exact and reads the same 1 byte per weight: measured faster on this project's CPU
   than ``aten._weight_int8pack_mm`` (per-channel scales only) and than an inductor-compiled
   dequantize-and-reduce (docs/performance.md, "Quantized weights").
-- Anywhere else: dequantize-then-matmul in the activation dtype (correct, not fast: the CUDA
-  kernels are not written yet).
+- CUDA: Triton kernels (kernels/quant_gemv.py) for all three formats: a GEMV for up to 8
+  token rows (decode, drafts, verifies), a dequantizing kernel plus cuBLAS for more (prefill).
+- Anywhere else, and fp8 on the CPU (which has no fp8 kernel): dequantize-then-matmul in the
+  activation dtype (correct, not fast; on the CPU fp8 is for quality checks such as
+  benchmarks/perplexity.py).
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMATS = ("int4", "int8")
+from mtplx.kernels import quant_gemv
+from mtplx.models.layers import MLP, Attention
+
+FORMATS = ("int4", "int8", "fp8")
 GROUP_SIZES = (32, 64, 128, 256)  # what the packed CPU kernel takes
+FP8_MAX = 448.0  # the largest float8 e4m3fn value
 _PACK_ROWS = 16  # the packed CPU kernel wants out_features a multiple of this
 
 
@@ -37,8 +46,9 @@ _PACK_ROWS = 16  # the packed CPU kernel wants out_features a multiple of this
 class QuantizedWeight:
     """A weight in the portable quantized form (what loaders produce, before packing).
 
-    q: [out, in] int8 (int4 values in [-8, 7]); scale, zero: [out, in // group_size] float32;
-    source: where the values came from ("gguf Q4_1", "rtn"), shown by ``mtplx inspect``."""
+    q: [out, in] int8 (int4 values in [-8, 7]) or float8_e4m3fn (bits 8); scale, zero:
+    [out, in // group_size] float32; source: where the values came from ("gguf Q4_1", "rtn"),
+    shown by ``mtplx inspect``."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -49,8 +59,8 @@ class QuantizedWeight:
 
     def __post_init__(self):
         out, inp = self.q.shape
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.bits not in (4, 8) or (self.fp8 and self.bits != 8):
+            raise ValueError(f"bits must be 4 or 8 (8 for fp8), got {self.bits}")
         if inp % self.group_size:
             raise ValueError(f"in_features {inp} is not a multiple of group_size {self.group_size}")
         groups = (out, inp // self.group_size)
@@ -60,6 +70,15 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+    @property
+    def fp8(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn
+
+    @property
+    def kind(self) -> str:
+        """"int4", "int8" or "fp8": one of FORMATS."""
+        return "fp8" if self.fp8 else f"int{self.bits}"
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] these integers and scales stand for."""
@@ -81,22 +100,52 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = 32) -> Quant
     return QuantizedWeight(q, scale, torch.zeros_like(scale), bits, group_size, "rtn")
 
 
+def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+    """float8 e4m3 values (round to nearest even) with one scale per output row, the row's
+    largest magnitude over FP8_MAX. weight: [out, in] any float dtype."""
+    w = weight.detach().float()
+    scale = w.abs().amax(-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(q, scale, torch.zeros_like(scale), 8, w.shape[1], "rtn")
+
+
+def quantize(weight: torch.Tensor, fmt: str, group_size: int = 32) -> QuantizedWeight:
+    """``weight`` in one of FORMATS: int4/int8 round-to-nearest with groups of ``group_size``
+    inputs, fp8 with per-row scales (``group_size`` unused). On the weight's device."""
+    if fmt == "fp8":
+        return quantize_fp8(weight)
+    if fmt not in ("int4", "int8"):
+        raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
+    return quantize_rtn(weight, int(fmt[3:]), group_size)
+
+
 class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (see the module docstring). Inference only.
 
-    Holds the packed weight for its device's backend; ``dequantize()`` gives the float weight."""
+    Holds the weight packed for its backend ("cpu": the packed int4 kernel; "triton": the CUDA
+    kernels; "dequantize": the portable form, multiplied after dequantizing), by default the
+    fastest one for ``device``; ``dequantize()`` gives the float weight."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None,
+                 backend: str | None = None):
         super().__init__()
         device = torch.device(device or "cpu")
         self.out_features, self.in_features = qw.shape
-        self.bits, self.group_size, self.source = qw.bits, qw.group_size, qw.source
+        self.bits, self.group_size, self.source, self.fp8 = qw.bits, qw.group_size, qw.source, qw.fp8
+        self.backend = backend or _backend_for(qw, device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
-        if device.type == "cpu":
+        if self.backend == "cpu":
             packed, scales_zeros = _pack_cpu(qw)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
+        elif self.backend == "triton":
+            quant_gemv.check_group(qw.group_size, qw.shape[1])
+            scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
+            self.register_buffer("words", quant_gemv.pack(qw.q.to(device), qw.bits), persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+            self.register_buffer("zero", zero, persistent=False)  # None: all offsets 0
         else:
             self.register_buffer("q", qw.q.to(device), persistent=False)
             self.register_buffer("scale", qw.scale.to(device), persistent=False)
@@ -104,7 +153,10 @@ class QuantLinear(nn.Module):
 
     @property
     def format(self) -> str:
-        """``int4 g32 (gguf Q4_1)``: what ``mtplx inspect`` prints."""
+        """``int4 g32 (gguf Q4_1)``, ``fp8 e4m3 per-row (rtn)``: what ``mtplx inspect`` prints."""
+        if self.fp8:
+            scales = "per-row" if self.group_size == self.in_features else f"g{self.group_size}"
+            return f"fp8 e4m3 {scales} ({self.source})"
         return f"int{self.bits} g{self.group_size} ({self.source})"
 
     def weight_bytes(self) -> int:
@@ -113,11 +165,16 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out] in x's dtype."""
-        if hasattr(self, "packed"):
+        if self.backend == "triton" and quant_gemv.usable(x):
+            return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, **self._kernel_args())
+        if self.backend == "cpu":
             out = self._forward_cpu(x)
         else:
             out = F.linear(x, self.dequantize().to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _kernel_args(self) -> dict:
+        return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -130,8 +187,11 @@ class QuantLinear(nn.Module):
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in] the kernel computes with (bf16-rounded scales on the CPU)."""
-        if hasattr(self, "q"):
+        """The float32 weight [out, in] the kernel computes with (bf16-rounded scales on the CPU,
+        float16-rounded ones for the Triton kernels where ``quant_gemv.compact_scales`` chose so)."""
+        if self.backend == "triton":
+            return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
+        if self.backend == "dequantize":
             return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
         n, k, g = self.out_features, self.in_features, self.group_size
         rows = self.scales_zeros.shape[1]
@@ -142,7 +202,18 @@ class QuantLinear(nn.Module):
         return planes[:, :k] + planes[:, k:] if self.bits == 8 else planes
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, {self.backend}"
+
+
+def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
+    """The CPU's packed int4 kernel for int4/int8 on the CPU, the Triton kernels on CUDA (where
+    Triton is installed and the groups fit its layout), else dequantize-then-matmul."""
+    if device.type == "cpu" and not qw.fp8 and qw.group_size in GROUP_SIZES:
+        return "cpu"
+    if device.type == "cuda" and quant_gemv.triton is not None and (
+            qw.group_size % quant_gemv.WORDS == 0 or qw.group_size == qw.shape[1]):
+        return "triton"
+    return "dequantize"
 
 
 def _pack_cpu(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,17 +249,43 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, QuantLinear)
 
 
-def quantize_linears(module: nn.Module, bits: int, group_size: int = 32, *,
-                     names: set[str] | None = None) -> int:
-    """Replace each ``nn.Linear`` below ``module`` (those in ``names``, if given) by a
-    ``QuantLinear`` of its round-to-nearest weights, on the Linear's device. Returns the count."""
-    count = 0
+def quantize_linears(module: nn.Module, fmt: str, group_size: int = 32) -> int:
+    """Replace each ``nn.Linear`` below ``module`` by a ``QuantLinear`` of its weight in ``fmt``
+    (one of FORMATS, quantized on the Linear's device), a block's q/k/v and gate/up fused into
+    one matrix each as loading does. Returns the count of QuantLinears made."""
+    quantized = {name: (quantize(sub.weight, fmt, group_size), sub.bias)
+                 for name, sub in module.named_modules() if type(sub) is nn.Linear}
+    for name, (qw, bias) in fuse_quantized(module, quantized).items():
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, QuantLinear(qw, bias, device=qw.q.device))
+    return len(quantized)
+
+
+_FUSED = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"), (MLP, ("gate_proj", "up_proj"), "gate_up_proj"))
+
+
+def fuse_quantized(module: nn.Module, quantized: dict) -> dict:
+    """Quantized q/k/v (and gate/up) of one block with the same format become one matrix, one
+    kernel call instead of three (two): on the CPU each call costs tens of microseconds.
+    quantized: {module name: (QuantizedWeight, bias or None)}; the fused parts are removed from
+    it and set to None on their block. Returns it."""
     for name, sub in list(module.named_modules()):
-        if type(sub) is nn.Linear and (names is None or name in names):
-            qw = quantize_rtn(sub.weight, bits, group_size)
-            module.set_submodule(name, QuantLinear(qw, sub.bias, device=sub.weight.device))
-            count += 1
-    return count
+        for kind, parts, target in _FUSED:
+            keys = [f"{name}.{p}" for p in parts]
+            if type(sub) is not kind or not all(k in quantized for k in keys):
+                continue
+            weights, biases = zip(*(quantized[k] for k in keys))
+            if (len({(w.bits, w.group_size, w.q.dtype) for w in weights}) > 1
+                    or len({b is None for b in biases}) > 1):
+                continue
+            fused = QuantizedWeight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
+                                    torch.cat([w.zero for w in weights]), weights[0].bits, weights[0].group_size,
+                                    " + ".join(sorted({w.source for w in weights})))
+            quantized[f"{name}.{target}"] = (fused, None if biases[0] is None else torch.cat(biases))
+            for key, part in zip(keys, parts):
+                del quantized[key]
+                setattr(sub, part, None)
+    return quantized
 
 
 def weight_formats(module: nn.Module) -> dict[str, str]:

@@ -1,0 +1,140 @@
+"""The Triton kernels for quantized weights (mtplx/kernels/quant_gemv.py) against the product
+with the weight rebuilt from the portable form (``QuantizedWeight.dequantize``, float64).
+
+Runs on a CUDA device, or on the CPU under Triton's interpreter (slow: shapes are tiny):
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_quant_kernels_triton.py
+(skipped where Triton is not installed or neither holds, as in CPU-only CI; benchmarks/gpu.py
+--quant checks every quantized layer of the 8B shape the same way before it times anything).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtplx import kernels
+from mtplx.kernels import fused
+from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_fp8
+
+pytestmark = pytest.mark.skipif(
+    not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(fmt: str, out: int, inp: int, group: int, seed: int = 0, offsets: bool = True) -> QuantizedWeight:
+    """Random integers over the whole range (both ends included) or e4m3 values over theirs,
+    scales in float16's normal range (so the kernel's float16 scales are exact roundings)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "fp8":
+        qw = quantize_fp8(torch.randn(out, inp, generator=g) * torch.rand(out, 1, generator=g))
+        qw.q[0, :2] = torch.tensor([-448.0, 448.0]).to(torch.float8_e4m3fn)
+        qw.q[-1, -1] = torch.tensor(2.0 ** -9).to(torch.float8_e4m3fn)  # the smallest subnormal
+        return qw
+    bits = int(fmt[3:])
+    lo, hi = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (out, inp), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([lo, hi - 1])
+    scale = torch.rand(out, inp // group, generator=g) * 0.1 + 0.01
+    zero = torch.randn(out, inp // group, generator=g) * 0.05 if offsets else torch.zeros_like(scale)
+    zero[zero.abs() < 1e-3] = 0.0
+    return QuantizedWeight(q, scale, zero, bits, group)
+
+
+def _reference(x: torch.Tensor, qw: QuantizedWeight, scale_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """x @ W.T (+ bias) in float64 with W rebuilt from the integers and the scales and offsets
+    rounded to the layer's storage dtype (``compact_scales``: float16 or float32)."""
+    w = QuantizedWeight(qw.q, qw.scale.to(scale_dtype).float(), qw.zero.to(scale_dtype).float(), qw.bits,
+                        qw.group_size).dequantize().double()
+    out = x.double() @ w.T
+    return out if bias is None else out + bias.double()
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, layer: QuantLinear, bias=None) -> None:
+    ref = _reference(x.cpu(), qw, layer.scale.dtype, None if bias is None else bias.cpu())
+    magnitude = x.cpu().double().abs() @ qw.dequantize().double().abs().T
+    if bias is not None:
+        magnitude += bias.cpu().double().abs()
+    if x.dtype == torch.bfloat16:
+        # the output's rounding to bf16 (the interpreter truncates: up to 2^-7), and for many rows
+        # the weight's and the bias's (dequantized to bf16 for the matmul)
+        bound = (ref.abs() + magnitude) * 2.0 ** -7
+    else:  # fp32 accumulation over `inp` terms, in another order
+        bound = 1e-5 * magnitude + 1e-6
+    err = (got.cpu().double() - ref).abs()
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    assert (err <= bound).all(), f"max error {float(err.max())}"
+
+
+# (out, in, group): out not a multiple of any BLOCK_N, in not a whole chunk (int4 chunks are
+# 256 inputs, 8-bit ones 128), several groups per field run and per chunk, and fp8 per-row
+SHAPES = {"int4": [(37, 96, 32), (12, 320, 64)], "int8": [(37, 96, 32), (20, 256, 128)],
+          "fp8": [(37, 96, 96), (20, 80, 80)]}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 19])
+def test_quantized_kernels_equal_dequantize_then_matmul(fmt, rows):
+    for i, (out, inp, group) in enumerate(SHAPES[fmt]):
+        qw = _weight(fmt, out, inp, group, seed=i)
+        layer = QuantLinear(qw, device=DEVICE, backend="triton")
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        with torch.no_grad():
+            _check(layer(x), x, qw, layer)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_quantized_kernels_add_bias_keep_leading_dims_and_round_to_bf16(fmt):
+    out, inp, group = SHAPES[fmt][0]
+    qw = _weight(fmt, out, inp, group, offsets=False)
+    bias = torch.randn(out)
+    layer = QuantLinear(qw, bias, device=DEVICE, backend="triton")
+    assert layer.zero is None  # symmetric: no offsets stored or read
+    g = torch.Generator().manual_seed(3)
+    for shape in ((2, 3, inp), (1, 17, inp)):  # 6 rows (the GEMV), 17 (dequantize + matmul)
+        x = torch.randn(*shape, generator=g).to(DEVICE)
+        with torch.no_grad():
+            got = layer(x)
+            assert got.shape == (*shape[:-1], out)
+            _check(got.reshape(-1, out), x.reshape(-1, inp), qw, layer, bias)
+            xb = x.bfloat16()
+            _check(layer(xb).reshape(-1, out), xb.reshape(-1, inp), qw, layer, bias)
+
+
+def test_layer_with_kernels_off_computes_the_same_product():
+    qw = _weight("int4", 37, 96, 32)
+    layer = QuantLinear(qw, device=DEVICE, backend="triton")
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        fast = layer(x)
+        kernels.ENABLED = False
+        try:
+            slow = layer(x)
+        finally:
+            kernels.ENABLED = True
+    _check(fast, x, qw, layer)
+    _check(slow, x, qw, layer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_quantized_gemv_replays_in_a_cuda_graph():
+    qw = _weight("int4", 4096, 1024, 32)
+    layer = QuantLinear(qw, device="cuda")
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(x)
+        x.normal_()
+        graph.replay()
+        assert torch.equal(captured, layer(x))
+        assert not torch.equal(captured, eager)
