@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--head", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--quantize", default=None, help="the trunk's weights: none, gguf, int4, int8, fp8")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
     ap.add_argument("--depths", default="1,2,3,auto")
@@ -117,10 +118,10 @@ def main() -> None:
     from mtplx.commands.common import parse_depth, parse_depths
 
     t0 = time.perf_counter()
-    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
+    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head, quantize=args.quantize)
     report = {"engine_build_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
               "torch": torch.__version__, "max_tokens": args.max_tokens, "auto_depth": repr(engine.auto_depth),
-              "prompts": list(HELD_OUT_CHAT[: args.prompts])}
+              "quantize": args.quantize, "head": args.head, "prompts": list(HELD_OUT_CHAT[: args.prompts])}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
