@@ -290,7 +290,7 @@ def test_a_stored_corpus_trains_heads_of_every_kind_that_load_and_decode_exactly
 
 def test_a_head_without_recorded_features_loads_as_before(forged):
     """Heads forged before features existed record none: they load as final-feature, one-layer,
-    whole-vocabulary heads (the shipped head is one: test_shipped_default_head_loads_...)."""
+    whole-vocabulary heads (the session-6 default head was one)."""
     from mtplx.loading.mtp_weights import sidecar_config
 
     config = load_trunk(forged.trunk, device="cpu").loaded.config
@@ -490,7 +490,9 @@ def test_shipped_default_head_records_the_default_trunk():
     assert weights.stat().st_size < 16 * 2**20
     with safe_open(weights, framework="pt") as f:
         assert all(k.startswith("mtp.") for k in f.keys())
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        # bf16 weights; the draft vocabulary's token ids (FR-Spec) as int32
+        assert {k: f.get_slice(k).get_dtype() for k in f.keys() if f.get_slice(k).get_dtype() != "BF16"} == \
+            {"mtp.draft_vocab": "I32"}
 
 
 @pytest.mark.slow
@@ -498,8 +500,8 @@ def test_shipped_default_head_loads_on_the_default_trunk(default_gguf):
     engine = mtplx.load(device="cpu")
     assert engine.has_mtp and engine.loaded.head_info["verified"]
     assert Path(engine.loaded.head_info["source"]).resolve() == HEAD_DIR.resolve()
-    head = engine.runner.head  # forged before head features: read as it always was
-    assert (head.mtp.features, len(head.layers), head.mtp.draft_vocab, head.trunk_layers) == ("final", 1, 0, ())
+    head = engine.runner.head  # forge v2: fused trunk features, a pruned draft vocabulary
+    assert (head.mtp.features, len(head.layers), head.mtp.draft_vocab, head.trunk_layers) == ("fuse3", 1, 16384, (7, 15, 29))
     drafted = accepted = 0
     for question in prompts.HELD_OUT_PROMPTS[:3]:  # a trained head, not a random one (~0.0)
         prompt = [{"role": "user", "content": question}]

@@ -158,7 +158,8 @@ def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers):
     cycle's draft was accepted, else 1: its depth depends on its own earlier draws. Five
     tokens, so later cycles' tokens are tested: the last two tokens' joint distribution
     (marginalised from the enumerated five-token one) and the first three's."""
-    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.1, 1.2), 0.1), (0.3,) * 3, (0.3,) * 3, rate=1.0)
+    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.1, 1.2), 0.1), greedy_prior=(0.3,) * 3,
+                                  sampled_prior=(0.3,) * 3, rate=1.0)
     depths = set()
     engine.generator.observers.append(lambda event, seq: depths.add(len(seq.stats.cycles_by_depth)))
     samples = sample_mtp(engine, N, "auto", policy, samplers=samplers, length=5)
