@@ -90,6 +90,12 @@ class Engine:
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
         self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None and loaded.head is not None and loaded.head.mtp.features != "final":
+            tensor_parallel.close()  # the ranks do not yet mirror a fused-feature head's forwards
+            raise InvalidParameter(
+                "tensor_parallel", f"this MTP head reads {loaded.head.mtp.features!r} trunk features (forge "
+                "--features), which tensor parallel does not support yet: use tensor_parallel=1, or a head "
+                "forged with --features final")
         if tensor_parallel is not None:  # before the allocator takes the runner's state cache
             tensor_parallel.mirror(self.runner)
         if self.device.type == "cuda" and cuda_graphs and tensor_parallel is None:

@@ -129,9 +129,11 @@ class MirroredModel:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, ids: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
-        return self.group.run("trunk", lambda: self.inner(ids, meta, cache), [ids, *_meta_tensors(meta)],
-                              args=_meta_args(meta))
+    def __call__(self, ids: torch.Tensor, meta: AttentionMetadata, cache, layers=None) -> torch.Tensor:
+        """layers: the trunk layers whose outputs a fused-feature head reads (forge's fuse3), or None."""
+        run = (lambda: self.inner(ids, meta, cache, layers)) if layers else (lambda: self.inner(ids, meta, cache))
+        return self.group.run("trunk", run, [ids, *_meta_tensors(meta)],
+                              args=(*_meta_args(meta), tuple(layers) if layers else None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.run("logits", lambda: self.inner.compute_logits(hidden), hidden=hidden)
@@ -378,7 +380,9 @@ class Worker:
                                   state_commit=state_commit)
 
     def _trunk(self, ints, hidden, args) -> None:
-        self.model(ints[0], _meta_from(ints[1:], args), self.runner.cache)
+        layers = args[2]
+        extra = (layers,) if layers else ()
+        self.model(ints[0], _meta_from(ints[1:], args), self.runner.cache, *extra)
 
     def _head(self, ints, hidden, args) -> None:
         self.head(self.model, hidden, ints[0], _meta_from(ints[1:], args), self.runner.cache)

@@ -38,8 +38,8 @@ def attach_head(model: CausalLM, weights: HeadWeights, device, dtype, shard: Sha
         parallelize(head, shard, config)
         state = shard_state(state, config, shard)
     head = materialize(head, state, device, dtype, tied=False, what="MTP head")
-    if weights.mtp.draft_vocab:
-        try:
+    if weights.mtp.draft_vocab and shard is None:  # a rank's output rows are a vocabulary slice:
+        try:                                           # it drafts from the whole (sharded) vocabulary
             head.bind_draft_vocab(model)
         except ValueError as exc:
             raise ModelLoadError(f"MTP head {weights.source or ''}: {exc}") from exc

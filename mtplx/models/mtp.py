@@ -105,8 +105,8 @@ class MTPHead(nn.Module):
         chosen from: ``trunk.compute_draft_logits``, or with a pruned draft vocabulary the
         logits of its rows, scattered to their ids, ``PRUNED_LOGIT`` elsewhere (an argmax lies
         within the vocabulary; a sampled draft's q is zero outside it)."""
-        if not self.mtp.draft_vocab:
-            return trunk.compute_draft_logits(hidden)
+        if getattr(self, "draft_rows", None) is None:  # no pruned vocabulary, or not bound (a
+            return trunk.compute_draft_logits(hidden)   # tensor-parallel rank: the whole one, still exact)
         rows = self.draft_rows
         kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
         lead = hidden.shape[:-1]
