@@ -71,6 +71,21 @@ def test_two_ranks_decode_what_one_process_decodes(kind):
         tp.close()
 
 
+def test_a_fused_feature_head_is_refused_and_the_ranks_stopped():
+    """The ranks do not mirror a forge fuse3/prenorm head's forwards yet: the engine says so
+    (naming the option) instead of decoding out of step, and stops the other ranks."""
+    tp, loaded = launch(functools.partial(load_rank, "dense"), 2, torch.device("cpu"), timeout_s=TIMEOUT_S)
+    try:
+        loaded.head.mtp = dataclasses.replace(loaded.head.mtp, features="fuse3")
+        with pytest.raises(InvalidParameter, match="fuse3.*tensor_parallel=1"):
+            Engine(loaded, kv_cache_tokens=512, block_size=4, tensor_parallel=tp)
+        for worker in tp.workers:
+            worker.join(timeout=TIMEOUT_S)
+            assert not worker.is_alive()
+    finally:
+        tp.close()
+
+
 def test_a_killed_rank_is_reported_not_waited_for():
     tp, loaded = launch(functools.partial(load_rank, "dense"), 2, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
@@ -144,17 +159,3 @@ def test_the_server_exits_non_zero_naming_a_rank_that_died(tmp_path):
     finally:
         server.kill()
 
-
-def test_a_fused_feature_head_is_refused_and_the_ranks_stopped():
-    """The ranks do not mirror a forge fuse3/prenorm head's forwards yet: the engine says so
-    (naming the option) instead of decoding out of step, and stops the other ranks."""
-    tp, loaded = launch(functools.partial(load_rank, "dense"), 2, torch.device("cpu"), timeout_s=TIMEOUT_S)
-    try:
-        loaded.head.mtp = dataclasses.replace(loaded.head.mtp, features="fuse3")
-        with pytest.raises(InvalidParameter, match="fuse3.*tensor_parallel=1"):
-            Engine(loaded, kv_cache_tokens=512, block_size=4, tensor_parallel=tp)
-        for worker in tp.workers:
-            worker.join(timeout=TIMEOUT_S)
-            assert not worker.is_alive()
-    finally:
-        tp.close()
