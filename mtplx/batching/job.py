@@ -118,7 +118,7 @@ class Job:
         self.t_finished = time.perf_counter()
         reason = "cancelled" if self.cancelled and not seq.finished else (seq.finish_reason or "length")
         stats = seq.stats.as_dict()
-        stats.update(self.scheduler_stats(), generation_mode=seq.mode, depth=stats["depth"] if seq.depth_plan else seq.depth,
+        stats.update(self.scheduler_stats(), generation_mode=seq.mode, depth=seq.request_depth,
                      draft_policy=seq.draft_policy, **self.extra_stats)
         result = JobResult("".join(self._text), list(seq.generated), reason, len(seq.prompt_ids),
                            seq.num_generated, stats, None if seq.logprobs is None else list(seq.logprobs),

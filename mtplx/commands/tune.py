@@ -46,8 +46,8 @@ def run(args) -> int:
             engine.auto_depth = replace(engine.auto_depth, **{"costs" if regime == "greedy" else "sampled_costs": costs})
             second = measure_side_by_side(engine, args, depths=f"{choice['depth']},auto", **sampling)
             print(render_table(second))
-            if pick_depth(second)["depth"] == "auto":
-                choice, report = pick_depth(second), second
+            if (rechosen := pick_depth(second))["depth"] == "auto":
+                choice, report = rechosen, second
         choice["depth_costs"] = costs
         print(f"{regime}: {choice['message']}")
         verdicts[regime] = choice, report

@@ -43,7 +43,7 @@ class CycleChain:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
         flight = self.flight
         return (flight is not None and flight.depth == depth and len(seqs) == len(flight.seqs)
-                and all(a is b and a.next_depth == a.depth for a, b in zip(seqs, flight.seqs))
+                and all(a is b for a, b in zip(seqs, flight.seqs)) and _keep_depths(seqs)
                 and not self._released and not any(s.finished for s in seqs))
 
     def reserve(self, seqs: list[Sequence], depth: int) -> bool:
@@ -68,8 +68,7 @@ class CycleChain:
         """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
         last, following = self.flight, None
-        # a row whose next depth differs (depth="auto") ends the chain: the graph's depths are fixed
-        if all(s.next_depth == s.depth for s in seqs) and self.reserve(seqs, last.depth):
+        if _keep_depths(seqs) and self.reserve(seqs, last.depth):
             following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs, last.depth))
             for s in seqs:
                 s.take_depth()
@@ -95,6 +94,12 @@ class CycleChain:
     def clear(self) -> None:
         """Forget the cycle in flight without reading it (after a crash)."""
         self.flight, self._released = None, set()
+
+
+def _keep_depths(seqs: list[Sequence]) -> bool:
+    """Whether every row's next cycle has its current depth: a row whose depth changes
+    (depth="auto") ends the chain, whose graph fixes each row's depth."""
+    return all(s.next_depth == s.depth for s in seqs)
 
 
 def cycle_variant(seqs: list[Sequence], depth: int) -> str:

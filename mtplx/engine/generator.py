@@ -83,8 +83,7 @@ class Generator:
     def admit(self, seq: Sequence) -> None:
         """Take blocks for the prompt, reusing cached prefix blocks. If it raises, the
         sequence holds nothing (OutOfBlocks: nothing was taken; later errors release)."""
-        plan = seq.depth_plan
-        seq.stats = DecodeStats(depth=plan.max_depth if plan else seq.depth, adaptive=plan is not None,
+        seq.stats = DecodeStats(depth=seq.request_depth, adaptive=seq.depth_plan is not None,
                                 prompt_tokens=len(seq.prompt_ids))
         seq.t_start = time.perf_counter()
         # AR sequences on a model with a head leave the head's KV entries unwritten: their

@@ -76,7 +76,7 @@ class Engine:
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
         if sampled_depth is not None:
             self._check_depth(sampled_depth, "sampled_depth")
-        self._check_depth(max_depth, "max_depth")
+        self._check_depth(max_depth, "max_depth", allow_auto=False)
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -196,11 +196,11 @@ class Engine:
                        adaptive=adaptive and mode == "mtp")
 
     @staticmethod
-    def _check_depth(depth, name: str = "depth") -> int | str:
-        if depth == "auto" and name != "max_depth":
+    def _check_depth(depth, name: str = "depth", allow_auto: bool = True) -> int | str:
+        if depth == "auto" and allow_auto:
             return depth
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
-            also = "" if name == "max_depth" else ", or 'auto'"
+            also = ", or 'auto'" if allow_auto else ""
             raise InvalidParameter(name, f"must be an integer from 1 to {MAX_DEPTH}{also}, got {depth!r}")
         return depth
 

@@ -71,6 +71,11 @@ class Sequence:
         """The depth of this row's next cycle: fixed, or decided by its plan."""
         return self.depth_plan.next_depth if self.depth_plan is not None else self.depth
 
+    @property
+    def request_depth(self) -> int:
+        """The depth the request asked for: its fixed depth, or with depth="auto" the deepest."""
+        return self.depth_plan.max_depth if self.depth_plan is not None else self.depth
+
     def take_depth(self) -> int:
         """A cycle over this row is being launched: its depth (the plan moves on)."""
         if self.depth_plan is not None:
