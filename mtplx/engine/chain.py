@@ -37,7 +37,7 @@ class CycleChain:
 
     def takes(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether chaining is on and the runner can chain these rows at this depth."""
-        return self.enabled and self.runner.can_chain(len(seqs), depth, cycle_variant(seqs, depth))
+        return self.enabled and self.runner.can_chain(len(seqs), depth, self._variant(seqs, depth))
 
     def continues(self, seqs: list[Sequence], depth: int) -> bool:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
@@ -57,23 +57,26 @@ class CycleChain:
         except OutOfBlocks:
             return False
         if grown:
-            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], cycle_variant(seqs, depth))
+            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], self._variant(seqs, depth))
         return True
 
     def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
         """Launch the first cycle from the host's state (``reserve`` first)."""
-        self.flight = self.runner.start_cycle(seqs, backlog, depth, cycle_variant(seqs, depth))
+        self.flight = self.runner.start_cycle(seqs, backlog, depth, self._variant(seqs, depth))
 
     def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
         """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
         last, following = self.flight, None
         if _keep_depths(seqs) and self.reserve(seqs, last.depth):
-            following = self.runner.next_cycle(seqs, last.depth, cycle_variant(seqs, last.depth))
+            following = self.runner.next_cycle(seqs, last.depth, self._variant(seqs, last.depth))
             for s in seqs:
                 s.take_depth()
         self.flight = following
         return last, following is not None
+
+    def _variant(self, seqs: list[Sequence], depth: int) -> str:
+        return cycle_variant(seqs, depth, self.runner.filters_apart)
 
     def drain(self) -> tuple[CycleLaunch, list[int]] | None:
         """Hand back the cycle in flight and the indices of its rows still live (neither
@@ -102,15 +105,15 @@ def _keep_depths(seqs: list[Sequence]) -> bool:
     return all(s.next_depth == s.depth for s in seqs)
 
 
-def cycle_variant(seqs: list[Sequence], depth: int) -> str:
+def cycle_variant(seqs: list[Sequence], depth: int, filters_apart: bool = True) -> str:
     """The rows' kind of chained cycle (``runner.CYCLE_VARIANTS``): "greedy" when every row is;
     else "sample" (rejection sampling and the rows' noise on the device), "mirror" when a row
     drafts from the head's distribution (a cycle with drafts), each "_filters" when a sampling
-    row asks for top-k or min-p (its graph applies them; the plain one does temperature and
-    top-p alone)."""
+    row asks for top-k or min-p and ``filters_apart`` (the PyTorch path: its graph applies them;
+    the plain one does temperature and top-p alone; the sampling kernels apply each row's own)."""
     sampling = [s for s in seqs if not s.params.greedy]
     if not sampling:
         return "greedy"
     mirror = depth > 0 and any(s.draft_policy == "mirror" for s in sampling)
-    filters = any(s.params.top_k or s.params.min_p for s in sampling)
+    filters = filters_apart and any(s.params.top_k or s.params.min_p for s in sampling)
     return ("mirror" if mirror else "sample") + ("_filters" if filters else "")

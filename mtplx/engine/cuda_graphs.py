@@ -231,6 +231,8 @@ class GraphCache:
                 for d in depths:
                     self._cycle_graph(r, d)
             for variant in CYCLE_VARIANTS[1:]:  # cycles whose rows may sample (mirror ones draft)
+                if variant.endswith("_filters") and not r_.filters_apart:
+                    continue
                 for d in ([] if variant.startswith("mirror") else [0]) + (depths if head else []):
                     self._cycle_graph(r, d, variant)
         for q in PREFILL_BUCKETS:

@@ -16,6 +16,7 @@ from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.sampling import SamplerTensors, process_logits
+from mtplx.kernels import sampling as sampling_kernels
 from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
@@ -357,6 +358,13 @@ class ModelRunner:
         else:
             self.cycle_buffers(rows, depth, variant).set_tables(tables)
 
+    @property
+    def filters_apart(self) -> bool:
+        """Whether cycles whose rows ask for top-k or min-p need graphs of their own (the
+        "_filters" ``CYCLE_VARIANTS``): on the PyTorch sampling path; the sampling kernels
+        apply each row's filters in every graph."""
+        return not sampling_kernels.available(self.device)
+
     def can_chain(self, rows: int, depth: int, variant: str = "greedy") -> bool:
         """Whether cycles over this many rows at this depth can chain: with CUDA graphs, where
         their cycle graph was captured; eagerly, always."""
@@ -397,10 +405,11 @@ class ModelRunner:
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
             head_logits = self.head.draft_logits(self.model, h)
-            picks = head_logits.argmax(-1)
             if sampling is not None and sampling.mirror:
-                picks, q = sampling.draft(head_logits, picks, j)
+                picks, q = sampling.draft(head_logits, j)
                 draft_probs.append(q)
+            else:
+                picks = _argmax(head_logits)
             tokens.append(picks)
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
@@ -408,7 +417,12 @@ class ModelRunner:
         hidden = self.forward_trunk(torch.cat([c.primary, drafts], dim=1), c.verify)
         logits = self.model.compute_logits(hidden)
         if sampling is None:
-            return hidden, logits, greedy_outcome(logits.argmax(-1), drafts, c.depths)
+            return hidden, logits, greedy_outcome(_argmax(logits), drafts, c.depths)
+        if not depth and sampling_kernels.usable(logits):  # an AR step: the kernel's race draws the token
+            s = sampling.sampler
+            _, picks = sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p,
+                                                race=sampling.race[:, None], write=False)
+            return hidden, logits, greedy_outcome(picks, drafts, c.depths)
         probs = process_logits(logits, sampling.sampler, top_k=sampling.filters, min_p=sampling.filters)
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
@@ -429,6 +443,7 @@ class CycleSampling:
         self.race = torch.ones(rows, vocab, dtype=torch.float32, device=device)
         if self.mirror:
             self.mirror_rows = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+            self.onehot_rows = torch.ones(rows, 1, dtype=torch.bool, device=device)  # drafts an argmax
             self.draft_race = torch.ones(rows, depth, vocab, dtype=torch.float32, device=device)
 
     def write(self, seqs: list[Sequence]) -> None:
@@ -437,6 +452,7 @@ class CycleSampling:
         if self.mirror:
             rows = [[_mirrors(s)] for s in seqs] + [[False]] * (self.mirror_rows.shape[0] - len(seqs))
             self.mirror_rows.copy_(torch.tensor(rows), non_blocking=True)
+            torch.logical_not(self.mirror_rows, out=self.onehot_rows)
 
     def draw(self, seqs: list[Sequence]) -> None:
         """Each sampling row's noise for the cycle about to launch. Queued on the stream after
@@ -450,15 +466,25 @@ class CycleSampling:
                     self.draft_race[r, j].exponential_(generator=seq.generator)
             draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
 
-    def draft(self, head_logits: torch.Tensor, argmax: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, head_logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft j for every row from the head's logits [R, V]: a mirror row samples from its
         processed distribution q (an exponential race); every other row keeps the argmax, its q
         a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V])."""
+        if sampling_kernels.usable(head_logits):  # one launch: q (one-hot where not mirror) and the race
+            s = self.sampler
+            q, picks = sampling_kernels.process(head_logits[:, None], self.onehot_rows, s.temperature, s.top_k,
+                                                s.top_p, s.min_p, race=self.draft_race[:, j: j + 1])
+            return picks[:, 0], q[:, 0]
         q = process_logits(head_logits[:, None], self.sampler, top_k=self.filters, min_p=self.filters)[:, 0]
         sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
-        picks = torch.where(self.mirror_rows[:, 0], sampled, argmax)
+        picks = torch.where(self.mirror_rows[:, 0], sampled, head_logits.argmax(-1))
         hot = torch.zeros_like(q).scatter_(1, picks[:, None], 1.0)
         return picks, torch.where(self.mirror_rows, q, hot)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum over the vocabulary: one Triton pass on CUDA (``kernels.sampling.argmax``)."""
+    return sampling_kernels.argmax(logits) if sampling_kernels.usable(logits) else logits.argmax(-1)
 
 
 def _mirrors(seq: Sequence) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.errors import InvalidParameter
+from mtplx.kernels import sampling as sampling_kernels
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's allowed range for presence/frequency penalties
 
@@ -225,7 +226,10 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     (penalties already applied) -> float32 probs [rows, positions, V], each row processed with
     its own temperature, top-k, top-p and min-p in that order, greedy rows a one-hot of the
     argmax. The flags skip a filter no row asks for (a CUDA graph takes them all: any row may);
-    a row that does not ask for a filter is left unchanged by it."""
+    a row that does not ask for a filter is left unchanged by it. On CUDA one Triton kernel does
+    it all (``kernels.sampling.process``), each row's filters only where it asks for them."""
+    if sampling_kernels.usable(logits):
+        return sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p)[0]
     logits = logits.float()
     vocab = logits.shape[-1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from mtplx.kernels import sampling as sampling_kernels
 
 
 class VerifyOutcome(NamedTuple):
@@ -150,10 +151,12 @@ def rejection_outcome(target_probs: torch.Tensor, draft_probs: torch.Tensor | No
     row's drafts from the bonus distribution p_k; the draw is argmax(dist / race), an
     exponential race. Returns the packed outcome [rows, k + 2]: drafts, accepted, next token
     (``greedy_outcome``'s layout). Rows whose p is a one-hot (greedy rows) get the greedy
-    outcome."""
+    outcome. On CUDA one Triton kernel does it (``kernels.sampling.rejection``)."""
     rows, k1, vocab = target_probs.shape
     k = k1 - 1
     depths = torch.full((rows, 1), k, dtype=torch.long, device=drafts.device) if depths is None else depths
+    if sampling_kernels.usable(target_probs) and target_probs.dtype == uniforms.dtype == race.dtype == torch.float32:
+        return sampling_kernels.rejection(target_probs, draft_probs, drafts, depths, uniforms, race)
     index = drafts[:, :, None]
     p_x = target_probs[:, :k].gather(2, index).squeeze(2)
     if draft_probs is None:

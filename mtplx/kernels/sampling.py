@@ -1,0 +1,339 @@
+"""Triton kernels for the sampling work of a decode cycle (issue 15): the processed next-token
+distributions of every row at once, and exact rejection sampling of a cycle's drafts.
+
+On the H200 the PyTorch path (``engine.sampling.process_logits``, ``speculative.rejection_outcome``)
+cost a sampled AR step 128 us and a depth-1 verify 212 us of GPU time, more than a fifth of the
+step, in about 40 launches: a full radix sort of the vocabulary for top-p, single-row softmax,
+argmax and cumsum reductions that use one multiprocessor each, and elementwise glue
+(benchmarks/sampled_profile.py). Here:
+
+- ``process``: one program per (row, position) makes the distribution of
+  ``sampling.logits_to_probs`` (temperature, top-k, top-p, min-p; greedy rows a one-hot of the
+  argmax) and, given exponential noise, draws a token from it by the exponential race. Top-k
+  and top-p need a threshold, not a sort: one pass copies to a scratch row the candidates,
+  the tokens whose weight is at least 2^-16 of the top token's, which hold every kept token
+  when they are at least k (top-k) or hold top_p of the mass (top-p), else every token is a
+  candidate; a 16-way search over the candidates' float bits finds the exact threshold (the
+  k-th largest scaled logit, ties kept; the least probability whose more probable tokens hold
+  less than top_p of the mass). Each lane keeps its own sums and maxima across a pass (one
+  block reduction per pass). H200 (benchmarks/sampled_profile.py): 17-19 us for a row without
+  filters, about 85 us with top-p (against 127-212 us for the PyTorch path).
+- ``argmax``: the first maximum of each row in one pass (greedy drafts and verifies).
+- ``rejection``: one program per row accepts its drafts left to right (u < p(x) / q(x)), then
+  draws the emitted token from the residual max(0, p - q) (or the bonus distribution) by the
+  exponential race, in one pass over the vocabulary.
+
+Both compute what the PyTorch functions compute, in float32; sums run in another order, so a
+token whose inclusion is decided by the last bits of a sum (a top-p boundary met to the
+rounding) can differ. The engine uses one path for the target and the draft distributions of
+a cycle, so speculative decoding stays exact either way. tests/test_sampling_kernels.py checks
+both kernels against the PyTorch functions under Triton's interpreter; benchmarks/
+sampled_profile.py checks them on the GPU before timing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtplx import kernels  # its ENABLED switches these kernels off too
+from mtplx.kernels import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the PyTorch path
+    triton = None
+
+BLOCK = 4096   # tokens per step of a pass over a row (each lane keeps its own sums and maxima)
+TILE = 1024    # candidates per step of the threshold search
+NUM_WARPS = 16
+
+
+def usable(logits: torch.Tensor) -> bool:
+    """Whether ``process`` and ``rejection`` run for tensors like ``logits`` (CUDA, or any
+    under Triton's interpreter, kernels enabled, outside autograd)."""
+    return fused.usable(logits)
+
+
+def available(device: torch.device) -> bool:
+    """Whether forwards on ``device`` sample through these kernels (``usable`` outside autograd)."""
+    return kernels.ENABLED and triton is not None and (device.type == "cuda" or fused._INTERPRET)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skey(x):
+        """float32 -> int32 whose signed order is the floats' order (for every non-NaN)."""
+        b = x.to(tl.int32, bitcast=True)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _first_max(values, at, V):
+        """Per-lane maxima and where they were -> (the maximum, the least index holding it)."""
+        m = tl.max(values, axis=0)
+        return m, tl.min(tl.where(values == m, at, V), axis=0)
+
+    @triton.jit
+    def _row_argmax(row_ptr, V, BLOCK: tl.constexpr):
+        """(max, first index of it) of a row of V values, each lane keeping its own maximum
+        (one block reduction at the end, not one per step)."""
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_at = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            better = x > best  # strict: a lane keeps its first maximum
+            best = tl.where(better, x, best)
+            best_at = tl.where(better, cols, best_at)
+        return _first_max(best, best_at, V)
+
+    @triton.jit
+    def _search(src, n, lo, hi, target, kth, top_k_mode: tl.constexpr, TILE: tl.constexpr):
+        """16-way search over int32 keys for a threshold in (lo, hi]. ``src``: n candidate scaled
+        logits. top_k_mode: the largest key K with count(skey >= K) >= target (lo satisfies it,
+        hi does not; returns lo); else the least key t with mass(w > t) < target over the
+        weights w = exp(s) of the candidates with skey >= kth (lo fails it, hi satisfies it;
+        returns hi)."""
+        j = tl.arange(0, 16)
+        while hi - lo > 1:
+            mids = lo + (hi - lo) * (j + 1).to(tl.int64) // 16  # mids[15] == hi
+            acc = tl.zeros([16, TILE], dtype=tl.float32)
+            for start in range(0, n, TILE):
+                cols = start + tl.arange(0, TILE)
+                s = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+                if top_k_mode:
+                    above = (_skey(s)[None, :] >= mids[:, None]) & (cols < n)[None, :]
+                    acc += tl.where(above, 1.0, 0.0)
+                else:
+                    w = tl.where(_skey(s) >= kth, tl.exp(s), 0.0)
+                    acc += tl.where(w.to(tl.int32, bitcast=True)[None, :] > mids[:, None], w[None, :], 0.0)
+            stat = tl.sum(acc, axis=1)
+            if top_k_mode:
+                ok = stat >= target
+                lo = tl.max(tl.where(ok, mids, lo), axis=0)
+                hi = tl.min(tl.where(ok, hi, mids), axis=0)
+            else:
+                ok = stat < target
+                hi = tl.min(tl.where(ok, mids, hi), axis=0)
+                lo = tl.max(tl.where(ok, lo, mids), axis=0)
+        if top_k_mode:
+            return lo
+        return hi
+
+    @triton.jit
+    def _compact(logits, scratch, V, best, temp, cut, BLOCK: tl.constexpr):
+        """The scaled logits s of the tokens with exp(s) >= cut, in order, to ``scratch``; returns
+        (their number, their weight, the weight of every token)."""
+        n = 0
+        mass = tl.zeros([BLOCK], dtype=tl.float32)
+        z = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            s = (x - best) / temp
+            w = tl.exp(s)
+            keep = (w >= cut) & (cols < V)
+            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(scratch + slot, s, mask=keep)
+            n += tl.sum(keep.to(tl.int32), axis=0)
+            z += w
+            mass += tl.where(keep, w, 0.0)
+        return n, tl.sum(mass, axis=0), tl.sum(z, axis=0)
+
+    @triton.jit
+    def _process_kernel(logits_ptr, out_ptr, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+                        race_ptr, pick_ptr, scratch_ptr, V, positions, race_row, race_pos,
+                        HAS_RACE: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        row = tl.program_id(0)
+        setting = row // positions
+        logits = logits_ptr + row.to(tl.int64) * V
+        out = out_ptr + row.to(tl.int64) * V
+        race = race_ptr + setting.to(tl.int64) * race_row + (row % positions) * race_pos
+        # pass 1: the most probable token (the first of equal maxima, as torch.argmax)
+        best, best_at = _row_argmax(logits, V, BLOCK)
+        if tl.load(greedy_ptr + setting) != 0:
+            if WRITE:
+                for start in range(0, V, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    tl.store(out + cols, tl.where(cols == best_at, 1.0, 0.0), mask=cols < V)
+            if HAS_RACE:
+                tl.store(pick_ptr + row, best_at.to(tl.int64))
+            return
+        temp = tl.load(temp_ptr + setting)
+        top_k = tl.load(topk_ptr + setting).to(tl.int32)
+        top_p = tl.load(topp_ptr + setting)
+        min_p = tl.load(minp_ptr + setting)
+        top_k = tl.where(top_k >= V, 0, top_k)
+        kth = tl.full([], -2147483648, tl.int64)  # skey threshold of top-k (none: every key passes)
+        t0 = tl.full([], -1, tl.int64)            # bit threshold of top-p on w's bits (none)
+        if (top_k > 0) | (top_p < 1.0) | (min_p > 0.0):
+            # pass 2: the weights w = exp((x - max) / T) (the top token's is 1) and the
+            # candidates, the tokens with w >= CUT, which hold every kept token when they are
+            # at least k (top-k), hold top_p of the mass (top-p) or min_p >= CUT (min-p alone);
+            # else (pass 2 again) every token is a candidate
+            scratch = scratch_ptr + row.to(tl.int64) * V
+            n, mass, z = _compact(logits, scratch, V, best, temp, 1.52587890625e-05, BLOCK)  # CUT = 2^-16
+            holds = tl.where(top_k > 0, n >= top_k, tl.where(top_p < 1.0, mass >= top_p * z, min_p >= 1.52587890625e-05))
+            if holds == 0:
+                n, mass, z = _compact(logits, scratch, V, best, temp, -1.0, BLOCK)
+            mass = z
+            if top_k > 0:
+                kth = _search(scratch, n, tl.full([], -2147483648, tl.int64), tl.full([], 1, tl.int64),
+                              top_k.to(tl.float32), kth, True, TILE)
+                kacc = tl.zeros([TILE], dtype=tl.float32)
+                for start in range(0, n, TILE):
+                    cols = start + tl.arange(0, TILE)
+                    s = tl.load(scratch + cols, mask=cols < n, other=float("-inf"))
+                    kacc += tl.where(_skey(s) >= kth, tl.exp(s), 0.0)
+                mass = tl.sum(kacc, axis=0)
+            if top_p < 1.0:
+                t0 = _search(scratch, n, tl.full([], -1, tl.int64), tl.full([], 0x3F800000, tl.int64),
+                             top_p * mass, kth, False, TILE)
+            # the kept tokens are candidates: their weight from the scratch row
+            facc = tl.zeros([TILE], dtype=tl.float32)
+            for start in range(0, n, TILE):
+                cols = start + tl.arange(0, TILE)
+                s = tl.load(scratch + cols, mask=cols < n, other=float("-inf"))
+                w = tl.exp(s)
+                kept = (_skey(s) >= kth) & (w.to(tl.int32, bitcast=True) >= t0) & (w >= min_p)
+                facc += tl.where(kept, w, 0.0)
+            zf = tl.sum(facc, axis=0)
+        else:  # pass 2: the total weight
+            zacc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+                zacc += tl.exp((x - best) / temp)
+            zf = tl.sum(zacc, axis=0)
+        # last pass: the distribution, and the race's winner
+        win = tl.full([BLOCK], -1.0, tl.float32)
+        win_at = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            s = (x - best) / temp
+            w = tl.exp(s)
+            kept = (_skey(s) >= kth) & (w.to(tl.int32, bitcast=True) >= t0) & (w >= min_p)
+            p = tl.where(kept, w / zf, 0.0)
+            if WRITE:
+                tl.store(out + cols, p, mask=cols < V)
+            if HAS_RACE:
+                e = tl.load(race + cols, mask=cols < V, other=1.0)
+                score = tl.where(cols < V, p / e, -1.0)
+                better = score > win
+                win = tl.where(better, score, win)
+                win_at = tl.where(better, cols, win_at)
+        if HAS_RACE:
+            _, at = _first_max(win, win_at, V)
+            tl.store(pick_ptr + row, at.to(tl.int64))
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        _, at = _row_argmax(x_ptr + row.to(tl.int64) * V, V, BLOCK)
+        tl.store(out_ptr + row, at.to(tl.int64))
+
+    @triton.jit
+    def _rejection_kernel(p_ptr, q_ptr, drafts_ptr, depths_ptr, u_ptr, race_ptr, out_ptr, V, k, u_stride,
+                          HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        r64 = row.to(tl.int64)
+        depth = tl.load(depths_ptr + row).to(tl.int32)
+        accepted = 0
+        alive = 1
+        for i in range(0, k):
+            x = tl.load(drafts_ptr + row * k + i)
+            tl.store(out_ptr + row * (k + 2) + i, x)
+            p_x = tl.load(p_ptr + (r64 * (k + 1) + i) * V + x)
+            if HAS_Q:
+                q_x = tl.load(q_ptr + (r64 * k + i) * V + x)
+                ratio = tl.minimum(p_x / tl.maximum(q_x, 1.1754943508222875e-38), 1.0)
+            else:
+                ratio = tl.minimum(p_x, 1.0)
+            u = tl.load(u_ptr + row * u_stride + i)
+            alive = alive & (u < ratio).to(tl.int32) & (i < depth).to(tl.int32)
+            accepted += alive
+        p_row = p_ptr + (r64 * (k + 1) + accepted) * V
+        residual = accepted < depth
+        at = tl.minimum(accepted, k - 1)  # the bonus position has no draft
+        q_row = q_ptr + (r64 * k + at) * V
+        x = tl.load(drafts_ptr + row * k + at, mask=k > 0, other=-1)
+        best = tl.full([BLOCK], -1.0, tl.float32)
+        best_at = tl.zeros([BLOCK], dtype=tl.int32)
+        res_best = tl.full([BLOCK], -1.0, tl.float32)
+        res_at = tl.zeros([BLOCK], dtype=tl.int32)
+        mass = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < V
+            p = tl.load(p_row + cols, mask=inside, other=0.0)
+            e = tl.load(race_ptr + r64 * V + cols, mask=inside, other=1.0)
+            score = tl.where(inside, p / e, -1.0)
+            better = score > best
+            best = tl.where(better, score, best)
+            best_at = tl.where(better, cols, best_at)
+            if residual:
+                if HAS_Q:
+                    r = tl.maximum(p - tl.load(q_row + cols, mask=inside, other=0.0), 0.0)
+                else:
+                    r = tl.where(cols == x, 0.0, p)
+                mass += r
+                score = tl.where(inside, r / e, -1.0)
+                better = score > res_best
+                res_best = tl.where(better, score, res_best)
+                res_at = tl.where(better, cols, res_at)
+        _, token = _first_max(best, best_at, V)
+        if residual:
+            # a rejection leaves residual mass in exact arithmetic; should rounding leave none, p itself
+            if tl.sum(mass, axis=0) > 0.0:
+                _, token = _first_max(res_best, res_at, V)
+        tl.store(out_ptr + row * (k + 2) + k, accepted.to(tl.int64))
+        tl.store(out_ptr + row * (k + 2) + k + 1, token.to(tl.int64))
+
+
+def process(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+            top_p: torch.Tensor, min_p: torch.Tensor, race: torch.Tensor | None = None, write: bool = True,
+            block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``sampling.process_logits`` in one launch: logits [rows, positions, V] (any float dtype)
+    and per-row settings [rows, 1] (``SamplerTensors``) -> (float32 probs [rows, positions, V],
+    picks [rows, positions] long or None). With ``race`` ([rows, positions, V] exponentials,
+    the vocabulary contiguous) each (row, position) also draws its token, argmax(p / race);
+    ``write=False`` (with a race) leaves the distribution unwritten (probs None)."""
+    rows, positions, vocab = logits.shape
+    logits = logits.contiguous()
+    if race is not None and race.stride(2) != 1:
+        race = race.contiguous()
+    out = torch.empty(rows, positions, vocab if write else 1, dtype=torch.float32, device=logits.device)
+    scratch = torch.empty(rows * positions, vocab, dtype=torch.float32, device=logits.device)
+    picks = torch.empty(rows, positions, dtype=torch.long, device=logits.device) if race is not None else out
+    _process_kernel[(rows * positions,)](
+        logits, out, greedy, temperature, top_k, top_p,
+        min_p, race if race is not None else out, picks, scratch, vocab, positions,
+        race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
+        HAS_RACE=race is not None, WRITE=write, BLOCK=block, TILE=TILE, num_warps=num_warps)
+    return (out if write else None), (picks if race is not None else None)
+
+
+def argmax(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximum) with one program per row: torch's reduction of one
+    row of a vocabulary uses one block and took 12.5 us on the H200, this one pass about 3."""
+    lead, vocab = x.shape[:-1], x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty(lead, dtype=torch.long, device=x.device)
+    _argmax_kernel[(max(out.numel(), 1),)](x, out, vocab, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, drafts: torch.Tensor,
+              depths: torch.Tensor, uniforms: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """``speculative.rejection_outcome`` in one launch (same arguments; depths [rows, 1])."""
+    rows, k1, vocab = target_probs.shape
+    k = k1 - 1
+    out = torch.empty(rows, k + 2, dtype=torch.long, device=target_probs.device)
+    drafts = drafts.contiguous()
+    q = draft_probs.contiguous() if draft_probs is not None else target_probs
+    _rejection_kernel[(rows,)](
+        target_probs.contiguous(), q, drafts if k else out, depths.contiguous(), uniforms, race.contiguous(), out,
+        vocab, k, uniforms.stride(0), HAS_Q=draft_probs is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
