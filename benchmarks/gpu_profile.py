@@ -24,6 +24,18 @@ from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
 
 
+def kernel_rows(prof, per: float, name_chars: int = 100) -> list[tuple[str, float, float]]:
+    """A profile's CUDA kernels by name: (name, launches, microseconds), each divided by ``per``
+    (steps, tokens), costliest first."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name[ev.name[:name_chars]]
+            entry[0] += 1
+            entry[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return sorted(((n, c / per, us / per) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+
+
 def kernel_breakdown(fn, steps: int = 5) -> dict:
     """GPU kernel time per step by kernel name (torch.profiler over ``steps`` calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -35,13 +47,7 @@ def kernel_breakdown(fn, steps: int = 5) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            entry = by_name[ev.name[:90]]
-            entry[0] += 1
-            entry[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+    rows = kernel_rows(prof, steps, name_chars=90)
     return {"kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": sum(r[2] for r in rows),
             "top": [{"name": n, "count": c, "us": us} for n, c, us in rows[:25]]}
 

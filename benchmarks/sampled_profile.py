@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from benchmarks.gpu import timed
+from benchmarks.gpu_profile import kernel_rows
 from benchmarks.sampled_decoding import HELD_OUT_CHAT
 
 CONFIGS = {  # label: (mode, depth, draft policy, sampling)
@@ -56,17 +56,11 @@ def profile_config(engine, prompts, config, max_tokens: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         p_tokens = generate(engine, prompts, config, max_tokens)
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            entry = by_name[ev.name[:100]]
-            entry[0] += 1
-            entry[1] += ev.device_time_total
-    gpu_us = sum(us for _, us in by_name.values())
-    rows = sorted(((n, c / p_tokens, us / p_tokens) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+    rows = kernel_rows(prof, p_tokens)
+    gpu_us = sum(us for _, _, us in rows)  # per token
     return {"tokens": tokens, "wall_us_per_token": wall / tokens * 1e6, "tok_s": tokens / wall,
-            "gpu_us_per_token": gpu_us / p_tokens, "kernels_per_token": sum(c for _, c, _ in rows),
-            "gpu_busy_share": gpu_us / p_tokens / (wall / tokens * 1e6),
+            "gpu_us_per_token": gpu_us, "kernels_per_token": sum(c for _, c, _ in rows),
+            "gpu_busy_share": gpu_us / (wall / tokens * 1e6),
             "top": [{"name": n, "per_token": round(c, 2), "us_per_token": round(us, 2)} for n, c, us in rows]}
 
 
@@ -170,9 +164,8 @@ def sweep(engine) -> dict:
                         out[key] = {
                             "process": graph_us(lambda: k.process(logits, s.greedy, s.temperature, s.top_k, s.top_p,
                                                                   s.min_p, block=block, num_warps=warps)),
-                            "race_no_write": graph_us(lambda: k.process(logits, s.greedy, s.temperature, s.top_k,
-                                                                        s.top_p, s.min_p, race=race, write=False,
-                                                                        block=block, num_warps=warps)),
+                            "race": graph_us(lambda: k.process(logits, s.greedy, s.temperature, s.top_k, s.top_p,
+                                                               s.min_p, race=race, block=block, num_warps=warps)),
                             "argmax": graph_us(lambda: k.argmax(logits, block=block, num_warps=warps))}
                     except Exception as e:  # a config that does not compile (registers)
                         out[key] = {"error": repr(e)[:200]}

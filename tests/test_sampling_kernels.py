@@ -150,11 +150,3 @@ def test_argmax_is_the_first_maximum():
     assert torch.equal(kernel.argmax(logits.to(torch.bfloat16)), logits.to(torch.bfloat16).argmax(-1))
     assert int(kernel.argmax(logits)[1, 2]) == 0
 
-
-def test_process_race_without_writing_the_distribution_draws_the_same_tokens():
-    logits = logits_rows(len(PARAMS), 1, seed=3)
-    s = settings(PARAMS)
-    race = torch.empty(len(PARAMS), 1, VOCAB, device=DEVICE).exponential_()
-    _, picks = kernel.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p, race)
-    probs, unwritten = kernel.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p, race, write=False)
-    assert probs is None and torch.equal(unwritten, picks)

@@ -418,11 +418,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(_argmax(logits), drafts, c.depths)
-        if not depth and sampling_kernels.usable(logits):  # an AR step: the kernel's race draws the token
-            s = sampling.sampler
-            _, picks = sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p,
-                                                race=sampling.race[:, None], write=False)
-            return hidden, logits, greedy_outcome(picks, drafts, c.depths)
         probs = process_logits(logits, sampling.sampler, top_k=sampling.filters, min_p=sampling.filters)
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)

@@ -75,6 +75,13 @@ if triton is not None:
         return m, tl.min(tl.where(values == m, at, V), axis=0)
 
     @triton.jit
+    def _scaled(logits, cols, V, best, temp):
+        """A block of a row's scaled logits s = (x - max) / T (past the row: -inf) and weights exp(s)."""
+        x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        s = (x - best) / temp
+        return s, tl.exp(s)
+
+    @triton.jit
     def _row_argmax(row_ptr, V, BLOCK: tl.constexpr):
         """(max, first index of it) of a row of V values, each lane keeping its own maximum
         (one block reduction at the end, not one per step)."""
@@ -130,9 +137,7 @@ if triton is not None:
         z = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            s = (x - best) / temp
-            w = tl.exp(s)
+            s, w = _scaled(logits, cols, V, best, temp)
             keep = (w >= cut) & (cols < V)
             slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(scratch + slot, s, mask=keep)
@@ -144,7 +149,7 @@ if triton is not None:
     @triton.jit
     def _process_kernel(logits_ptr, out_ptr, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
                         race_ptr, pick_ptr, scratch_ptr, V, positions, race_row, race_pos,
-                        HAS_RACE: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                        HAS_RACE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
         row = tl.program_id(0)
         setting = row // positions
         logits = logits_ptr + row.to(tl.int64) * V
@@ -153,10 +158,9 @@ if triton is not None:
         # pass 1: the most probable token (the first of equal maxima, as torch.argmax)
         best, best_at = _row_argmax(logits, V, BLOCK)
         if tl.load(greedy_ptr + setting) != 0:
-            if WRITE:
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    tl.store(out + cols, tl.where(cols == best_at, 1.0, 0.0), mask=cols < V)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                tl.store(out + cols, tl.where(cols == best_at, 1.0, 0.0), mask=cols < V)
             if HAS_RACE:
                 tl.store(pick_ptr + row, best_at.to(tl.int64))
             return
@@ -203,21 +207,17 @@ if triton is not None:
             zacc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                zacc += tl.exp((x - best) / temp)
+                zacc += _scaled(logits, cols, V, best, temp)[1]
             zf = tl.sum(zacc, axis=0)
         # last pass: the distribution, and the race's winner
         win = tl.full([BLOCK], -1.0, tl.float32)
         win_at = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            s = (x - best) / temp
-            w = tl.exp(s)
+            s, w = _scaled(logits, cols, V, best, temp)
             kept = (_skey(s) >= kth) & (w.to(tl.int32, bitcast=True) >= t0) & (w >= min_p)
             p = tl.where(kept, w / zf, 0.0)
-            if WRITE:
-                tl.store(out + cols, p, mask=cols < V)
+            tl.store(out + cols, p, mask=cols < V)
             if HAS_RACE:
                 e = tl.load(race + cols, mask=cols < V, other=1.0)
                 score = tl.where(cols < V, p / e, -1.0)
@@ -293,26 +293,25 @@ if triton is not None:
 
 
 def process(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-            top_p: torch.Tensor, min_p: torch.Tensor, race: torch.Tensor | None = None, write: bool = True,
-            block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            top_p: torch.Tensor, min_p: torch.Tensor, race: torch.Tensor | None = None,
+            block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sampling.process_logits`` in one launch: logits [rows, positions, V] (any float dtype)
     and per-row settings [rows, 1] (``SamplerTensors``) -> (float32 probs [rows, positions, V],
     picks [rows, positions] long or None). With ``race`` ([rows, positions, V] exponentials,
-    the vocabulary contiguous) each (row, position) also draws its token, argmax(p / race);
-    ``write=False`` (with a race) leaves the distribution unwritten (probs None)."""
+    the vocabulary contiguous) each (row, position) also draws its token, argmax(p / race)."""
     rows, positions, vocab = logits.shape
     logits = logits.contiguous()
     if race is not None and race.stride(2) != 1:
         race = race.contiguous()
-    out = torch.empty(rows, positions, vocab if write else 1, dtype=torch.float32, device=logits.device)
+    out = torch.empty(rows, positions, vocab, dtype=torch.float32, device=logits.device)
     scratch = torch.empty(rows * positions, vocab, dtype=torch.float32, device=logits.device)
     picks = torch.empty(rows, positions, dtype=torch.long, device=logits.device) if race is not None else out
     _process_kernel[(rows * positions,)](
         logits, out, greedy, temperature, top_k, top_p,
         min_p, race if race is not None else out, picks, scratch, vocab, positions,
         race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
-        HAS_RACE=race is not None, WRITE=write, BLOCK=block, TILE=TILE, num_warps=num_warps)
-    return (out if write else None), (picks if race is not None else None)
+        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, num_warps=num_warps)
+    return out, (picks if race is not None else None)
 
 
 def argmax(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
