@@ -47,6 +47,7 @@ import httpx
 
 MODES = ("serial", "mtp_batch", "hyper", "ar_batch", "solo_mtp")
 CHAT_ROUTE = "/v1/chat/completions"
+KEEPALIVE_S = 2.0  # idle connections kept this long (uvicorn's keep-alive timeout: 5 s)
 MAX_RETRY_WAIT_S = 30.0  # a Retry-After above this is obeyed only this long (keeps the loop bounded)
 EXAMPLES = 5  # failure and mismatch examples kept per kind
 
@@ -337,9 +338,15 @@ class Monitor:
 
 
 def local_client(url: str, timeout_s: float, connections: int = 8) -> httpx.AsyncClient:
-    """An httpx client for ``url`` that never goes through a proxy (loopback only)."""
+    """An httpx client for ``url`` that never goes through a proxy (loopback only).
+
+    Idle connections are dropped after ``KEEPALIVE_S``, well before uvicorn closes them (its
+    keep-alive timeout is 5 s, the same as httpx's default expiry): with equal timeouts a client
+    waking from a Retry-After sleep could send on a connection the server was closing and get a
+    ReadError with no response, which is a race in the client, not a server failure."""
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                                                 keepalive_expiry=KEEPALIVE_S))
 
 
 async def run_load(url: str, model: str, mix: Mix, solo: dict[str, dict], *, clients: int = 64,
