@@ -121,14 +121,22 @@ def _one_row_by_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     exactly keys[key_start: its position + 1], alone. A verify then gives every token the
     numbers an AR step gives it (SDPA's CPU kernel rounds differently for one and for several
     queries, and over different key counts; a quantized model rounds activations to bf16, which
-    turns those last-bit differences into different greedy tokens). No mask is built."""
+    turns those last-bit differences into different greedy tokens). No mask is built.
+
+    Each query's heads are grouped by the key/value head they read ([kv_heads, group, head_dim],
+    head h reading kv head h // group, as ``enable_gqa`` does), so the scores are two small batched
+    matmuls with no repeated keys: about a third of SDPA's time on one query (its math path
+    expands the keys for GQA)."""
     positions = meta.positions[0].tolist()  # host read: on the CPU there is no device to wait for
-    block_size = k_pool.shape[1]
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    heads = q.shape[2]
     table = meta.block_tables[0, : -(-(max(positions) + 1) // block_size)]
-    keys = k_pool[table].flatten(0, 1).transpose(0, 1)  # [kv_heads, keys, head_dim]
-    values = v_pool[table].flatten(0, 1).transpose(0, 1)
-    gqa = k_pool.shape[2] != q.shape[2]
-    outs = [F.scaled_dot_product_attention(q[0, i:i + 1].transpose(0, 1), keys[:, meta.key_start:p + 1],
-                                           values[:, meta.key_start:p + 1], scale=scale, enable_gqa=gqa)
-            for i, p in enumerate(positions)]
-    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0)
+    keys = k_pool.index_select(0, table).flatten(0, 1).transpose(0, 1)  # [kv_heads, keys, head_dim]
+    values = v_pool.index_select(0, table).flatten(0, 1).transpose(0, 1)  # (index_select: 1/3 of k_pool[table])
+    outs = []
+    for i, p in enumerate(positions):
+        grouped = q[0, i].reshape(kv_heads, heads // kv_heads, head_dim)
+        scores = torch.bmm(grouped, keys[:, meta.key_start:p + 1].transpose(1, 2)).float() * scale
+        weights = scores.softmax(-1).to(values.dtype)
+        outs.append(torch.bmm(weights, values[:, meta.key_start:p + 1]).reshape(heads, head_dim))
+    return torch.stack(outs).unsqueeze(0)
