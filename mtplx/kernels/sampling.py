@@ -10,10 +10,11 @@ argmax and cumsum reductions that use one multiprocessor each, and elementwise g
 - ``process``: one program per (row, position) makes the distribution of
   ``sampling.logits_to_probs`` (temperature, top-k, top-p, min-p; greedy rows a one-hot of the
   argmax) and, given exponential noise, draws a token from it by the exponential race. Top-k
-  and top-p need a threshold, not a sort: one pass copies to a scratch row the candidates,
-  the tokens whose weight is at least 2^-16 of the top token's, which hold every kept token
-  when they are at least k (top-k) or hold top_p of the mass (top-p), else every token is a
-  candidate; a 16-way search over the candidates' float bits finds the exact threshold (the
+  and top-p need a threshold, not a sort: one pass counts the candidates, the tokens whose
+  weight is at least 2^-16 of the top token's, which hold every kept token when they are at
+  least k (top-k) or hold top_p of the mass (top-p), else every token is a candidate, and a
+  second copies them to a scratch row (each lane's from a slot that one scan of the lanes'
+  counts gives: a scan per row, not one per block; about 170 candidates at T 0.7); a 16-way search over the candidates' float bits finds the exact threshold (the
   k-th largest scaled logit, ties kept; the least probability whose more probable tokens hold
   less than top_p of the mass). Each lane keeps its own sums and maxima across a pass (one
   block reduction per pass). H200 (benchmarks/sampled_profile.py): 17-19 us for a row without
@@ -45,7 +46,8 @@ except ImportError:  # CPU-only installs use the PyTorch path
     triton = None
 
 BLOCK = 4096   # tokens per step of a pass over a row (each lane keeps its own sums and maxima)
-TILE = 1024    # candidates per step of the threshold search
+TILE = 256     # candidates per step of the threshold search (a row at T 0.7 has about 170)
+WIDE = 1024    # ... where there are more than WIDE
 NUM_WARPS = 16
 
 
@@ -96,26 +98,36 @@ if triton is not None:
         return _first_max(best, best_at, V)
 
     @triton.jit
-    def _search(src, n, lo, hi, target, kth, top_k_mode: tl.constexpr, TILE: tl.constexpr):
+    def _stats(src, n, mids, kth, top_k_mode: tl.constexpr, TILE: tl.constexpr):
+        """For each of the 16 keys ``mids``: top_k_mode, how many of the n candidates have
+        skey >= it; else the weight of the candidates with skey >= kth whose weight's bits exceed it."""
+        acc = tl.zeros([16, TILE], dtype=tl.float32)
+        for start in range(0, n, TILE):
+            cols = start + tl.arange(0, TILE)
+            s = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+            if top_k_mode:
+                above = (_skey(s)[None, :] >= mids[:, None]) & (cols < n)[None, :]
+                acc += tl.where(above, 1.0, 0.0)
+            else:
+                w = tl.where(_skey(s) >= kth, tl.exp(s), 0.0)
+                acc += tl.where(w.to(tl.int32, bitcast=True)[None, :] > mids[:, None], w[None, :], 0.0)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _search(src, n, lo, hi, target, kth, top_k_mode: tl.constexpr, TILE: tl.constexpr, WIDE: tl.constexpr):
         """16-way search over int32 keys for a threshold in (lo, hi]. ``src``: n candidate scaled
         logits. top_k_mode: the largest key K with count(skey >= K) >= target (lo satisfies it,
         hi does not; returns lo); else the least key t with mass(w > t) < target over the
         weights w = exp(s) of the candidates with skey >= kth (lo fails it, hi satisfies it;
-        returns hi)."""
+        returns hi). Steps of TILE candidates, or of WIDE where there are more (every token a
+        candidate: the small steps took 4x as long there on the H200)."""
         j = tl.arange(0, 16)
         while hi - lo > 1:
             mids = lo + (hi - lo) * (j + 1).to(tl.int64) // 16  # mids[15] == hi
-            acc = tl.zeros([16, TILE], dtype=tl.float32)
-            for start in range(0, n, TILE):
-                cols = start + tl.arange(0, TILE)
-                s = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-                if top_k_mode:
-                    above = (_skey(s)[None, :] >= mids[:, None]) & (cols < n)[None, :]
-                    acc += tl.where(above, 1.0, 0.0)
-                else:
-                    w = tl.where(_skey(s) >= kth, tl.exp(s), 0.0)
-                    acc += tl.where(w.to(tl.int32, bitcast=True)[None, :] > mids[:, None], w[None, :], 0.0)
-            stat = tl.sum(acc, axis=1)
+            if n > WIDE:
+                stat = _stats(src, n, mids, kth, top_k_mode, WIDE)
+            else:
+                stat = _stats(src, n, mids, kth, top_k_mode, TILE)
             if top_k_mode:
                 ok = stat >= target
                 lo = tl.max(tl.where(ok, mids, lo), axis=0)
@@ -129,27 +141,41 @@ if triton is not None:
         return hi
 
     @triton.jit
-    def _compact(logits, scratch, V, best, temp, cut, BLOCK: tl.constexpr):
-        """The scaled logits s of the tokens with exp(s) >= cut, in order, to ``scratch``; returns
-        (their number, their weight, the weight of every token)."""
-        n = 0
+    def _count(logits, V, best, temp, cut, BLOCK: tl.constexpr):
+        """One pass: each lane's number of candidates (tokens with w = exp(s) >= cut among its
+        columns lane, lane + BLOCK, ...), their weight and the weight of every token."""
+        lanes = tl.arange(0, BLOCK)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
         mass = tl.zeros([BLOCK], dtype=tl.float32)
         z = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+            cols = start + lanes
             s, w = _scaled(logits, cols, V, best, temp)
             keep = (w >= cut) & (cols < V)
-            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(scratch + slot, s, mask=keep)
-            n += tl.sum(keep.to(tl.int32), axis=0)
+            count += keep.to(tl.int32)
             z += w
             mass += tl.where(keep, w, 0.0)
-        return n, tl.sum(mass, axis=0), tl.sum(z, axis=0)
+        return count, tl.sum(mass, axis=0), tl.sum(z, axis=0)
+
+    @triton.jit
+    def _place(logits, scratch, count, V, best, temp, cut, BLOCK: tl.constexpr):
+        """The candidates' scaled logits to ``scratch``, lane after lane (each lane's in column
+        order, from its slot given by one scan of the lane counts): a fixed order, and one scan
+        per row instead of one per block."""
+        lanes = tl.arange(0, BLOCK)
+        slot = tl.cumsum(count, axis=0) - count
+        for start in range(0, V, BLOCK):
+            cols = start + lanes
+            s, w = _scaled(logits, cols, V, best, temp)
+            keep = (w >= cut) & (cols < V)
+            tl.store(scratch + slot, s, mask=keep)
+            slot += keep.to(tl.int32)
 
     @triton.jit
     def _process_kernel(logits_ptr, out_ptr, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
                         race_ptr, pick_ptr, scratch_ptr, V, positions, race_row, race_pos,
-                        HAS_RACE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                        HAS_RACE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                        WIDE: tl.constexpr):
         row = tl.program_id(0)
         setting = row // positions
         logits = logits_ptr + row.to(tl.int64) * V
@@ -172,19 +198,24 @@ if triton is not None:
         kth = tl.full([], -2147483648, tl.int64)  # skey threshold of top-k (none: every key passes)
         t0 = tl.full([], -1, tl.int64)            # bit threshold of top-p on w's bits (none)
         if (top_k > 0) | (top_p < 1.0) | (min_p > 0.0):
-            # pass 2: the weights w = exp((x - max) / T) (the top token's is 1) and the
+            # passes 2 and 3: the weights w = exp((x - max) / T) (the top token's is 1) and the
             # candidates, the tokens with w >= CUT, which hold every kept token when they are
-            # at least k (top-k), hold top_p of the mass (top-p) or min_p >= CUT (min-p alone);
-            # else (pass 2 again) every token is a candidate
+            # at least k (top-k), hold top_p of the mass (top-p) or min_p >= CUT (min-p alone),
+            # else every token is a candidate; then the candidates copied to the scratch row
             scratch = scratch_ptr + row.to(tl.int64) * V
-            n, mass, z = _compact(logits, scratch, V, best, temp, 1.52587890625e-05, BLOCK)  # CUT = 2^-16
-            holds = tl.where(top_k > 0, n >= top_k, tl.where(top_p < 1.0, mass >= top_p * z, min_p >= 1.52587890625e-05))
-            if holds == 0:
-                n, mass, z = _compact(logits, scratch, V, best, temp, -1.0, BLOCK)
+            cut = tl.full([], 1.52587890625e-05, tl.float32)  # CUT = 2^-16
+            count, mass, z = _count(logits, V, best, temp, cut, BLOCK)
+            n = tl.sum(count, axis=0)
+            holds = tl.where(top_k > 0, n >= top_k, tl.where(top_p < 1.0, mass >= top_p * z, min_p >= cut))
+            if holds == 0:  # every token: a lane's count is its number of columns
+                cut = tl.full([], -1.0, tl.float32)
+                count = (V - tl.arange(0, BLOCK) + BLOCK - 1) // BLOCK
+                n = V
+            _place(logits, scratch, count, V, best, temp, cut, BLOCK)
             mass = z
             if top_k > 0:
                 kth = _search(scratch, n, tl.full([], -2147483648, tl.int64), tl.full([], 1, tl.int64),
-                              top_k.to(tl.float32), kth, True, TILE)
+                              top_k.to(tl.float32), kth, True, TILE, WIDE)
                 kacc = tl.zeros([TILE], dtype=tl.float32)
                 for start in range(0, n, TILE):
                     cols = start + tl.arange(0, TILE)
@@ -193,7 +224,7 @@ if triton is not None:
                 mass = tl.sum(kacc, axis=0)
             if top_p < 1.0:
                 t0 = _search(scratch, n, tl.full([], -1, tl.int64), tl.full([], 0x3F800000, tl.int64),
-                             top_p * mass, kth, False, TILE)
+                             top_p * mass, kth, False, TILE, WIDE)
             # the kept tokens are candidates: their weight from the scratch row
             facc = tl.zeros([TILE], dtype=tl.float32)
             for start in range(0, n, TILE):
@@ -310,7 +341,7 @@ def process(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tenso
         logits, out, greedy, temperature, top_k, top_p,
         min_p, race if race is not None else out, picks, scratch, vocab, positions,
         race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
-        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, num_warps=num_warps)
+        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, WIDE=WIDE, num_warps=num_warps)
     return out, (picks if race is not None else None)
 
 
