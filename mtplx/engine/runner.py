@@ -21,7 +21,7 @@ from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outco
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
-from mtplx.models.mtp import MTPHead
+from mtplx.models.mtp import PRUNED_LOGIT, MTPHead
 
 # How a verify forward's recurrent state is cut back to the accepted prefix (hybrid models):
 # "capture" keeps each verified token's state update and rebuilds the state after the accepted
@@ -404,12 +404,9 @@ class ModelRunner:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
         for j in range(depth):
-            head_logits = self.head.draft_logits(self.model, h)
-            if sampling is not None and sampling.mirror:
-                picks, q = sampling.draft(head_logits, j)
+            picks, q = self._draft(h, j, sampling)
+            if q is not None:
                 draft_probs.append(q)
-            else:
-                picks = _argmax(head_logits)
             tokens.append(picks)
             if j + 1 < depth:
                 h = self.head(self.model, h[:, None], picks[:, None], c.draft_metas[j], self.cache)[:, 0]
@@ -421,6 +418,19 @@ class ModelRunner:
         probs = process_logits(logits, sampling.sampler, top_k=sampling.filters, min_p=sampling.filters)
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
+
+    def _draft(self, h: torch.Tensor, j: int, sampling: CycleSampling | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft j of every row from the head's output h [R, H] -> (tokens [R], q [R, V] in a
+        mirror cycle, else None). With a pruned draft vocabulary an argmax draft, and on the
+        kernel path a mirror row's distribution too, come from the vocabulary's own logits
+        (``MTPHead.draft_subset``: the same drafts, less work)."""
+        mirror = sampling is not None and sampling.mirror
+        subset = self.head.draft_subset(self.model, h)
+        if subset is None:
+            logits = self.head.draft_logits(self.model, h)
+            return sampling.draft(logits, j) if mirror else (_argmax(logits), None)
+        kept, ids = subset
+        return sampling.draft(kept, j, ids) if mirror else (ids[_argmax(kept)], None)
 
 
 class CycleSampling:
@@ -461,15 +471,26 @@ class CycleSampling:
                     self.draft_race[r, j].exponential_(generator=seq.generator)
             draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
 
-    def draft(self, head_logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, head_logits: torch.Tensor, j: int, ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft j for every row from the head's logits [R, V]: a mirror row samples from its
         processed distribution q (an exponential race); every other row keeps the argmax, its q
-        a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V])."""
+        a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V]).
+        ids [N]: head_logits [R, N] are a pruned draft vocabulary's. The kernel makes q over
+        those N tokens (zero elsewhere, as over the whole row) and the race reads the same noise
+        entries, so the draft is the one the whole row gives; the PyTorch path reads whole rows."""
         if sampling_kernels.usable(head_logits):  # one launch: q (one-hot where not mirror) and the race
             s = self.sampler
+            race = self.draft_race[:, j: j + 1]
             q, picks = sampling_kernels.process(head_logits[:, None], self.onehot_rows, s.temperature, s.top_k,
-                                                s.top_p, s.min_p, race=self.draft_race[:, j: j + 1])
-            return picks[:, 0], q[:, 0]
+                                                s.top_p, s.min_p, race=race if ids is None else race[..., ids])
+            if ids is None:
+                return picks[:, 0], q[:, 0]
+            full = torch.zeros(q.shape[0], self.race.shape[1], dtype=q.dtype, device=q.device)
+            return ids[picks[:, 0]], full.scatter_(1, ids.expand(q.shape[0], -1), q[:, 0])
+        if ids is not None:
+            whole = torch.full((head_logits.shape[0], self.race.shape[1]), PRUNED_LOGIT, device=head_logits.device)
+            head_logits = whole.scatter_(1, ids.expand(head_logits.shape[0], -1), head_logits)
         q = process_logits(head_logits[:, None], self.sampler, top_k=self.filters, min_p=self.filters)[:, 0]
         sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
         picks = torch.where(self.mirror_rows[:, 0], sampled, head_logits.argmax(-1))

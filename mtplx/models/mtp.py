@@ -96,19 +96,33 @@ class MTPHead(nn.Module):
         ids = self.draft_vocab
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
             raise ValueError(f"a draft-vocabulary id lies outside [0, {vocab})")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # forge stores them so
+            raise ValueError("the draft-vocabulary ids must be distinct and ascending")
         weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
         dtype = trunk.model.embed_tokens.weight.dtype
         self.draft_rows = weight.detach().index_select(0, ids.to(weight.device)).to(dtype).contiguous()
+
+    def draft_subset(self, trunk: CausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden: [..., H] this head's output -> (logits [..., N] float32 of the pruned draft
+        vocabulary's rows, their ids [N] ascending), or None without a bound pruned vocabulary.
+        A draft chosen here is the one ``draft_logits`` gives, read through the ids (ascending
+        ids: the first of equal maxima is the same token), at a third of the work for the
+        default head (16,384 of 49,152 rows): no full-width logits are written."""
+        rows = getattr(self, "draft_rows", None)
+        if rows is None:  # no pruned vocabulary, or not bound (a tensor-parallel rank)
+            return None
+        kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
+        return kept, self.draft_vocab
 
     def draft_logits(self, trunk: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., H] this head's output -> logits [..., vocab] float32 that drafts are
         chosen from: ``trunk.compute_draft_logits``, or with a pruned draft vocabulary the
         logits of its rows, scattered to their ids, ``PRUNED_LOGIT`` elsewhere (an argmax lies
         within the vocabulary; a sampled draft's q is zero outside it)."""
-        if getattr(self, "draft_rows", None) is None:  # no pruned vocabulary, or not bound (a
-            return trunk.compute_draft_logits(hidden)   # tensor-parallel rank: the whole one, still exact)
-        rows = self.draft_rows
-        kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
+        subset = self.draft_subset(trunk, hidden)
+        if subset is None:  # the whole vocabulary (a tensor-parallel rank: the sharded one, still exact)
+            return trunk.compute_draft_logits(hidden)
+        kept, ids = subset
         lead = hidden.shape[:-1]
         out = torch.full((*lead, trunk.config.vocab_size), PRUNED_LOGIT, dtype=torch.float32, device=hidden.device)
-        return out.scatter_(-1, self.draft_vocab.expand(*lead, -1), kept)
+        return out.scatter_(-1, ids.expand(*lead, -1), kept)
