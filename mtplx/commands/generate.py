@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--mode", choices=("ar", "mtp"), default=None, help="default: mtp when the model has a head")
     p.add_argument("--depth", type=parse_depth, default=None,
                    help="MTP draft depth, or auto (chosen cycle by cycle; default: tuned, else 1)")
-    p.add_argument("--draft-policy", choices=("greedy", "mirror"), default="greedy")
+    p.add_argument("--draft-policy", choices=("auto", "greedy", "mirror"), default="auto")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -138,7 +138,7 @@ class MessagesRequest(PromptFields):
     # mtplx extensions, as on the OpenAI routes
     generation_mode: Literal["mtp", "ar"] | None = None
     depth: int | Literal["auto"] | None = None
-    draft_policy: Literal["greedy", "mirror"] = "greedy"
+    draft_policy: Literal["auto", "greedy", "mirror"] = "auto"
 
     def check_supported(self) -> None:
         extra = self.model_extra or {}

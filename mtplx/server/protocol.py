@@ -99,7 +99,7 @@ class GenerationFields(RequestBody):
     stream_options: StreamOptions | None = None
     generation_mode: Literal["mtp", "ar"] | None = None
     depth: int | Literal["auto"] | None = None
-    draft_policy: Literal["greedy", "mirror"] = "greedy"
+    draft_policy: Literal["auto", "greedy", "mirror"] = "auto"
     return_token_ids: bool = False
     ignore_eos: bool = False
 

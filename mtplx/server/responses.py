@@ -56,7 +56,7 @@ class ResponsesRequest(RequestBody):
     top_k: int = 0
     generation_mode: Literal["mtp", "ar"] | None = None
     depth: int | Literal["auto"] | None = None
-    draft_policy: Literal["greedy", "mirror"] = "greedy"
+    draft_policy: Literal["auto", "greedy", "mirror"] = "auto"
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
