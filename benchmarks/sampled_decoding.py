@@ -36,6 +36,9 @@ HELD_OUT_CHAT = (
 
 REGIMES = {"greedy": {}, "t0.7": {"temperature": 0.7, "top_p": 0.95, "seed": 1234},
            "t1.0": {"temperature": 1.0, "seed": 1234}}
+# more temperatures with top-p 0.95 (--regimes): where mirror drafts start to pay
+REGIMES.update({f"t{t}p": {"temperature": t, "top_p": 0.95, "seed": 1234} for t in (0.8, 0.9, 1.0)})
+DEFAULT_REGIMES = "greedy,t0.7,t1.0"
 
 
 def check_held_out() -> None:
@@ -48,11 +51,12 @@ def check_held_out() -> None:
         raise SystemExit(f"held-out prompts used elsewhere: {clash}")
 
 
-def decoding(engine, prompts, max_tokens: int, depths) -> dict:
+def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str]) -> dict:
     from mtplx.benchmarking import measure, render_table
 
     out = {}
-    for name, sampling in REGIMES.items():
+    for name in regimes:
+        sampling = REGIMES[name]
         policies = ("greedy",) if not sampling else ("greedy", "mirror")
         t0 = time.perf_counter()
         out[name] = measure(engine, depths=depths, prompts=prompts, max_tokens=max_tokens,
@@ -64,7 +68,9 @@ def decoding(engine, prompts, max_tokens: int, depths) -> dict:
     return out
 
 
-def scheduler(engine, prompts, max_tokens: int, depth) -> dict:
+def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str]) -> dict:
+    """mtp_batch and ar_batch at 1, 4 and 8 streams, and hyper vs serial, with each request's
+    default draft policy (``draft_policy="auto"``)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_jobs
 
@@ -75,7 +81,8 @@ def scheduler(engine, prompts, max_tokens: int, depth) -> dict:
                 for i in range(n)]
 
     out = {}
-    for name, sampling in REGIMES.items():
+    for name in regimes:
+        sampling = REGIMES[name]
         entry = out[name] = {}
         for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
             run_jobs(engine, mode, requests(1, gen_mode, sampling))  # warm-up
@@ -108,9 +115,13 @@ def main() -> None:
     ap.add_argument("--depths", default="1,2,3,auto")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
     ap.add_argument("--no-scheduler", action="store_true")
+    ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     check_held_out()
+    regimes = args.regimes.split(",")
+    if unknown := [r for r in regimes if r not in REGIMES]:
+        raise SystemExit(f"unknown regimes {unknown}; known: {', '.join(REGIMES)}")
 
     import torch
 
@@ -125,9 +136,10 @@ def main() -> None:
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
-        report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths))
+        report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths), regimes)
     if not args.no_scheduler:
-        report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth))
+        report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
+                                        regimes)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 
