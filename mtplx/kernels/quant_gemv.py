@@ -168,6 +168,19 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _store_sums(sums, mo, no, b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+        """Store float32 sums for rows mo and outputs no (broadcast against each other): PARTIAL,
+        into split pid_k of the float32 [SPLIT, rows, N] partials; else plus the bias, into
+        out [rows, N] in its dtype."""
+        ok = (mo < rows) & (no < N)
+        if PARTIAL:
+            tl.store(out_ptr + (pid_k * rows + mo) * N + no, sums, mask=ok)
+        else:
+            if HAS_BIAS:
+                sums += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + mo * N + no, sums.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                       M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
                       HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
@@ -220,16 +233,8 @@ if triton is not None:
             acc += tl.sum(t, axis=3) * s
             if HAS_ZERO:
                 acc += tl.sum(xs, axis=3) * tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
-        out = tl.sum(acc, axis=0)
-        mo = tl.arange(0, M)[:, None]
-        no = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        o_ok = (mo < rows) & (no < N)
-        if PARTIAL:
-            tl.store(out_ptr + (pid_k * rows + mo) * N + no, out, mask=o_ok)
-        else:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
-            tl.store(out_ptr + mo * N + no, out.to(out_ptr.dtype.element_ty), mask=o_ok)
+        _store_sums(tl.sum(acc, axis=0), tl.arange(0, M)[:, None], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
+                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def _qdot_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
@@ -282,15 +287,8 @@ if triton is not None:
                 acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc)
-        no = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        mo = tl.arange(0, 16)[None, :]
-        o_ok = (mo < rows) & (no < N)
-        if PARTIAL:
-            tl.store(out_ptr + (pid_k * rows + mo) * N + no, acc, mask=o_ok)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
-            tl.store(out_ptr + mo * N + no, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
+        _store_sums(acc, tl.arange(0, 16)[None, :], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None],
+                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
