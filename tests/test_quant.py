@@ -138,7 +138,8 @@ def test_kernel_layout_packs_every_field_where_the_kernels_read_it(fmt):
         assert torch.equal((w64[:, 4 * chunk + word] >> (bits * field)) & ((1 << bits) - 1), raw[:, k])
     assert torch.equal(quant_gemv.unpack(words, bits, qw.fp8, 96), qw.q.float())
     padded = quant_gemv.pack(qw.q[:, :90], bits)  # 90 inputs: the last chunk part padding
-    assert torch.equal(quant_gemv.unpack(padded, bits, qw.fp8, padded.shape[1] * per)[:, 90:], torch.zeros(5, padded.shape[1] * per - 90))
+    width = padded.shape[1] * per
+    assert torch.equal(quant_gemv.unpack(padded, bits, qw.fp8, width)[:, 90:], torch.zeros(5, width - 90))
 
 
 # --- GGUF blocks ------------------------------------------------------------------------------

@@ -269,7 +269,8 @@ if triton is not None:
                 f = h.to(tl.float32)
             else:  # (u | magic) - magic - 2^(BITS-1): see _field
                 u = (p >> (BITS * j)) | magic
-                f = (u & (0x4B000000 | ((1 << BITS) - 1))).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+                f = (u & (0x4B000000 | ((1 << BITS) - 1))).to(tl.float32, bitcast=True)
+                f = f - (8388608.0 + (1 << (BITS - 1)))
             if GROUP_CHUNKS == 0:
                 s_at = n * G + cc * 0
             else:
