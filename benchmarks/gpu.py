@@ -717,38 +717,21 @@ def check_quantized_logits(engine: Engine) -> dict:
 
 
 def quant_gemv_sweep(config: ModelConfig, device, fmt: str, group: int) -> dict:
-    """The quantized GEMV on the shape's matrices (fused qkv, o, fused gate/up, down, LM head)
-    at 1 and 4 rows, for each (BLOCK_N, num_warps), against bf16 cuBLAS: microseconds, and the
-    weight bytes read per second at the best configuration."""
-    from mtplx.kernels import quant_gemv
-    from mtplx.models.quant import QuantLinear, quantize
+    """The quantized GEMV's default configuration on the shape's matrices (fused qkv, o, fused
+    gate/up, down, LM head) at 1 and 4 rows against bf16 cuBLAS, each timed in a CUDA graph over
+    rotated copies of the weight (benchmarks/quant_gemv.py; it sweeps the configurations too)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quant_gemv import bench_matrix
 
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     mats = {"qkv": (config.num_attention_heads * config.head_dim + 2 * kv, h),
             "o": (h, config.num_attention_heads * config.head_dim),
             "gate_up": (2 * config.intermediate_size, h), "down": (h, config.intermediate_size),
             "lm_head": (config.vocab_size, h)}
-    out = {}
-    for name, (n, k) in mats.items():
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        layer = QuantLinear(quantize(w, fmt, group), device=device)
-        for rows in (1, 4):
-            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            times = {}
-            for block_n in (4, 8, 16, 32):
-                for warps in (4, 8):
-                    fn = lambda: quant_gemv.gemv(x, layer.words, layer.scale, layer.zero, None,  # noqa: E731
-                                                 config=(block_n, warps), **layer._kernel_args())
-                    times[f"{block_n}x{warps}"] = timed(fn, repeats=30, warmup=3) * 1e6
-            default = timed(lambda: layer(x), repeats=30, warmup=3) * 1e6
-            bf16 = timed(lambda: torch.nn.functional.linear(x, w), repeats=30, warmup=3) * 1e6
-            best = min(times, key=times.get)
-            out[f"{name}_rows{rows}"] = {"bf16_cublas_us": bf16, "default_config_us": default, "best": best,
-                                         "best_us": times[best], "best_GBs": layer.weight_bytes() / times[best] / 1e3,
-                                         "us_by_config": times}
-            print(f"  {fmt} {name} {n}x{k} rows {rows}: bf16 {bf16:.1f} us, default {default:.1f} us, "
-                  f"best {best} {times[best]:.1f} us ({out[f'{name}_rows{rows}']['best_GBs']:.0f} GB/s)", flush=True)
-    return out
+    return {name: bench_matrix(name, n, k, fmt, (1, 4), True, device, group) for name, (n, k) in mats.items()}
 
 
 def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth: float) -> dict:

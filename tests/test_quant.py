@@ -123,19 +123,23 @@ def test_fp8_layer_on_the_cpu_multiplies_the_dequantized_weight():
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_kernel_layout_packs_every_field_where_the_kernels_read_it(fmt):
-    """quant_gemv.pack puts input k of a row into chunk k // (32 per), field (k % (32 per)) // 32,
-    word k % 32 of it (per = fields per word), zero-padded to whole chunks."""
+    """quant_gemv.pack puts input k of a row into chunk k // (4 per), field (k % (4 per)) // 4,
+    word k % 4 of it (per = fields per word), integers offset-binary, padded to whole chunks
+    with fields of value 0."""
     bits = 4 if fmt == "int4" else 8
     qw = _random_weight(5, 96, bits, 32) if fmt != "fp8" else quantize_fp8(torch.randn(5, 96))
     words = quant_gemv.pack(qw.q, bits)
     per = 32 // bits
-    assert words.dtype == torch.int32 and words.shape == (5, 32 * -(-96 // (32 * per)))
-    raw = qw.q.view(torch.uint8).long() if qw.fp8 else qw.q.long() & ((1 << bits) - 1)
+    assert words.dtype == torch.int32 and words.shape == (5, 4 * -(-96 // (4 * per)))
+    raw = qw.q.view(torch.uint8).long() if qw.fp8 else qw.q.long() + (1 << (bits - 1))
     w64 = words.long() & 0xFFFFFFFF
-    for k in (0, 31, 32, 63, 95):
-        chunk, field, word = k // (32 * per), (k % (32 * per)) // 32, k % 32
-        assert torch.equal((w64[:, 32 * chunk + word] >> (bits * field)) & ((1 << bits) - 1), raw[:, k])
+    for k in (0, 3, 4, 31, 32, 63, 95):
+        chunk, field, word = k // (4 * per), (k % (4 * per)) // 4, k % 4
+        assert torch.equal((w64[:, 4 * chunk + word] >> (bits * field)) & ((1 << bits) - 1), raw[:, k])
     assert torch.equal(quant_gemv.unpack(words, bits, qw.fp8, 96), qw.q.float())
+    padded = quant_gemv.pack(qw.q[:, :90], bits)  # 90 inputs: the last chunk part padding
+    width = padded.shape[1] * per
+    assert torch.equal(quant_gemv.unpack(padded, bits, qw.fp8, width)[:, 90:], torch.zeros(5, width - 90))
 
 
 # --- GGUF blocks ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mtplx import kernels
-from mtplx.kernels import fused
+from mtplx.kernels import fused, quant_gemv
 from mtplx.models.quant import QuantizedWeight, QuantLinear, quantize_fp8
 
 pytestmark = pytest.mark.skipif(
@@ -84,6 +84,29 @@ def test_quantized_kernels_equal_dequantize_then_matmul(fmt, rows):
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
         with torch.no_grad():
             _check(layer(x), x, qw, layer)
+
+
+# rows of 35 chunks (int4 chunks are 32 inputs, 8-bit ones 16): with one warp a tile is 32 chunks,
+# so a program loops over two tiles, or two splits take 32 and 3 chunks
+LONG_ROWS = {"int4": (13, 35 * 32 - 8, 32), "int8": (13, 35 * 16 - 8, 32), "fp8": (13, 35 * 16 - 8, 35 * 16 - 8)}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("config", [(8, 1, 1, 0), (4, 1, 2, 0), (2, 1, 3, 0), (16, 4, 1, 4), (16, 4, 3, 8)])
+def test_gemv_over_several_tiles_and_split_k_sums_every_chunk_once(fmt, config):
+    """CUDA-core configs (DOT_C 0) and tensor-core ones (tiles of DOT_C chunks)."""
+    out, inp, group = LONG_ROWS[fmt]
+    if inp % group:  # int4/int8 groups need whole groups: cut the row to them
+        inp -= inp % group
+    qw = _weight(fmt, out, inp, group, seed=7)
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(8))
+    layer = QuantLinear(qw, bias, device=DEVICE, backend="triton")
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        with torch.no_grad():
+            got = quant_gemv.gemv(x, layer.words, layer.scale, layer.zero, layer.bias, config=config,
+                                  **layer._kernel_args())
+        _check(got, x, qw, layer, bias)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])

@@ -5,26 +5,42 @@ group-wise scales (and offsets), and fp8 e4m3 weights with per-channel or group 
 
 with f the stored field: a signed int4 or int8, or an e4m3 float.
 
-Layout (``pack``): each weight row is cut into chunks of WORDS int32 words, 128 bytes, one
-cache line; a chunk holds ``WORDS * per`` inputs (per = 8 int4 or 4 bytes per word), and field j
-of word i holds input ``chunk * WORDS * per + j * WORDS + i``. So one load of a [BLOCK_N, WORDS]
-tile reads whole cache lines, and each field of the tile is a contiguous run of WORDS inputs
-that lie in one scale group (groups are multiples of WORDS inputs, or a whole row): the kernel
-takes fields apart with shifts (no reshape, no shared memory) and loads one scale per row per
-field. Rows are zero-padded to whole chunks. Scales and offsets are float16 where every value
-is a float16 normal number (GGUF's own scales are float16; ``compact_scales``), else float32;
-an all-zero offset (round-to-nearest is symmetric) is not stored at all.
+Layout (``pack``): each weight row is cut into chunks of CHUNK = 4 int32 words, 16 bytes (one
+thread's load); a chunk holds ``CHUNK * per`` inputs (per = 8 int4 or 4 bytes per word), and
+field j of word v holds input ``chunk * CHUNK * per + CHUNK * j + v``. So the words of one
+chunk are one vector load, a field of them is CHUNK consecutive inputs (one vector load of the
+activations), and a chunk lies in one scale group (groups are multiples of 32 inputs, or a
+whole row): a thread sums a chunk's products before it applies the chunk's one scale. Integer
+fields are stored offset-binary (q + 2^(bits-1), unsigned); rows are padded to whole chunks
+with fields of value 0. Scales and offsets are float16 where every value is a float16 normal
+number (GGUF's own scales are float16; ``compact_scales``), else float32; an all-zero offset
+(round-to-nearest is symmetric) is not stored at all.
 
-e4m3 fields are decoded by bit moves into float16 (sign, then exponent and mantissa shifted
-into place; the result is the e4m3 value times 2^-8, subnormals included), which needs no fp8
-hardware and runs under Triton's interpreter; the 2^8 is folded into the scale.
+Decoding costs few instructions because a GEMV of one token row does about four per weight
+and has a budget of a few (an int4 weight is 0.5 bytes, an H200 moves ~30 bytes per SM per
+clock and issues 128 thread instructions): an integer field u at bits [b*s, b*s + b) of a
+16-bit half of a word is masked in place and or-ed into the float 2^23 (one LOP3; the magic
+constant is a kernel argument so that mask and or fuse), and 2^23 + u * 2^(b*s) minus
+2^23 + 2^(b-1) * 2^(b*s) is q * 2^(b*s) exactly (one FADD); the 2^-(b*s) is folded into that
+field's activations, which each thread loads once for the BLOCK_N rows it holds. Fields in the
+high half take one shift per word. No int-to-float conversion (16 per SM per clock on Hopper)
+is left in the loop. e4m3 fields are decoded by bit moves into float16 (sign, then exponent and
+mantissa shifted into place; the result is the e4m3 value times 2^-8, subnormals included),
+which needs no fp8 hardware and runs under Triton's interpreter; the 2^8 is folded into the scale.
 
-Forwards of up to MAX_ROWS token rows (decode steps, drafts, verifies of 1 + D tokens) run
-``_qgemv_kernel``: one program owns BLOCK_N outputs for every row, streams its weight rows two
-chunks per step, and multiply-adds on the CUDA cores, summing once at the end (as
-kernels/gemv.py does for 16-bit weights). More rows (prefill) dequantize the weight into the
-activation dtype with ``_dequantize_kernel`` and use cuBLAS.
-Both launch only kernels and allocate only their outputs, so they can be captured in CUDA graphs.
+Forwards of up to 4 token rows (decode steps, drafts, verifies of 1 + 3 tokens) run
+``_qgemv_kernel`` on the CUDA cores: program (i, s) owns BLOCK_N outputs for every row and the
+s-th of SPLIT ranges of chunks; its tile is 32 * num_warps chunks wide, one chunk per thread, so
+each thread holds BLOCK_N rows of the same inputs (the activations' layout is then the weights'
+own, with no exchange through shared memory) and sums in float32. With SPLIT > 1 the programs
+write float32 partial sums and ``_sum_splits_kernel`` adds them (and the bias). 5 to MAX_ROWS
+rows run ``_qdot_kernel``: the tile dequantized into x's dtype and multiplied on the tensor
+cores, rows padded to 16. On the H200 (docs/performance.md, session 9) one row reaches 1.6-2.9
+TB/s for int4 (2.1-2.9x bf16 cuBLAS) and 2.3-3.7 TB/s for int8, bound by instruction issue
+as much as by memory; 4 rows cost about as much as bf16. More rows (prefill) dequantize the
+weight into the activation dtype with ``_dequantize_kernel`` and use cuBLAS.
+Everything launches only kernels and allocates only its outputs and temporaries through torch,
+so it can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -41,8 +57,10 @@ try:
 except ImportError:  # CPU-only installs never reach these kernels
     triton = None
 
-WORDS = 32  # int32 words per row per chunk: 128 bytes
+CHUNK = 4  # int32 words per chunk: 16 bytes
+GROUP_MULTIPLE = 32  # inputs: scale groups are multiples of this, or whole rows
 MAX_ROWS = 8  # token rows the GEMV takes; more go through dequantize + cuBLAS
+MAGIC = 0x4B000000  # the float 2^23, whose mantissa's units are 1
 _FP16_MIN, _FP16_MAX = 6.2e-5, 65504.0  # float16's normal range
 
 
@@ -50,21 +68,26 @@ def fields_per_word(bits: int) -> int:
     return 32 // bits
 
 
+def inputs_per_chunk(bits: int) -> int:
+    return CHUNK * fields_per_word(bits)
+
+
 def check_group(group: int, k: int) -> None:
-    """A field's WORDS inputs must share a scale: groups of a multiple of WORDS, or whole rows."""
-    if group % WORDS and group != k:
-        raise ValueError(f"group size {group} is not a multiple of {WORDS} (nor the row length {k})")
+    """A chunk's inputs must share a scale: groups of a multiple of GROUP_MULTIPLE, or whole rows."""
+    if group % GROUP_MULTIPLE and group != k:
+        raise ValueError(f"group size {group} is not a multiple of {GROUP_MULTIPLE} (nor the row length {k})")
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """q: [N, K] int8 (int4 values in [-8, 7]) or float8_e4m3fn -> [N, chunks * WORDS] int32
+    """q: [N, K] int8 (int4 values in [-8, 7]) or float8_e4m3fn -> [N, chunks * CHUNK] int32
     in the layout above, on q's device."""
     n, k = q.shape
     per = fields_per_word(bits)
-    chunk = WORDS * per
-    u = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
-    u = u.to(torch.int64) & ((1 << bits) - 1)
-    u = F.pad(u, (0, -k % chunk)).view(n, -1, per, WORDS)
+    if q.dtype == torch.float8_e4m3fn:
+        u, pad = q.view(torch.uint8).to(torch.int64), 0
+    else:  # offset-binary
+        u, pad = (q.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1), 1 << (bits - 1)
+    u = F.pad(u, (0, -k % inputs_per_chunk(bits)), value=pad).view(n, -1, per, CHUNK)
     shifts = (bits * torch.arange(per, device=q.device)).view(1, 1, per, 1)
     words = (u << shifts).sum(dim=2)  # disjoint fields: the sum is their bitwise or, below 2^32
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).view(n, -1)
@@ -75,11 +98,11 @@ def unpack(words: torch.Tensor, bits: int, fp8: bool, k: int) -> torch.Tensor:
     n = words.shape[0]
     per = fields_per_word(bits)
     shifts = (bits * torch.arange(per, device=words.device, dtype=torch.int32)).view(1, 1, per, 1)
-    u = (words.view(n, -1, 1, WORDS) >> shifts) & ((1 << bits) - 1)  # int32: the mask drops the sign bits
-    u = u.view(n, -1)[:, :k]
+    u = (words.view(n, -1, 1, CHUNK) >> shifts) & ((1 << bits) - 1)  # int32: the mask drops the sign bits
+    u = u.reshape(n, -1)[:, :k]
     if fp8:
         return u.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    return torch.where(u >= 1 << (bits - 1), u - (1 << bits), u).float()
+    return (u - (1 << (bits - 1))).float()
 
 
 def compact_scales(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,101 +127,210 @@ def dequantize_reference(words, scale, zero, bits: int, fp8: bool, k: int, group
     return w.flatten(1)
 
 
-def config_for(n: int, rows: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): enough programs to fill the device (a few per SM on an H200's 132)
-    with at least 4 rows each. A first guess: benchmarks/gpu.py --quant sweeps the choices."""
-    if rows > 4:
-        return (8, 8) if n >= 8192 else (4, 4)
-    if n >= 65536:
-        return (32, 8)
-    if n >= 16384:
-        return (16, 8)
-    return (8, 4) if n >= 4096 else (4, 4)
+def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, SPLIT, DOT_C) for a weight [n, k] and ``rows`` token rows, from
+    benchmarks/quant_gemv.py's sweep on the H200 (benchmarks/results/gpu_h200_s9_quant_gemv_sweep_*.json). DOT_C
+    0: the CUDA-core kernel, tiles of 32 * num_warps chunks (int4 at one row: two tiles of 2
+    warps for the wide matrices); up to 4 rows it beat the tensor-core kernel, whose decoding
+    costs more per weight. Else the tensor-core kernel, tiles of DOT_C chunks (128 inputs) and
+    SPLIT raised until there are two programs per SM of the H200's 132."""
+    if rows == 1:
+        return 8, (2 if bits == 4 and n >= 6144 else 4), 1, 0
+    if rows <= 4:
+        return (8 if bits == 4 else 4), 4, 1, 0
+    chunks = -(-k // inputs_per_chunk(bits))
+    dot_c = 128 // inputs_per_chunk(bits)
+    block_n, split = 32, 1
+    while triton.cdiv(n, block_n) * split < 2 * 132 and chunks // (2 * split) >= dot_c:
+        split *= 2
+    return block_n, 4, split, dot_c
 
 
 if triton is not None:
 
     @triton.jit
-    def _field(p, j: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr):
-        """Field j of the int32 words p, as float32 (an e4m3 field: its value times 2^-8)."""
+    def _field(p, ph, magic, j: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr):
+        """Field j of the int32 words p (ph: p >> 16) as float32: an integer field's value times
+        2^(BITS * (j % (16 // BITS))), an e4m3 field's value times 2^-8."""
         if FP8:
             b = (p >> (8 * j)) & 0xFF
             h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
             v = h.to(tl.float32)
-        else:  # shift the field to the top, then arithmetic-shift it down: sign-extended
-            v = ((p << (32 - BITS - BITS * j)) >> (32 - BITS)).to(tl.float32)
+        else:
+            if j < 16 // BITS:
+                half = p
+            else:
+                half = ph
+            at = BITS * (j % (16 // BITS))
+            # (half & mask) | magic, written so that it stays one LOP3 (magic's bits are in the constant)
+            f = ((half | magic) & (0x4B000000 | (((1 << BITS) - 1) << at))).to(tl.float32, bitcast=True)
+            v = f - (8388608.0 + (1 << (BITS - 1)) * (1 << at))
         return v
 
     @triton.jit
-    def _chunk_products(acc, p, c, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                        BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
-                        WORDS: tl.constexpr):
-        """acc [M, BLOCK_N, WORDS] += the products of chunk c's weights p [1, BLOCK_N, WORDS]
-        with the rows' inputs (PER = 32 // BITS fields per word)."""
-        for j in tl.static_range(PER):
-            k0 = c * (WORDS * PER) + j * WORDS  # this field's first input
-            k = k0 + i
-            a = tl.load(x_ptr + m * sx + k, mask=m_ok & (k < K), other=0.0).to(tl.float32)
-            s_at = n * G + k0 // group
-            s_ok = n_ok & (n * 0 + k0 < K)  # (n * 0: a tensor mask, as the interpreter needs)
+    def _store_sums(sums, mo, no, b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+        """Store float32 sums for rows mo and outputs no (broadcast against each other): PARTIAL,
+        into split pid_k of the float32 [SPLIT, rows, N] partials; else plus the bias, into
+        out [rows, N] in its dtype."""
+        ok = (mo < rows) & (no < N)
+        if PARTIAL:
+            tl.store(out_ptr + (pid_k * rows + mo) * N + no, sums, mask=ok)
+        else:
+            if HAS_BIAS:
+                sums += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + mo * N + no, sums.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
+                      M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
+                      HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two) over
+        this program's chunks [s * split_chunks, (s + 1) * split_chunks); x has row stride sx.
+        PARTIAL: out is float32 [SPLIT, rows, N] and gets this split's sums (no bias), else out
+        [rows, N] in its dtype. GROUP_CHUNKS: chunks per scale group, 0 for one group per row.
+        Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the chunk axis across threads, the rows in them."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        c = tl.arange(0, BLOCK_C)[:, None, None, None]
+        m = tl.arange(0, M)[None, :, None, None]
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :, None]
+        v = tl.arange(0, 4)[None, None, None, :]
+        c3 = tl.arange(0, BLOCK_C)[:, None, None]  # [BLOCK_C, 1, BLOCK_N]: one scale per chunk and row
+        n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+        m_ok = m < rows
+        n_ok = n < N
+        c_lo = pid_k * split_chunks
+        c_hi = tl.minimum(c_lo + split_chunks, chunks)
+        row = p_ptr + n * (chunks * 4) + v
+        acc = tl.zeros([BLOCK_C, M, BLOCK_N], tl.float32)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cc = c0 + c
+            c_ok = cc < c_hi
+            p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
+            ph = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+            k0 = cc * (4 * PER)
+            x0 = tl.load(x_ptr + m * sx + k0 + v, mask=m_ok & (k0 + v < K), other=0.0).to(tl.float32)
+            t = _field(p, ph, magic, 0, BITS, FP8) * x0
+            xs = x0  # the chunk's activations, summed: for offsets
+            for j in tl.static_range(1, PER):
+                k = k0 + 4 * j + v
+                xj = tl.load(x_ptr + m * sx + k, mask=m_ok & (k < K), other=0.0).to(tl.float32)
+                if HAS_ZERO:
+                    xs += xj
+                if not FP8:  # the inverse of _field's factor (the fp8 one is in the scale)
+                    xj = xj * (1.0 / (1 << (BITS * (j % (16 // BITS)))))
+                t += _field(p, ph, magic, j, BITS, FP8) * xj
+            cg = c0 + c3
+            if GROUP_CHUNKS == 0:
+                s_at = n3 * G + cg * 0
+            else:
+                s_at = n3 * G + cg // GROUP_CHUNKS
+            s_ok = (n3 < N) & (cg < c_hi)
             s = tl.load(s_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
             if FP8:
                 s = s * 256.0
-            w = _field(p, j, BITS, FP8) * s
+            acc += tl.sum(t, axis=3) * s
             if HAS_ZERO:
-                w += tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
-            acc += w * a
-        return acc
+                acc += tl.sum(xs, axis=3) * tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
+        _store_sums(tl.sum(acc, axis=0), tl.arange(0, M)[:, None], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
+                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
 
     @triton.jit
-    def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, group, chunks,
-                      M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
-                      HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two); x has
-        row stride sx, out is contiguous. Two chunks are loaded before either is used, so
-        each program has two cache lines per weight row in flight."""
-        pid = tl.program_id(0)
-        m = tl.arange(0, M)[:, None, None]
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
-        i = tl.arange(0, WORDS)[None, None, :]
-        m_ok, n_ok = m < rows, n < N
-        row = p_ptr + n * (chunks * WORDS) + i
-        acc = tl.zeros([M, BLOCK_N, WORDS], tl.float32)
-        for c in range(0, chunks, 2):
-            p0 = tl.load(row + c * WORDS, mask=n_ok, other=0)
-            p1 = tl.load(row + (c + 1) * WORDS, mask=n_ok & (n * 0 + c + 1 < chunks), other=0)
-            acc = _chunk_products(acc, p0, c, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                                  BITS, PER, FP8, HAS_ZERO, WORDS)
-            acc = _chunk_products(acc, p1, c + 1, x_ptr, sx, s_ptr, z_ptr, m, m_ok, n, n_ok, i, K, G, group,
-                                  BITS, PER, FP8, HAS_ZERO, WORDS)
-        out = tl.sum(acc, axis=2)
-        mo = tl.arange(0, M)[:, None]
-        no = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + mo * N + no, out.to(out_ptr.dtype.element_ty), mask=(mo < rows) & (no < N))
-
-    @triton.jit
-    def _dequantize_kernel(p_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group, chunks,
-                           BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
-                           BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-        """out[n, k] = w[n, k] in out's dtype; one program per BLOCK_N rows and chunk."""
-        c = tl.program_id(1)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        i = tl.arange(0, WORDS)[None, :]
+    def _qdot_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
+                     BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_C: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr):
+        """``_qgemv_kernel``'s product on the tensor cores, for 2 to 16 rows: each [BLOCK_N,
+        BLOCK_C chunks] weight tile is dequantized (scale and offset applied) into x's dtype and
+        multiplied by the rows' inputs padded to 16 rows (tl.dot, float32 accumulation; IEEE:
+        weights and inputs multiplied in float32), so the decoding is paid once for all rows.
+        Tensors are [BLOCK_N, BLOCK_C, PER, CHUNK]: flattened, the inputs in their natural order."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+        c = tl.arange(0, BLOCK_C)[None, :, None, None]
+        j = tl.arange(0, PER)[None, None, :, None]
+        v = tl.arange(0, 4)[None, None, None, :]
+        kk = tl.arange(0, BLOCK_C * 4 * PER)[:, None]
+        m = tl.arange(0, 16)[None, :]
         n_ok = n < N
-        p = tl.load(p_ptr + n * (chunks * WORDS) + c * WORDS + i, mask=n_ok, other=0)
-        for j in tl.static_range(PER):
-            k0 = c * (WORDS * PER) + j * WORDS
-            k = k0 + i
-            s_ok = n_ok & (n * 0 + k0 < K)
-            s = tl.load(s_ptr + n * G + k0 // group, mask=s_ok, other=0.0).to(tl.float32)
+        c_lo = pid_k * split_chunks
+        c_hi = tl.minimum(c_lo + split_chunks, chunks)
+        row = p_ptr + n * (chunks * 4) + v
+        acc = tl.zeros([BLOCK_N, 16], tl.float32)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cc = c0 + c
+            c_ok = cc < c_hi
+            p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
+            if FP8:
+                b = (p >> (8 * j)) & 0xFF
+                h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+                f = h.to(tl.float32)
+            else:  # (u | magic) - magic - 2^(BITS-1): see _field
+                u = (p >> (BITS * j)) | magic
+                f = (u & (0x4B000000 | ((1 << BITS) - 1))).to(tl.float32, bitcast=True)
+                f = f - (8388608.0 + (1 << (BITS - 1)))
+            if GROUP_CHUNKS == 0:
+                s_at = n * G + cc * 0
+            else:
+                s_at = n * G + cc // GROUP_CHUNKS
+            s = tl.load(s_ptr + s_at, mask=n_ok & c_ok, other=0.0).to(tl.float32)
             if FP8:
                 s = s * 256.0
-            w = _field(p, j, BITS, FP8) * s
+            w = f * s
             if HAS_ZERO:
-                w += tl.load(z_ptr + n * G + k0 // group, mask=s_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + n * K + k, w.to(out_ptr.dtype.element_ty), mask=n_ok & (k < K))
+                w += tl.load(z_ptr + s_at, mask=n_ok & c_ok, other=0.0).to(tl.float32)
+            w = tl.reshape(w, [BLOCK_N, BLOCK_C * 4 * PER])
+            k = c0 * (4 * PER) + kk
+            xt = tl.load(x_ptr + m * sx + k, mask=(m < rows) & (k < K) & (k < c_hi * (4 * PER)), other=0.0)
+            if IEEE:
+                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc)
+        _store_sums(acc, tl.arange(0, 16)[None, :], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None],
+                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
+
+    @triton.jit
+    def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """out[i] = sum_s part[s, i] (+ b[i % N]) for the flat [rows * N] output (total elements)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < total
+        acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * total + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _dequantize_kernel(p_ptr, s_ptr, z_ptr, out_ptr, N, K, G, chunks, magic,
+                           BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                           GROUP_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+        """out[n, k] = w[n, k] in out's dtype; one program per BLOCK_N rows and BLOCK_C chunks."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+        cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :, None]
+        v = tl.arange(0, 4)[None, None, :]
+        ok = (n < N) & (cc < chunks)
+        p = tl.load(p_ptr + n * (chunks * 4) + cc * 4 + v, mask=ok, other=0)
+        if GROUP_CHUNKS == 0:
+            s_at = n * G + cc * 0
+        else:
+            s_at = n * G + cc // GROUP_CHUNKS
+        s = tl.load(s_ptr + s_at, mask=ok, other=0.0).to(tl.float32)
+        if FP8:
+            s = s * 256.0
+        if HAS_ZERO:
+            z = tl.load(z_ptr + s_at, mask=ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(PER):
+            k = cc * (4 * PER) + 4 * j + v
+            w = _field(p, p >> 16, magic, j, BITS, FP8) * s
+            if not FP8:
+                w = w * (1.0 / (1 << (BITS * (j % (16 // BITS)))))
+            if HAS_ZERO:
+                w += z
+            tl.store(out_ptr + n * K + k, w.to(out_ptr.dtype.element_ty), mask=ok & (k < K))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -208,19 +340,47 @@ def usable(x: torch.Tensor) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
+def _group_chunks(scale: torch.Tensor, group: int, bits: int) -> int:
+    """Chunks per scale group, 0 where one group spans the row (which need not be whole chunks)."""
+    return 0 if scale.shape[1] == 1 else group // inputs_per_chunk(bits)
+
+
+def split_ranges(chunks: int, split: int, block_c: int) -> tuple[int, int]:
+    """(chunks per split, splits): ``split`` ranges of whole tiles of block_c chunks, fewer where
+    the row has fewer tiles."""
+    per = -(-(-(-chunks // split)) // block_c) * block_c
+    return per, -(-chunks // per)
+
+
 def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits: int, fp8: bool,
-         config: tuple[int, int] | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [..., K] of at most MAX_ROWS rows; out in x's dtype."""
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for x [..., K] of at most MAX_ROWS rows; out in x's dtype.
+    config: (BLOCK_N, num_warps, SPLIT, DOT_C), by default ``config_for``'s."""
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     rows, n = x2.shape[0], words.shape[0]
+    chunks = words.shape[1] // CHUNK
+    block_n, warps, split, dot_c = config or config_for(n, k, rows, bits)
+    block_c = dot_c or 32 * warps
+    split_chunks, split = split_ranges(chunks, split, block_c)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, warps = config or config_for(n, rows)
-    _qgemv_kernel[(triton.cdiv(n, block_n),)](
-        x2, x2.stride(0), words, scale, zero if zero is not None else scale, bias if bias is not None else scale,
-        out, rows, n, k, scale.shape[1], group, words.shape[1] // WORDS,
-        M=triton.next_power_of_2(rows), BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, WORDS=WORDS, num_warps=warps)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    args = (x2, x2.stride(0), words, scale, zero if zero is not None else scale, bias if bias is not None else scale,
+            part, rows, n, k, scale.shape[1], chunks, split_chunks, MAGIC)
+    common = dict(BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+                  GROUP_CHUNKS=_group_chunks(scale, group, bits), BLOCK_N=block_n, BLOCK_C=block_c,
+                  PARTIAL=split > 1, num_warps=warps)
+    grid = (triton.cdiv(n, block_n), split)
+    if dot_c:
+        # float32 inputs in float32; so too under the interpreter, whose dot of 16-bit floats is wrong
+        _qdot_kernel[grid](*args, IEEE=x.dtype == torch.float32 or fused._INTERPRET, **common)
+    else:
+        _qgemv_kernel[grid](*args, M=triton.next_power_of_2(rows), **common)
+    if split > 1:
+        total = rows * n
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](part, bias if bias is not None else part, out, total, n,
+                                                         SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024,
+                                                         num_warps=4)
     return out.view(*x.shape[:-1], n)
 
 
@@ -228,10 +388,11 @@ def dequantize(words, scale, zero, *, k: int, group: int, bits: int, fp8: bool, 
     """The weight [N, K] in ``dtype``, by ``_dequantize_kernel``."""
     n = words.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=words.device)
-    chunks = words.shape[1] // WORDS
-    _dequantize_kernel[(triton.cdiv(n, 16), chunks)](
-        words, scale, zero if zero is not None else scale, out, n, k, scale.shape[1], group, chunks,
-        BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, BLOCK_N=16, WORDS=WORDS, num_warps=4)
+    chunks = words.shape[1] // CHUNK
+    _dequantize_kernel[(triton.cdiv(n, 16), triton.cdiv(chunks, 32))](
+        words, scale, zero if zero is not None else scale, out, n, k, scale.shape[1], chunks, MAGIC,
+        BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None,
+        GROUP_CHUNKS=_group_chunks(scale, group, bits), BLOCK_N=16, BLOCK_C=32, num_warps=4)
     return out
 
 

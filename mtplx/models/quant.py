@@ -19,7 +19,8 @@ Backends (``QuantLinear.forward``):
   than ``aten._weight_int8pack_mm`` (per-channel scales only) and than an inductor-compiled
   dequantize-and-reduce (docs/performance.md, "Quantized weights").
 - CUDA: Triton kernels (kernels/quant_gemv.py) for all three formats: a GEMV for up to 8
-  token rows (decode, drafts, verifies), a dequantizing kernel plus cuBLAS for more (prefill).
+  token rows (decode, drafts, verifies; CUDA cores up to 4 rows, tensor cores for 5-8), a
+  dequantizing kernel plus cuBLAS for more (prefill).
 - Anywhere else, and fp8 on the CPU (which has no fp8 kernel): dequantize-then-matmul in the
   activation dtype (correct, not fast; on the CPU fp8 is for quality checks such as
   benchmarks/perplexity.py).
@@ -211,7 +212,7 @@ def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
     if device.type == "cpu" and not qw.fp8 and qw.group_size in GROUP_SIZES:
         return "cpu"
     if device.type == "cuda" and quant_gemv.triton is not None and (
-            qw.group_size % quant_gemv.WORDS == 0 or qw.group_size == qw.shape[1]):
+            qw.group_size % quant_gemv.GROUP_MULTIPLE == 0 or qw.group_size == qw.shape[1]):
         return "triton"
     return "dequantize"
 

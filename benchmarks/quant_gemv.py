@@ -1,0 +1,140 @@
+"""The quantized GEMV (mtplx/kernels/quant_gemv.py) on the 8B shape's matrices against bf16
+cuBLAS: per matrix, format, token rows and kernel configuration, the time of one product in a
+CUDA graph (weights rotated over enough copies that they stream from memory, not L2) and the
+weight bytes read per second. Each configuration's output is first checked against the
+dequantized weight's float32 product.
+
+    PYTHONPATH=. python3 benchmarks/quant_gemv.py --out r.json [--formats int4,int8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mtplx.kernels import quant_gemv
+from mtplx.models.quant import QuantLinear, quantize
+
+# Qwen3-8B: hidden 4096, 32 query heads and 8 KV heads of 128, intermediate 12288, vocabulary 151936
+MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+            "lm_head": (151936, 4096)}
+ROTATE_BYTES = 512 << 20  # copies of a weight until this many bytes: several times the 60 MB L2
+
+
+def graph_time(fns, replays: int = 10) -> float:
+    """Seconds per call of one replay of a graph that calls each of ``fns`` once (median)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); graph.replay(); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del graph
+    return sorted(times)[len(times) // 2] / len(fns)
+
+
+SWEEP = {  # (format, rows) -> (BLOCK_N, num_warps, SPLIT, DOT_C); DOT_C 0: the CUDA-core kernel,
+    # tiles of 32 * num_warps chunks (int4: 1024 inputs per warp, 8-bit 512); else tensor cores
+    ("int4", 1): [(8, 2, 1, 0), (8, 4, 1, 0)],
+    ("int4", 4): [(8, 4, 1, 0), (16, 4, 1, 4), (64, 4, 1, 4)],
+    ("int4", 8): [(4, 4, 1, 0), (64, 4, 1, 4)],
+    ("int8", 4): [(4, 4, 1, 0), (64, 4, 1, 8)],
+}
+
+
+def configs(fmt: str, rows: int, quick: bool) -> list:
+    """(BLOCK_N, num_warps, SPLIT, DOT_C) to try, None (the default) first."""
+    return [None] if quick else [None, *SWEEP.get((fmt, rows), [])]
+
+
+def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tuple[int, int, int, int]:
+    """The configuration gemv runs for ``cfg``: SPLIT as split_ranges rounds it."""
+    block_n, warps, split, dot_c = cfg
+    chunks = -(-k // quant_gemv.inputs_per_chunk(bits))
+    return block_n, warps, quant_gemv.split_ranges(chunks, split, dot_c or 32 * warps)[1], dot_c
+
+
+def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
+    """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    layer = QuantLinear(quantize(w, fmt, group), device=device)
+    qbytes = layer.weight_bytes()
+    wq = layer.dequantize()
+    copies = max(2, -(-ROTATE_BYTES // qbytes))
+    bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
+            for _ in range(copies)]
+    bcopies = max(2, -(-ROTATE_BYTES // (2 * n * k)))
+    wb = [w.clone() for _ in range(bcopies)]
+    out = {}
+    for rows in rows_list:
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        bf16 = graph_time([lambda wi=wi: F.linear(x, wi) for wi in wb])
+        entry = {"bf16_cublas_us": bf16 * 1e6, "bf16_GBs": 2 * n * k / bf16 / 1e9, "us_by_config": {}}
+        ref = x.float() @ wq.T
+        magnitude = x.float().abs() @ wq.abs().T + 1e-6
+        default = effective(quant_gemv.config_for(n, k, rows, layer.bits), n, k, layer.bits)
+        seen = set()
+        for cfg in configs(fmt, rows, quick):
+            cfg_used = default if cfg is None else effective(cfg, n, k, layer.bits)
+            if cfg_used in seen:
+                continue
+            seen.add(cfg_used)
+            label = ("default " if cfg is None else "") + "x".join(map(str, cfg_used))
+            args = layer._kernel_args()
+            got = quant_gemv.gemv(x, layer.words, layer.scale, layer.zero, None, config=cfg_used, **args)
+            err = float(((got.float() - ref).abs() / magnitude).max())
+            if not err < 1e-2:
+                raise SystemExit(f"FAIL: {fmt} {name} rows {rows} config {cfg_used}: error {err}")
+            t = graph_time([lambda b=b: quant_gemv.gemv(x, b[0], b[1], b[2], None, config=cfg_used, **args)
+                            for b in bufs])
+            entry["us_by_config"][label] = t * 1e6
+        best = min(entry["us_by_config"], key=entry["us_by_config"].get)
+        t = entry["us_by_config"][best]
+        default = next(v for key, v in entry["us_by_config"].items() if key.startswith("default"))
+        entry.update(best=best, best_us=t, best_GBs=qbytes / t / 1e3, default_us=default,
+                     default_GBs=qbytes / default / 1e3, speedup_over_bf16=bf16 * 1e6 / t)
+        out[f"rows{rows}"] = entry
+        print(f"{fmt:5s} {name:8s} {n}x{k} rows {rows}: bf16 {bf16 * 1e6:7.1f} us ({entry['bf16_GBs']:.0f} GB/s) | "
+              f"default {default:7.1f} us ({entry['default_GBs']:.0f} GB/s) | best {best} {t:7.1f} us "
+              f"({entry['best_GBs']:.0f} GB/s, {entry['speedup_over_bf16']:.2f}x bf16)", flush=True)
+    del bufs, wb, wq
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--formats", default="int4,int8,fp8")
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--matrices", default=",".join(MATRICES))
+    ap.add_argument("--quick", action="store_true", help="the default configuration only")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "results": {}}
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for fmt in args.formats.split(","):
+        report["results"][fmt] = {name: bench_matrix(name, *MATRICES[name], fmt, rows_list, args.quick, device)
+                                  for name in args.matrices.split(",")}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
