@@ -92,9 +92,11 @@ LONG_ROWS = {"int4": (13, 35 * 32 - 8, 32), "int8": (13, 35 * 16 - 8, 32), "fp8"
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
-@pytest.mark.parametrize("config", [(8, 1, 1, 0), (4, 1, 2, 0), (2, 1, 3, 0), (16, 4, 1, 4), (16, 4, 3, 8)])
+@pytest.mark.parametrize("config", [(8, 1, 1, 0), (4, 1, 2, 0), (2, 1, 3, 0), (16, 4, 1, 4), (16, 4, 3, 8),
+                                    (8, 1, 1, 0, 1), (4, 1, 2, 0, 1)])
 def test_gemv_over_several_tiles_and_split_k_sums_every_chunk_once(fmt, config):
-    """CUDA-core configs (DOT_C 0) and tensor-core ones (tiles of DOT_C chunks)."""
+    """CUDA-core configs (DOT_C 0; PREFETCH 1: the next tile loaded before this one is summed)
+    and tensor-core ones (tiles of DOT_C chunks)."""
     out, inp, group = LONG_ROWS[fmt]
     if inp % group:  # int4/int8 groups need whole groups: cut the row to them
         inp -= inp % group
@@ -107,6 +109,56 @@ def test_gemv_over_several_tiles_and_split_k_sums_every_chunk_once(fmt, config):
             got = quant_gemv.gemv(x, layer.words, layer.scale, layer.zero, layer.bias, config=config,
                                   **layer._kernel_args())
         _check(got, x, qw, layer, bias)
+
+
+def _check_silu_mul(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, layer: QuantLinear, bias=None) -> None:
+    """got against silu(gate) * up of the float64 product, gate and up its halves; the bound
+    carries each half's bound through silu (|silu'| < 1.1) and adds the output's rounding."""
+    ref = _reference(x.cpu(), qw, layer.scale.dtype, None if bias is None else bias.cpu())
+    magnitude = x.cpu().double().abs() @ qw.dequantize().double().abs().T
+    if bias is not None:
+        magnitude += bias.cpu().double().abs()
+    rel = 2.0 ** -7 if x.dtype == torch.bfloat16 else 1e-5
+    bound = (ref.abs() + magnitude) * rel + 1e-6
+    (g, u), (bg, bu) = ref.chunk(2, dim=-1), bound.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(g) * u
+    bound_out = 1.1 * bg * (u.abs() + bu) + torch.nn.functional.silu(g).abs() * bu + want.abs() * rel
+    err = (got.cpu().double() - want).abs()
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert (err <= bound_out).all(), f"max error {float(err.max())}"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 19])
+def test_silu_mul_forward_equals_silu_of_gate_times_up(fmt, rows):
+    """A fused gate/up layer (2 I rows, gate first) with SiLU * up in the GEMV's epilogue (up
+    to 8 rows), or after the dequantized matmul (19): I odd, so the last program is partial."""
+    for i, (out, inp, group) in enumerate(SHAPES[fmt]):
+        qw = _weight(fmt, 2 * out, inp, group, seed=i)
+        layer = QuantLinear(qw, device=DEVICE, backend="triton")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+            with torch.no_grad():
+                _check_silu_mul(layer.silu_mul_forward(x), x, qw, layer)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("config", [(8, 1, 1, 0), (4, 1, 2, 0, 1), (2, 1, 3, 0), (16, 4, 1, 4), (16, 4, 3, 8)])
+def test_silu_epilogue_over_split_k_and_bias(fmt, config):
+    """The epilogue in the GEMV (SPLIT 1) and in the split-summing kernel, with a bias added
+    before the SiLU."""
+    out, inp, group = LONG_ROWS[fmt]
+    if inp % group:
+        inp -= inp % group
+    qw = _weight(fmt, 2 * out, inp, group, seed=9)
+    bias = torch.randn(2 * out, generator=torch.Generator().manual_seed(10))
+    layer = QuantLinear(qw, bias, device=DEVICE, backend="triton")
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        with torch.no_grad():
+            got = quant_gemv.gemv(x, layer.words, layer.scale, layer.zero, layer.bias, config=config, silu=True,
+                                  **layer._kernel_args())
+        _check_silu_mul(got, x, qw, layer, bias)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])

@@ -30,15 +30,20 @@ which needs no fp8 hardware and runs under Triton's interpreter; the 2^8 is fold
 
 Forwards of up to 4 token rows (decode steps, drafts, verifies of 1 + 3 tokens) run
 ``_qgemv_kernel`` on the CUDA cores: program (i, s) owns BLOCK_N outputs for every row and the
-s-th of SPLIT ranges of chunks; its tile is 32 * num_warps chunks wide, one chunk per thread, so
-each thread holds BLOCK_N rows of the same inputs (the activations' layout is then the weights'
-own, with no exchange through shared memory) and sums in float32. With SPLIT > 1 the programs
-write float32 partial sums and ``_sum_splits_kernel`` adds them (and the bias). 5 to MAX_ROWS
+s-th of SPLIT ranges of chunks; its tile is 32 * num_warps chunks wide, one chunk per thread,
+so each thread holds BLOCK_N rows of the same inputs (the activations' layout is then the
+weights' own, with no exchange through shared memory) and sums in float32; with PREFETCH (off
+by default, not yet measured) each program loads its next tile before summing this one. With
+SPLIT > 1 the programs write float32 partial sums and ``_sum_splits_kernel`` adds them (and the
+bias). A fused gate/up weight (gate rows, then up rows) can end in SiLU(gate) * up
+(``gemv(silu=True)``): each program holds gate row o and up row I + o side by side for its
+BLOCK_N // 2 outputs, so the epilogue (or the split sum) writes the MLP's activation directly,
+and a decode step loses the separate SiLU and multiply kernels of every layer. 5 to MAX_ROWS
 rows run ``_qdot_kernel``: the tile dequantized into x's dtype and multiplied on the tensor
 cores, rows padded to 16. On the H200 (docs/performance.md, session 9) one row reaches 1.6-2.9
-TB/s for int4 (2.1-2.9x bf16 cuBLAS) and 2.3-3.7 TB/s for int8, bound by instruction issue
-as much as by memory; 4 rows cost about as much as bf16. More rows (prefill) dequantize the
-weight into the activation dtype with ``_dequantize_kernel`` and use cuBLAS.
+TB/s for int4 (2.1-2.9x bf16 cuBLAS) and 2.3-3.7 TB/s for int8, bound by instruction issue as
+much as by memory; 4 rows cost about as much as bf16. More rows (prefill) dequantize the weight
+into the activation dtype with ``_dequantize_kernel`` and use cuBLAS.
 Everything launches only kernels and allocates only its outputs and temporaries through torch,
 so it can be captured in CUDA graphs.
 """
@@ -127,23 +132,28 @@ def dequantize_reference(words, scale, zero, bits: int, fp8: bool, k: int, group
     return w.flatten(1)
 
 
-def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, SPLIT, DOT_C) for a weight [n, k] and ``rows`` token rows, from
+def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, num_warps, SPLIT, DOT_C, PREFETCH) for a weight [n, k] and ``rows`` token rows, from
     benchmarks/quant_gemv.py's sweep on the H200 (benchmarks/results/gpu_h200_s9_quant_gemv_sweep_*.json). DOT_C
     0: the CUDA-core kernel, tiles of 32 * num_warps chunks (int4 at one row: two tiles of 2
     warps for the wide matrices); up to 4 rows it beat the tensor-core kernel, whose decoding
     costs more per weight. Else the tensor-core kernel, tiles of DOT_C chunks (128 inputs) and
-    SPLIT raised until there are two programs per SM of the H200's 132."""
+    SPLIT raised until there are two programs per SM of the H200's 132. PREFETCH is off: it
+    is not yet measured on the H200 (benchmarks/quant_gemv.py sweeps it at one row). The
+    prediction: on for 8-bit matrices of at most 8192 outputs (qkv, o, down of the 8B shape),
+    whose programs all fit on the chip at once with a few tiles each, so that without it each
+    program waits for memory once per tile; int4 spilled registers with it (Triton 3.9's sm_90
+    build; the device has 3.6)."""
     if rows == 1:
-        return 8, (2 if bits == 4 and n >= 6144 else 4), 1, 0
+        return 8, (2 if bits == 4 and n >= 6144 else 4), 1, 0, 0
     if rows <= 4:
-        return (8 if bits == 4 else 4), 4, 1, 0
+        return (8 if bits == 4 else 4), 4, 1, 0, 0
     chunks = -(-k // inputs_per_chunk(bits))
     dot_c = 128 // inputs_per_chunk(bits)
     block_n, split = 32, 1
     while triton.cdiv(n, block_n) * split < 2 * 132 and chunks // (2 * split) >= dot_c:
         split *= 2
-    return block_n, 4, split, dot_c
+    return block_n, 4, split, dot_c, 0
 
 
 if triton is not None:
@@ -168,46 +178,79 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _store_sums(sums, mo, no, b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-        """Store float32 sums for rows mo and outputs no (broadcast against each other): PARTIAL,
-        into split pid_k of the float32 [SPLIT, rows, N] partials; else plus the bias, into
-        out [rows, N] in its dtype."""
-        ok = (mo < rows) & (no < N)
+    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+        """The weight rows [BLOCK_N] of program pid_n: BLOCK_N consecutive ones, or with SILU
+        (N = 2 * I rows, gate then up) gate row o and up row I + o for each of its BLOCK_N // 2
+        outputs o, interleaved (slot 2 i gate, 2 i + 1 up)."""
+        slot = tl.arange(0, BLOCK_N)
+        if SILU:
+            return pid_n * (BLOCK_N // 2) + slot // 2 + (slot % 2) * (N // 2)
+        return pid_n * BLOCK_N + slot
+
+    @triton.jit
+    def _store_sums(sums, mo, nw, pid_n, b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Store float32 sums [MM, BLOCK_N] for rows mo [MM, 1] and weight rows nw [1, BLOCK_N]
+        (``_weight_rows``): PARTIAL, into split pid_k of the float32 [SPLIT, rows, N] partials
+        (no bias, in weight-row order); else plus the bias, into out [rows, N] in its dtype, or
+        with SILU out [rows, N // 2] = silu(gate) * up, each rounded to out's dtype first (as
+        the product's output would be before ``fused.silu_mul``)."""
+        ok = (mo < rows) & (nw < N)
         if PARTIAL:
-            tl.store(out_ptr + (pid_k * rows + mo) * N + no, sums, mask=ok)
+            tl.store(out_ptr + (pid_k * rows + mo) * N + nw, sums, mask=ok)
         else:
+            dtype = out_ptr.dtype.element_ty
             if HAS_BIAS:
-                sums += tl.load(b_ptr + no, mask=no < N, other=0.0).to(tl.float32)
-            tl.store(out_ptr + mo * N + no, sums.to(out_ptr.dtype.element_ty), mask=ok)
+                sums += tl.load(b_ptr + nw, mask=nw < N, other=0.0).to(tl.float32)
+            if SILU:
+                g, u = tl.split(tl.reshape(sums, [sums.shape[0], BLOCK_N // 2, 2]))
+                g = g.to(dtype).to(tl.float32)
+                u = u.to(dtype).to(tl.float32)
+                o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)[None, :]
+                tl.store(out_ptr + mo * (N // 2) + o, (g / (1.0 + tl.exp(-g)) * u).to(dtype),
+                         mask=(mo < rows) & (o < N // 2))
+            else:
+                tl.store(out_ptr + mo * N + nw, sums.to(dtype), mask=ok)
 
     @triton.jit
     def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                       M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
                       HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
+                      PREFETCH: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two) over
         this program's chunks [s * split_chunks, (s + 1) * split_chunks); x has row stride sx.
         PARTIAL: out is float32 [SPLIT, rows, N] and gets this split's sums (no bias), else out
-        [rows, N] in its dtype. GROUP_CHUNKS: chunks per scale group, 0 for one group per row.
-        Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the chunk axis across threads, the rows in them."""
+        [rows, N] in its dtype (SILU: see ``_store_sums``). GROUP_CHUNKS: chunks per scale
+        group, 0 for one group per row. PREFETCH: each tile's weight loads are issued before the
+        previous tile's arithmetic (registers hold two tiles), so a program with few tiles waits
+        for memory once rather than once per tile. Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the
+        chunk axis across threads, the rows in them."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        nw = _weight_rows(pid_n, N, BLOCK_N, SILU)
         c = tl.arange(0, BLOCK_C)[:, None, None, None]
         m = tl.arange(0, M)[None, :, None, None]
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :, None]
+        n = nw[None, None, :, None]
         v = tl.arange(0, 4)[None, None, None, :]
         c3 = tl.arange(0, BLOCK_C)[:, None, None]  # [BLOCK_C, 1, BLOCK_N]: one scale per chunk and row
-        n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+        n3 = nw[None, None, :]
         m_ok = m < rows
         n_ok = n < N
         c_lo = pid_k * split_chunks
         c_hi = tl.minimum(c_lo + split_chunks, chunks)
         row = p_ptr + n * (chunks * 4) + v
         acc = tl.zeros([BLOCK_C, M, BLOCK_N], tl.float32)
+        if PREFETCH:
+            p_next = tl.load(row + (c_lo + c) * 4, mask=n_ok & (c_lo + c < c_hi), other=0)
         for c0 in range(c_lo, c_hi, BLOCK_C):
             cc = c0 + c
             c_ok = cc < c_hi
-            p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
+            if PREFETCH:
+                p = p_next
+                p_next = tl.load(row + (cc + BLOCK_C) * 4, mask=n_ok & (cc + BLOCK_C < c_hi), other=0)
+            else:
+                p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
             ph = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
             k0 = cc * (4 * PER)
             x0 = tl.load(x_ptr + m * sx + k0 + v, mask=m_ok & (k0 + v < K), other=0.0).to(tl.float32)
@@ -233,14 +276,14 @@ if triton is not None:
             acc += tl.sum(t, axis=3) * s
             if HAS_ZERO:
                 acc += tl.sum(xs, axis=3) * tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
-        _store_sums(tl.sum(acc, axis=0), tl.arange(0, M)[:, None], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
-                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
+        _store_sums(tl.sum(acc, axis=0), tl.arange(0, M)[:, None], nw[None, :], pid_n, b_ptr, out_ptr, rows, N,
+                    pid_k, HAS_BIAS, PARTIAL, SILU, BLOCK_N)
 
     @triton.jit
     def _qdot_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                      BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
                      HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_C: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr):
+                     BLOCK_C: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
         """``_qgemv_kernel``'s product on the tensor cores, for 2 to 16 rows: each [BLOCK_N,
         BLOCK_C chunks] weight tile is dequantized (scale and offset applied) into x's dtype and
         multiplied by the rows' inputs padded to 16 rows (tl.dot, float32 accumulation; IEEE:
@@ -248,7 +291,8 @@ if triton is not None:
         Tensors are [BLOCK_N, BLOCK_C, PER, CHUNK]: flattened, the inputs in their natural order."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+        nw = _weight_rows(pid_n, N, BLOCK_N, SILU)
+        n = nw[:, None, None, None]
         c = tl.arange(0, BLOCK_C)[None, :, None, None]
         j = tl.arange(0, PER)[None, None, :, None]
         v = tl.arange(0, 4)[None, None, None, :]
@@ -288,21 +332,39 @@ if triton is not None:
                 acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc)
-        _store_sums(acc, tl.arange(0, 16)[None, :], pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None],
-                    b_ptr, out_ptr, rows, N, pid_k, HAS_BIAS, PARTIAL)
+        _store_sums(tl.trans(acc), tl.arange(0, 16)[:, None], nw[None, :], pid_n, b_ptr, out_ptr, rows, N, pid_k,
+                    HAS_BIAS, PARTIAL, SILU, BLOCK_N)
+
+    @triton.jit
+    def _split_sum(part_ptr, b_ptr, at, nb, ok, stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """sum_s part[s * stride + at] (+ b[nb]) in float32."""
+        acc = tl.load(part_ptr + at, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * stride + at, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + nb, mask=ok, other=0.0).to(tl.float32)
+        return acc
 
     @triton.jit
     def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        """out[i] = sum_s part[s, i] (+ b[i % N]) for the flat [rows * N] output (total elements)."""
+                           SILU: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = sum_s part[s, i] (+ b[i % N]) for the flat [rows * N] output (total elements);
+        with SILU, out [rows, N // 2] (total elements) = silu(gate) * up of the summed
+        [rows, N] partials, as in ``_store_sums``."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
-        acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            acc += tl.load(part_ptr + s * total + i, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if SILU:
+            half = N // 2
+            at = (i // half) * N + i % half
+            g = _split_sum(part_ptr, b_ptr, at, at % N, ok, total * 2, SPLIT, HAS_BIAS)
+            u = _split_sum(part_ptr, b_ptr, at + half, at % N + half, ok, total * 2, SPLIT, HAS_BIAS)
+            dtype = out_ptr.dtype.element_ty
+            g = g.to(dtype).to(tl.float32)
+            u = u.to(dtype).to(tl.float32)
+            tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(dtype), mask=ok)
+        else:
+            acc = _split_sum(part_ptr, b_ptr, i, i % N, ok, total, SPLIT, HAS_BIAS)
+            tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _dequantize_kernel(p_ptr, s_ptr, z_ptr, out_ptr, N, K, G, chunks, magic,
@@ -353,35 +415,40 @@ def split_ranges(chunks: int, split: int, block_c: int) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits: int, fp8: bool,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [..., K] of at most MAX_ROWS rows; out in x's dtype.
-    config: (BLOCK_N, num_warps, SPLIT, DOT_C), by default ``config_for``'s."""
+         config: tuple[int, int, int, int] | None = None, silu: bool = False) -> torch.Tensor:
+    """x @ w.T (+ bias) for x [..., K] of at most MAX_ROWS rows; out in x's dtype [..., N].
+    silu: w is gate and up stacked ([2 I, K], gate first) and out is silu(gate) * up [..., I],
+    computed in the product's epilogue (the same numbers as ``fused.silu_mul`` of the product).
+    config: (BLOCK_N, num_warps, SPLIT, DOT_C[, PREFETCH]), by default ``config_for``'s;
+    BLOCK_N counts weight rows (with silu, BLOCK_N // 2 outputs)."""
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     rows, n = x2.shape[0], words.shape[0]
     chunks = words.shape[1] // CHUNK
-    block_n, warps, split, dot_c = config or config_for(n, k, rows, bits)
+    block_n, warps, split, dot_c, *rest = config or config_for(n, k, rows, bits)
+    prefetch = bool(rest and rest[0])
     block_c = dot_c or 32 * warps
     split_chunks, split = split_ranges(chunks, split, block_c)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if silu else n
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     args = (x2, x2.stride(0), words, scale, zero if zero is not None else scale, bias if bias is not None else scale,
             part, rows, n, k, scale.shape[1], chunks, split_chunks, MAGIC)
     common = dict(BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
                   GROUP_CHUNKS=_group_chunks(scale, group, bits), BLOCK_N=block_n, BLOCK_C=block_c,
-                  PARTIAL=split > 1, num_warps=warps)
-    grid = (triton.cdiv(n, block_n), split)
+                  PARTIAL=split > 1, SILU=silu, num_warps=warps)
+    grid = (triton.cdiv(n_out, block_n // 2) if silu else triton.cdiv(n, block_n), split)
     if dot_c:
         # float32 inputs in float32; so too under the interpreter, whose dot of 16-bit floats is wrong
         _qdot_kernel[grid](*args, IEEE=x.dtype == torch.float32 or fused._INTERPRET, **common)
     else:
-        _qgemv_kernel[grid](*args, M=triton.next_power_of_2(rows), **common)
+        _qgemv_kernel[grid](*args, M=triton.next_power_of_2(rows), PREFETCH=prefetch, **common)
     if split > 1:
-        total = rows * n
+        total = rows * n_out
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](part, bias if bias is not None else part, out, total, n,
-                                                         SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024,
-                                                         num_warps=4)
-    return out.view(*x.shape[:-1], n)
+                                                         SPLIT=split, HAS_BIAS=bias is not None, SILU=silu,
+                                                         BLOCK=1024, num_warps=4)
+    return out.view(*x.shape[:-1], n_out)
 
 
 def dequantize(words, scale, zero, *, k: int, group: int, bits: int, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -396,10 +463,13 @@ def dequantize(words, scale, zero, *, k: int, group: int, bits: int, fp8: bool, 
     return out
 
 
-def matmul(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits: int, fp8: bool) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias) in x's dtype: the GEMV for up to MAX_ROWS rows, else the
-    weight dequantized by a kernel and multiplied by cuBLAS."""
+def matmul(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits: int, fp8: bool,
+           silu: bool = False) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) in x's dtype (silu: then silu(gate) * up, see ``gemv``): the
+    GEMV for up to MAX_ROWS rows, else the weight dequantized by a kernel and multiplied by
+    cuBLAS."""
     if x.numel() // k <= MAX_ROWS:
-        return gemv(x, words, scale, zero, bias, k=k, group=group, bits=bits, fp8=fp8)
+        return gemv(x, words, scale, zero, bias, k=k, group=group, bits=bits, fp8=fp8, silu=silu)
     w = dequantize(words, scale, zero, k=k, group=group, bits=bits, fp8=fp8, dtype=x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    out = F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return fused.silu_mul(out) if silu else out

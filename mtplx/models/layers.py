@@ -110,12 +110,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.gate_up_proj: nn.Module | None = None  # quantized gate and up as one matrix (loading/weights.py)
+        # quantized gate and up as one matrix, a QuantLinear (models/quant.py, loading/weights.py)
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+        if self.gate_up_proj is not None:  # SiLU * up in the quantized product's epilogue
+            return self.down_proj(self.gate_up_proj.silu_mul_forward(x))
         if self.is_fused:
             gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
             if fused.usable(gate_up):

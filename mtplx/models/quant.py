@@ -20,7 +20,8 @@ Backends (``QuantLinear.forward``):
   dequantize-and-reduce (docs/performance.md, "Quantized weights").
 - CUDA: Triton kernels (kernels/quant_gemv.py) for all three formats: a GEMV for up to 8
   token rows (decode, drafts, verifies; CUDA cores up to 4 rows, tensor cores for 5-8), a
-  dequantizing kernel plus cuBLAS for more (prefill).
+  dequantizing kernel plus cuBLAS for more (prefill). A fused gate/up layer's SiLU * up is the
+  GEMV's epilogue (``QuantLinear.silu_mul_forward``).
 - Anywhere else, and fp8 on the CPU (which has no fp8 kernel): dequantize-then-matmul in the
   activation dtype (correct, not fast; on the CPU fp8 is for quality checks such as
   benchmarks/perplexity.py).
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.kernels import quant_gemv
+from mtplx.kernels import fused, quant_gemv
 from mtplx.models.layers import MLP, Attention
 
 FORMATS = ("int4", "int8", "fp8")
@@ -173,6 +174,19 @@ class QuantLinear(nn.Module):
         else:
             out = F.linear(x, self.dequantize().to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def silu_mul_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output [..., 2 I] (gate first, a fused gate/up
+        projection): x [..., in] -> [..., out / 2] in x's dtype. On the kernels, one launch (the
+        SiLU * up is the GEMV's epilogue), else the product then ``fused.silu_mul`` where the
+        fused kernels run, else PyTorch."""
+        if self.backend == "triton" and quant_gemv.usable(x):
+            return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
+        gate_up = self(x)
+        if fused.usable(gate_up):
+            return fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
