@@ -48,10 +48,9 @@ def graph_time(fns, replays: int = 10) -> float:
     return sorted(times)[len(times) // 2] / len(fns)
 
 
-SWEEP = {  # (format, rows) -> (BLOCK_N, num_warps, SPLIT, DOT_C, PREFETCH); DOT_C 0: the CUDA-core
-    # kernel, tiles of 32 * num_warps chunks (int4: 1024 inputs per warp, 8-bit 512); else tensor cores
-    ("int4", 1): [(8, 2, 1, 0, 0), (8, 4, 1, 0, 0), (8, 2, 1, 0, 1), (8, 4, 1, 0, 1)],
-    ("int8", 1): [(8, 4, 1, 0, 0), (8, 4, 1, 0, 1), (8, 2, 1, 0, 1)],
+SWEEP = {  # (format, rows) -> (BLOCK_N, num_warps, SPLIT, DOT_C); DOT_C 0: the CUDA-core kernel,
+    # tiles of 32 * num_warps chunks (int4: 1024 inputs per warp, 8-bit 512); else tensor cores
+    ("int4", 1): [(8, 2, 1, 0), (8, 4, 1, 0)],
     ("int4", 4): [(8, 4, 1, 0), (16, 4, 1, 4), (64, 4, 1, 4)],
     ("int4", 8): [(4, 4, 1, 0), (64, 4, 1, 4)],
     ("int8", 4): [(4, 4, 1, 0), (64, 4, 1, 8)],
@@ -59,17 +58,15 @@ SWEEP = {  # (format, rows) -> (BLOCK_N, num_warps, SPLIT, DOT_C, PREFETCH); DOT
 
 
 def configs(fmt: str, rows: int, quick: bool) -> list:
-    """(BLOCK_N, num_warps, SPLIT, DOT_C[, PREFETCH]) to try, None (the default) first."""
+    """(BLOCK_N, num_warps, SPLIT, DOT_C) to try, None (the default) first."""
     return [None] if quick else [None, *SWEEP.get((fmt, rows), [])]
 
 
-def effective(cfg: tuple, n: int, k: int, bits: int) -> tuple[int, int, int, int, int]:
-    """The configuration gemv runs for ``cfg``: SPLIT as split_ranges rounds it, PREFETCH 0 if
-    not given."""
-    block_n, warps, split, dot_c, *rest = cfg
+def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tuple[int, int, int, int]:
+    """The configuration gemv runs for ``cfg``: SPLIT as split_ranges rounds it."""
+    block_n, warps, split, dot_c = cfg
     chunks = -(-k // quant_gemv.inputs_per_chunk(bits))
-    split = quant_gemv.split_ranges(chunks, split, dot_c or 32 * warps)[1]
-    return block_n, warps, split, dot_c, int(bool(rest and rest[0]))
+    return block_n, warps, quant_gemv.split_ranges(chunks, split, dot_c or 32 * warps)[1], dot_c
 
 
 def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:

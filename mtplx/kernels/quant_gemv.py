@@ -30,20 +30,19 @@ which needs no fp8 hardware and runs under Triton's interpreter; the 2^8 is fold
 
 Forwards of up to 4 token rows (decode steps, drafts, verifies of 1 + 3 tokens) run
 ``_qgemv_kernel`` on the CUDA cores: program (i, s) owns BLOCK_N outputs for every row and the
-s-th of SPLIT ranges of chunks; its tile is 32 * num_warps chunks wide, one chunk per thread,
-so each thread holds BLOCK_N rows of the same inputs (the activations' layout is then the
-weights' own, with no exchange through shared memory) and sums in float32; with PREFETCH (off
-by default, not yet measured) each program loads its next tile before summing this one. With
-SPLIT > 1 the programs write float32 partial sums and ``_sum_splits_kernel`` adds them (and the
-bias). A fused gate/up weight (gate rows, then up rows) can end in SiLU(gate) * up
-(``gemv(silu=True)``): each program holds gate row o and up row I + o side by side for its
-BLOCK_N // 2 outputs, so the epilogue (or the split sum) writes the MLP's activation directly,
-and a decode step loses the separate SiLU and multiply kernels of every layer. 5 to MAX_ROWS
+s-th of SPLIT ranges of chunks; its tile is 32 * num_warps chunks wide, one chunk per thread, so
+each thread holds BLOCK_N rows of the same inputs (the activations' layout is then the weights'
+own, with no exchange through shared memory) and sums in float32. With SPLIT > 1 the programs
+write float32 partial sums and ``_sum_splits_kernel`` adds them (and the bias). A fused gate/up
+weight (gate rows, then up rows) can end in SiLU(gate) * up (``gemv(silu=True)``): each program
+holds gate row o and up row I + o side by side for its BLOCK_N // 2 outputs, so the epilogue
+(or the split sum) writes the MLP's activation directly, and a decode step loses the separate
+SiLU and multiply kernels of every layer. 5 to MAX_ROWS
 rows run ``_qdot_kernel``: the tile dequantized into x's dtype and multiplied on the tensor
 cores, rows padded to 16. On the H200 (docs/performance.md, session 9) one row reaches 1.6-2.9
-TB/s for int4 (2.1-2.9x bf16 cuBLAS) and 2.3-3.7 TB/s for int8, bound by instruction issue as
-much as by memory; 4 rows cost about as much as bf16. More rows (prefill) dequantize the weight
-into the activation dtype with ``_dequantize_kernel`` and use cuBLAS.
+TB/s for int4 (2.1-2.9x bf16 cuBLAS) and 2.3-3.7 TB/s for int8, bound by instruction issue
+as much as by memory; 4 rows cost about as much as bf16. More rows (prefill) dequantize the
+weight into the activation dtype with ``_dequantize_kernel`` and use cuBLAS.
 Everything launches only kernels and allocates only its outputs and temporaries through torch,
 so it can be captured in CUDA graphs.
 """
@@ -132,28 +131,23 @@ def dequantize_reference(words, scale, zero, bits: int, fp8: bool, k: int, group
     return w.flatten(1)
 
 
-def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, num_warps, SPLIT, DOT_C, PREFETCH) for a weight [n, k] and ``rows`` token rows, from
+def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, SPLIT, DOT_C) for a weight [n, k] and ``rows`` token rows, from
     benchmarks/quant_gemv.py's sweep on the H200 (benchmarks/results/gpu_h200_s9_quant_gemv_sweep_*.json). DOT_C
     0: the CUDA-core kernel, tiles of 32 * num_warps chunks (int4 at one row: two tiles of 2
     warps for the wide matrices); up to 4 rows it beat the tensor-core kernel, whose decoding
     costs more per weight. Else the tensor-core kernel, tiles of DOT_C chunks (128 inputs) and
-    SPLIT raised until there are two programs per SM of the H200's 132. PREFETCH is off: it
-    is not yet measured on the H200 (benchmarks/quant_gemv.py sweeps it at one row). The
-    prediction: on for 8-bit matrices of at most 8192 outputs (qkv, o, down of the 8B shape),
-    whose programs all fit on the chip at once with a few tiles each, so that without it each
-    program waits for memory once per tile; int4 spilled registers with it (Triton 3.9's sm_90
-    build; the device has 3.6)."""
+    SPLIT raised until there are two programs per SM of the H200's 132."""
     if rows == 1:
-        return 8, (2 if bits == 4 and n >= 6144 else 4), 1, 0, 0
+        return 8, (2 if bits == 4 and n >= 6144 else 4), 1, 0
     if rows <= 4:
-        return (8 if bits == 4 else 4), 4, 1, 0, 0
+        return (8 if bits == 4 else 4), 4, 1, 0
     chunks = -(-k // inputs_per_chunk(bits))
     dot_c = 128 // inputs_per_chunk(bits)
     block_n, split = 32, 1
     while triton.cdiv(n, block_n) * split < 2 * 132 and chunks // (2 * split) >= dot_c:
         split *= 2
-    return block_n, 4, split, dot_c, 0
+    return block_n, 4, split, dot_c
 
 
 if triton is not None:
@@ -216,16 +210,13 @@ if triton is not None:
     def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                       M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
                       HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two) over
         this program's chunks [s * split_chunks, (s + 1) * split_chunks); x has row stride sx.
         PARTIAL: out is float32 [SPLIT, rows, N] and gets this split's sums (no bias), else out
         [rows, N] in its dtype (SILU: see ``_store_sums``). GROUP_CHUNKS: chunks per scale
-        group, 0 for one group per row. PREFETCH: each tile's weight loads are issued before the
-        previous tile's arithmetic (registers hold two tiles), so a program with few tiles waits
-        for memory once rather than once per tile. Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the
-        chunk axis across threads, the rows in them."""
+        group, 0 for one group per row. Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the chunk axis
+        across threads, the rows in them."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         nw = _weight_rows(pid_n, N, BLOCK_N, SILU)
@@ -241,16 +232,10 @@ if triton is not None:
         c_hi = tl.minimum(c_lo + split_chunks, chunks)
         row = p_ptr + n * (chunks * 4) + v
         acc = tl.zeros([BLOCK_C, M, BLOCK_N], tl.float32)
-        if PREFETCH:
-            p_next = tl.load(row + (c_lo + c) * 4, mask=n_ok & (c_lo + c < c_hi), other=0)
         for c0 in range(c_lo, c_hi, BLOCK_C):
             cc = c0 + c
             c_ok = cc < c_hi
-            if PREFETCH:
-                p = p_next
-                p_next = tl.load(row + (cc + BLOCK_C) * 4, mask=n_ok & (cc + BLOCK_C < c_hi), other=0)
-            else:
-                p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
+            p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
             ph = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
             k0 = cc * (4 * PER)
             x0 = tl.load(x_ptr + m * sx + k0 + v, mask=m_ok & (k0 + v < K), other=0.0).to(tl.float32)
@@ -419,14 +404,13 @@ def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits:
     """x @ w.T (+ bias) for x [..., K] of at most MAX_ROWS rows; out in x's dtype [..., N].
     silu: w is gate and up stacked ([2 I, K], gate first) and out is silu(gate) * up [..., I],
     computed in the product's epilogue (the same numbers as ``fused.silu_mul`` of the product).
-    config: (BLOCK_N, num_warps, SPLIT, DOT_C[, PREFETCH]), by default ``config_for``'s;
-    BLOCK_N counts weight rows (with silu, BLOCK_N // 2 outputs)."""
+    config: (BLOCK_N, num_warps, SPLIT, DOT_C), by default ``config_for``'s; BLOCK_N counts
+    weight rows (with silu, BLOCK_N // 2 outputs)."""
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     rows, n = x2.shape[0], words.shape[0]
     chunks = words.shape[1] // CHUNK
-    block_n, warps, split, dot_c, *rest = config or config_for(n, k, rows, bits)
-    prefetch = bool(rest and rest[0])
+    block_n, warps, split, dot_c = config or config_for(n, k, rows, bits)
     block_c = dot_c or 32 * warps
     split_chunks, split = split_ranges(chunks, split, block_c)
     n_out = n // 2 if silu else n
@@ -442,7 +426,7 @@ def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits:
         # float32 inputs in float32; so too under the interpreter, whose dot of 16-bit floats is wrong
         _qdot_kernel[grid](*args, IEEE=x.dtype == torch.float32 or fused._INTERPRET, **common)
     else:
-        _qgemv_kernel[grid](*args, M=triton.next_power_of_2(rows), PREFETCH=prefetch, **common)
+        _qgemv_kernel[grid](*args, M=triton.next_power_of_2(rows), **common)
     if split > 1:
         total = rows * n_out
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](part, bias if bias is not None else part, out, total, n,
