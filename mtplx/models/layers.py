@@ -117,11 +117,7 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:  # SiLU * up in the quantized product's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x))
         if self.is_fused:
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-            if fused.usable(gate_up):
-                return self.down_proj(fused.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     @property
@@ -195,6 +191,15 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One matmul for q, k and v (fewer launches per step); the originals become views."""
         self.qkv_weight, self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up output [..., 2 I] (gate first) -> [..., I]: one kernel
+    where the fused kernels run, else PyTorch."""
+    if fused.usable(gate_up):
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.kernels import fused, quant_gemv
-from mtplx.models.layers import MLP, Attention
+from mtplx.kernels import quant_gemv
+from mtplx.models.layers import MLP, Attention, silu_mul
 
 FORMATS = ("int4", "int8", "fp8")
 GROUP_SIZES = (32, 64, 128, 256)  # what the packed CPU kernel takes
@@ -178,15 +178,10 @@ class QuantLinear(nn.Module):
     def silu_mul_forward(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output [..., 2 I] (gate first, a fused gate/up
         projection): x [..., in] -> [..., out / 2] in x's dtype. On the kernels, one launch (the
-        SiLU * up is the GEMV's epilogue), else the product then ``fused.silu_mul`` where the
-        fused kernels run, else PyTorch."""
+        SiLU * up is the GEMV's epilogue), else the product then ``layers.silu_mul``."""
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
-        gate_up = self(x)
-        if fused.usable(gate_up):
-            return fused.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul(self(x))
 
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
