@@ -21,7 +21,7 @@ from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outco
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
-from mtplx.models.mtp import PRUNED_LOGIT, MTPHead
+from mtplx.models.mtp import MTPHead, whole_vocabulary
 
 # How a verify forward's recurrent state is cut back to the accepted prefix (hybrid models):
 # "capture" keeps each verified token's state update and rebuilds the state after the accepted
@@ -419,7 +419,8 @@ class ModelRunner:
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
 
-    def _draft(self, h: torch.Tensor, j: int, sampling: CycleSampling | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(self, h: torch.Tensor, j: int,
+               sampling: CycleSampling | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft j of every row from the head's output h [R, H] -> (tokens [R], q [R, V] in a
         mirror cycle, else None). With a pruned draft vocabulary an argmax draft, and on the
         kernel path a mirror row's distribution too, come from the vocabulary's own logits
@@ -489,8 +490,7 @@ class CycleSampling:
             full = torch.zeros(q.shape[0], self.race.shape[1], dtype=q.dtype, device=q.device)
             return ids[picks[:, 0]], full.scatter_(1, ids.expand(q.shape[0], -1), q[:, 0])
         if ids is not None:
-            whole = torch.full((head_logits.shape[0], self.race.shape[1]), PRUNED_LOGIT, device=head_logits.device)
-            head_logits = whole.scatter_(1, ids.expand(head_logits.shape[0], -1), head_logits)
+            head_logits = whole_vocabulary(head_logits, ids, self.race.shape[1])
         q = process_logits(head_logits[:, None], self.sampler, top_k=self.filters, min_p=self.filters)[:, 0]
         sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
         picks = torch.where(self.mirror_rows[:, 0], sampled, head_logits.argmax(-1))

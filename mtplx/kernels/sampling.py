@@ -14,11 +14,12 @@ argmax and cumsum reductions that use one multiprocessor each, and elementwise g
   weight is at least 2^-16 of the top token's, which hold every kept token when they are at
   least k (top-k) or hold top_p of the mass (top-p), else every token is a candidate, and a
   second copies them to a scratch row (each lane's from a slot that one scan of the lanes'
-  counts gives: a scan per row, not one per block; about 170 candidates at T 0.7); a 16-way search over the candidates' float bits finds the exact threshold (the
-  k-th largest scaled logit, ties kept; the least probability whose more probable tokens hold
-  less than top_p of the mass). Each lane keeps its own sums and maxima across a pass (one
-  block reduction per pass). H200 (benchmarks/sampled_profile.py): 17-19 us for a row without
-  filters, about 85 us with top-p (against 127-212 us for the PyTorch path).
+  counts gives: a scan per row, not one per block; about 170 candidates at T 0.7); a 16-way
+  search over the candidates' float bits finds the exact threshold (the k-th largest scaled
+  logit, ties kept; the least probability whose more probable tokens hold less than top_p of
+  the mass). Each lane keeps its own sums and maxima across a pass (one block reduction per
+  pass). H200 (benchmarks/sampled_profile.py): 17-19 us for a row without filters, 45-48 us
+  with top-p (85 us with a scan per block; 127-212 us for the PyTorch path).
 - ``argmax``: the first maximum of each row in one pass (greedy drafts and verifies).
 - ``rejection``: one program per row accepts its drafts left to right (u < p(x) / q(x)), then
   draws the emitted token from the residual max(0, p - q) (or the bonus distribution) by the

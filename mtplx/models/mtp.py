@@ -122,7 +122,12 @@ class MTPHead(nn.Module):
         subset = self.draft_subset(trunk, hidden)
         if subset is None:  # the whole vocabulary (a tensor-parallel rank: the sharded one, still exact)
             return trunk.compute_draft_logits(hidden)
-        kept, ids = subset
-        lead = hidden.shape[:-1]
-        out = torch.full((*lead, trunk.config.vocab_size), PRUNED_LOGIT, dtype=torch.float32, device=hidden.device)
-        return out.scatter_(-1, ids.expand(*lead, -1), kept)
+        return whole_vocabulary(*subset, trunk.config.vocab_size)
+
+
+def whole_vocabulary(kept: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A pruned draft vocabulary's logits kept [..., N] float32 at their ids [N], ``PRUNED_LOGIT``
+    elsewhere: [..., vocab_size] float32."""
+    lead = kept.shape[:-1]
+    out = torch.full((*lead, vocab_size), PRUNED_LOGIT, dtype=torch.float32, device=kept.device)
+    return out.scatter_(-1, ids.expand(*lead, -1), kept)
