@@ -1,9 +1,11 @@
 """Quantized weights: the int4/int8 kernels against dequantize-then-matmul, GGUF block decoding
 against the gguf package's own dequantization, and models loaded quantized.
 
-The CPU kernel rounds activations and scales to bf16 and accumulates in fp32, so the reference is
-the exact product of the bf16-rounded activations with the weight rebuilt from the integers and
-the bf16-rounded scales (float64), and the tolerance is the kernel's bf16 output rounding."""
+Two CPU backends: "cpu" (kernels/cpu.py's C++ kernel: float32 activations, float16 scales and
+offsets; or int8 activations where asked) and "int4pack" (PyTorch's packed int4 kernel: bf16
+activations and scales, fp32 accumulation). Each reference is the exact (float64) product of
+what the kernel holds: the weight rebuilt from the integers and the rounded scales, times the
+activations as the kernel rounds them; the tolerance is the kernel's own rounding."""
 
 import json
 
@@ -18,12 +20,22 @@ import mtplx
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.errors import InvalidParameter
+from mtplx.kernels import cpu as cpu_kernels
 from mtplx.loading.gguf_file import load_gguf
 from mtplx.loading.gguf_quant import EXACT, SUPPORTED, quantized_weight
 from mtplx.kernels import quant_gemv
 from mtplx.models.quant import (QuantizedWeight, QuantLinear, linear_weight_bytes, quantize_fp8, quantize_rtn,
                                  weight_formats)
 from tests.tiny_models import hf_reference
+
+CPU_BACKENDS = ["cpu", "int4pack"]
+# the backend a CPU model takes here (the C++ kernel wherever it builds: AVX2, g++ and ninja)
+DEFAULT_CPU = "cpu" if cpu_kernels.available() else "int4pack"
+needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="no AVX2 CPU, or no g++/ninja")
+
+
+def _backends():
+    return [pytest.param(b, marks=needs_kernel) if b == "cpu" else b for b in CPU_BACKENDS]
 
 
 def _random_weight(out, inp, bits, group, seed=0):
@@ -36,43 +48,118 @@ def _random_weight(out, inp, bits, group, seed=0):
     return QuantizedWeight(q, scale, zero, bits, group)
 
 
-def _reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """x @ W.T in float64, W = q * bf16(scale) + bf16(zero), x rounded to bf16 as the kernel does."""
-    w = QuantizedWeight(qw.q, qw.scale.bfloat16().float(), qw.zero.bfloat16().float(), qw.bits,
-                        qw.group_size).dequantize().double()
-    return x.bfloat16().double() @ w.T
+def _held(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """A scale or offset as the backend holds it: float16 ("cpu"), bf16 ("int4pack")."""
+    return (t.half() if backend == "cpu" else t.bfloat16()).float()
 
 
+def _held_weight(qw: QuantizedWeight, backend: str) -> torch.Tensor:
+    """The weight [out, in] float64 the backend multiplies by. "cpu" stores int4 offsets as
+    zero - 8 scale (the nibble is q + 8), rounded to float16."""
+    if backend == "cpu":
+        scale = _held(qw.scale, "cpu").double()
+        if qw.bits == 4:
+            offset = _held(qw.zero - 8 * qw.scale, "cpu").double()
+            u = (qw.q.double() + 8).unflatten(1, (-1, qw.group_size))
+            return (u * scale.unsqueeze(-1) + offset.unsqueeze(-1)).flatten(1)
+        zero = _held(qw.zero, "cpu").double()
+        return (qw.q.double().unflatten(1, (-1, qw.group_size)) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(1)
+    return QuantizedWeight(qw.q, _held(qw.scale, backend), _held(qw.zero, backend), qw.bits,
+                           qw.group_size).dequantize().double()
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with each 32 inputs of a row rounded to int8 on one scale, max |x| / 127 (the kernel's
+    int8 activations), written out independently of the C++ code."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+def _reference(x: torch.Tensor, qw: QuantizedWeight, backend: str = DEFAULT_CPU) -> torch.Tensor:
+    a = x.double() if backend == "cpu" else x.bfloat16().double()
+    return a @ _held_weight(qw, backend).T
+
+
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (40, 96, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256)])
+@pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (40, 96, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
+                                           (33, 64, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_quantized_matmul_equals_dequantize_then_matmul(bits, out, inp, group, rows):
+def test_quantized_matmul_equals_dequantize_then_matmul(backend, bits, out, inp, group, rows):
+    if backend == "int4pack" and out % 16:
+        out += 16 - out % 16  # (the packed kernel pads rows to 16 itself; keep its cases as they were)
     qw = _random_weight(out, inp, bits, group)
-    layer = QuantLinear(qw)
+    layer = QuantLinear(qw, backend=backend)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(1))
     got = layer(x)
-    ref = _reference(x, qw)
+    ref = _reference(x, qw, backend)
     assert got.dtype == torch.float32 and got.shape == (rows, out)
-    # bf16 output rounding (half an ulp, 2^-9 relative) plus fp32 accumulation over `inp` terms
-    bound = ref.abs() * 2.0 ** -8 + 1e-6 * (x.bfloat16().double().abs() @ qw.dequantize().double().abs().T)
+    magnitude = x.abs().double() @ _held_weight(qw, backend).abs().T
+    if backend == "cpu":  # fp32 sums of u * a per 32 inputs (u up to 15 times the scale), then scaled
+        bound = 1e-5 * (x.abs().double() @ (qw.q.double().abs() + 8 + qw.zero.abs().double().repeat_interleave(group, 1)
+                                              / qw.scale.double().repeat_interleave(group, 1)).mul(
+            qw.scale.double().repeat_interleave(group, 1)).T) + 1e-6
+    else:  # bf16 output rounding (half an ulp, 2^-9 relative) plus fp32 accumulation over `inp` terms
+        bound = ref.abs() * 2.0 ** -8 + 1e-6 * magnitude
     assert ((got.double() - ref).abs() <= bound).all()
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_layer_keeps_leading_dims_and_adds_bias(bits):
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_activations_multiply_the_rounded_activations_exactly(bits, group, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "int8")
+    qw = _random_weight(40, 128, bits, group)
+    layer = QuantLinear(qw, backend="cpu")
+    assert layer.int8_activations
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    # the integers times the rounded activations; the offsets times the float group sums
+    w = _held_weight(qw, "cpu")
+    offset = _held(qw.zero - 8 * qw.scale if bits == 4 else qw.zero, "cpu").double()  # [out, groups]
+    scaled = w - offset.repeat_interleave(group, 1)
+    ref = _int8_rows(x).double() @ scaled.T + x.double().reshape(3, -1, group).sum(-1) @ offset.T
+    # integer products are exact; what remains is fp32 rounding of the scaled chunk sums
+    bound = 1e-5 * (x.abs().double() @ _held_weight(qw, "cpu").abs().T) + 1e-5
+    assert ((layer(x).double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_gives_the_same_numbers_alone_and_among_others(bits):
+    """What lets a verify of 1 + D tokens reproduce AR steps on the CPU: no cross-row effects."""
+    layer = QuantLinear(_random_weight(48, 256, bits, 32), backend="cpu")
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    together = layer(x)
+    for i in range(9):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i])
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_layer_keeps_leading_dims_and_adds_bias(backend, bits):
     qw = _random_weight(32, 64, bits, 32)
     bias = torch.randn(32)
-    layer = QuantLinear(qw, bias)
+    layer = QuantLinear(qw, bias, backend=backend)
     x = torch.randn(2, 3, 64)
-    flat = QuantLinear(qw)(x.reshape(6, 64)).reshape(2, 3, 32)
+    flat = QuantLinear(qw, backend=backend)(x.reshape(6, 64)).reshape(2, 3, 32)
     assert torch.equal(layer(x), flat + bias)
 
 
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("bits", [4, 8])
-def test_dequantize_gives_the_kernels_weight(bits):
+def test_dequantize_gives_the_kernels_weight(backend, bits):
     qw = _random_weight(40, 96, bits, 32)
-    expected = QuantizedWeight(qw.q, qw.scale.bfloat16().float(), qw.zero.bfloat16().float(), bits, 32).dequantize()
-    assert torch.equal(QuantLinear(qw).dequantize(), expected)
+    assert torch.equal(QuantLinear(qw, backend=backend).dequantize(), _held_weight(qw, backend).float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_selected_rows_give_the_layers_outputs_at_those_rows(bits):
+    layer = QuantLinear(_random_weight(50, 64, bits, 32), torch.randn(50), backend="cpu")
+    ids = torch.tensor([0, 3, 4, 17, 49])
+    x = torch.randn(2, 64)
+    assert torch.equal(layer.select_rows(ids)(x), layer(x)[:, ids])
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -84,11 +171,13 @@ def test_round_to_nearest_error_is_at_most_half_a_step(bits):
     assert qw.q.abs().max() == (7 if bits == 4 else 127)
 
 
-def test_weight_bytes_count_integers_and_scales():
-    layer = QuantLinear(_random_weight(64, 128, 4, 32))
-    assert layer.weight_bytes() == 64 * 128 // 2 + 64 * 4 * 2 * 2  # nibbles + bf16 (scale, zero) per group
-    eight = QuantLinear(_random_weight(64, 128, 8, 32))
-    assert eight.weight_bytes() == 64 * 128 + 2 * 64 * 4 * 2 * 2
+@pytest.mark.parametrize("backend", _backends())
+def test_weight_bytes_count_integers_and_scales(backend):
+    layer = QuantLinear(_random_weight(64, 128, 4, 32), backend=backend)
+    assert layer.weight_bytes() == 64 * 128 // 2 + 64 * 4 * 2 * 2  # nibbles + 16-bit (scale, zero) per group
+    eight = QuantLinear(_random_weight(64, 128, 8, 32), backend=backend)
+    planes = 2 if backend == "int4pack" else 1  # int4pack holds int8 as two int4 planes, each with scales
+    assert eight.weight_bytes() == 64 * 128 + planes * 64 * 4 * 2 * 2
 
 
 def _e4m3_values() -> torch.Tensor:
@@ -221,11 +310,11 @@ def test_default_model_runs_from_its_blocks_and_the_head_stays_float(default_ggu
 
 def _rtn_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
     """Symmetric round-to-nearest per 32 inputs, written out independently of models/quant.py,
-    with the scale rounded to bf16 as the CPU kernel holds it."""
+    with the scale rounded as the CPU kernel holds it (float16, or bf16 for "int4pack")."""
     groups = w.reshape(w.shape[0], -1, 32)
     scale = (groups.abs().amax(-1, keepdim=True) / (7 if bits == 4 else 127))
     q = torch.clamp(torch.round(groups / scale), -8 if bits == 4 else -128, 7 if bits == 4 else 127)
-    return (q * scale.bfloat16().float()).reshape(w.shape)
+    return (q * _held(scale, DEFAULT_CPU)).reshape(w.shape)
 
 
 def _tiny_bf16_dir(tmp_path):

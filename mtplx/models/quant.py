@@ -12,12 +12,15 @@ the same with ``q`` float8 e4m3 values, one scale per output row and no offset
 
 Backends (``QuantLinear.forward``):
 
-- CPU: PyTorch's packed int4 kernel (``aten._weight_int4pack_mm_for_cpu``, bf16 activations and
-  scales, fp32 accumulation). An int8 weight runs through the same kernel as two int4 planes,
-  ``q = 16 * hi + lo`` (hi in [-8, 7], lo in [0, 15]), laid side by side along the input axis,
-  which is exact and reads the same 1 byte per weight: measured faster on this project's CPU
-  than ``aten._weight_int8pack_mm`` (per-channel scales only) and than an inductor-compiled
-  dequantize-and-reduce (docs/performance.md, "Quantized weights").
+- CPU ("cpu"): the C++ kernel of kernels/cpu_kernels.py (AVX2 + FMA, compiled once per machine):
+  float32 activations, int4 (two per byte) or int8 weights, float32 scales and offsets per
+  group; a row's output does not depend on the other rows of the batch.
+- CPU where that kernel cannot be built ("int4pack": no AVX2, no compiler, or
+  ``MTPLX_CPU_KERNELS=0``): PyTorch's packed int4 kernel
+  (``aten._weight_int4pack_mm_for_cpu``, bf16 activations and scales, fp32 accumulation). An
+  int8 weight runs through it as two int4 planes, ``q = 16 * hi + lo`` (hi in [-8, 7], lo in
+  [0, 15]), laid side by side along the input axis, which is exact and reads the same 1 byte
+  per weight.
 - CUDA: Triton kernels (kernels/quant_gemv.py) for all three formats: a GEMV for up to 8
   token rows (decode, drafts, verifies; CUDA cores up to 4 rows, tensor cores for 5-8), a
   dequantizing kernel plus cuBLAS for more (prefill). A fused gate/up layer's SiLU * up is the
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.kernels import quant_gemv
+from mtplx.kernels import cpu as cpu_kernels, quant_gemv
 from mtplx.models.layers import MLP, Attention, silu_mul
 
 FORMATS = ("int4", "int8", "fp8")
@@ -125,9 +128,10 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int = 32) -> QuantizedW
 class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (see the module docstring). Inference only.
 
-    Holds the weight packed for its backend ("cpu": the packed int4 kernel; "triton": the CUDA
-    kernels; "dequantize": the portable form, multiplied after dequantizing), by default the
-    fastest one for ``device``; ``dequantize()`` gives the float weight."""
+    Holds the weight packed for its backend ("cpu": kernels/cpu_kernels.py; "int4pack": PyTorch's
+    packed int4 kernel; "triton": the CUDA kernels; "dequantize": the portable form, multiplied
+    after dequantizing), by default the fastest one for ``device``; ``dequantize()`` gives the
+    float weight."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None,
                  backend: str | None = None):
@@ -138,6 +142,12 @@ class QuantLinear(nn.Module):
         self.backend = backend or _backend_for(qw, device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
         if self.backend == "cpu":
+            words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, qw.bits, qw.group_size)
+            self.register_buffer("words", words, persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+            self.register_buffer("zero", zero, persistent=False)
+            self.int8_activations = cpu_kernels.int8_activations(qw.bits)
+        elif self.backend == "int4pack":
             packed, scales_zeros = _pack_cpu(qw)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
@@ -170,7 +180,14 @@ class QuantLinear(nn.Module):
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, **self._kernel_args())
         if self.backend == "cpu":
-            out = self._forward_cpu(x)
+            a = x.reshape(-1, self.in_features).float()
+            out = cpu_kernels.matmul(a, self.words, self.scale, self.zero, self.group_size, self.bits,
+                                   self.int8_activations)
+            if out.shape[1] != self.out_features:  # the padding row
+                out = out[:, : self.out_features]
+            out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif self.backend == "int4pack":
+            out = self._forward_int4pack(x)
         else:
             out = F.linear(x, self.dequantize().to(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -186,7 +203,7 @@ class QuantLinear(nn.Module):
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
 
-    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         a = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.bits == 8:  # the two planes read the same activations
@@ -203,6 +220,10 @@ class QuantLinear(nn.Module):
             return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
         if self.backend == "dequantize":
             return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
+        if self.backend == "cpu":
+            u = cpu_kernels.unpack(self.words, self.bits).double().unflatten(1, (-1, self.group_size))
+            w = u * self.scale.double().unsqueeze(-1) + self.zero.T.double().unsqueeze(-1)
+            return w.flatten(1)[: self.out_features].float()
         n, k, g = self.out_features, self.in_features, self.group_size
         rows = self.scales_zeros.shape[1]
         u = _unpack_cpu(self.packed, rows, self._kernel_k)
@@ -211,15 +232,33 @@ class QuantLinear(nn.Module):
         planes = planes.flatten(1)[:n]
         return planes[:, :k] + planes[:, k:] if self.bits == 8 else planes
 
+    def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
+        """A layer of these output rows (``ids`` [N] long) of this "cpu" layer, sharing nothing:
+        the same integers, scales and offsets, so its outputs are this layer's at those rows."""
+        if self.backend != "cpu":
+            raise ValueError(f"select_rows takes a 'cpu' layer, not {self.backend!r}")
+        ids = ids.to(torch.long)
+        u = cpu_kernels.unpack(self.words, self.bits).index_select(0, ids)
+        q = (u - 8 if self.bits == 4 else u).to(torch.int8)
+        scale = self.scale.index_select(0, ids).float()
+        zero = self.zero.T.index_select(0, ids).float() + (8 * scale if self.bits == 4 else 0)
+        qw = QuantizedWeight(q, scale, zero, self.bits, self.group_size, self.source)
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        return QuantLinear(qw, bias, device=self.words.device, backend="cpu")
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, {self.backend}"
 
 
 def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
-    """The CPU's packed int4 kernel for int4/int8 on the CPU, the Triton kernels on CUDA (where
-    Triton is installed and the groups fit its layout), else dequantize-then-matmul."""
-    if device.type == "cpu" and not qw.fp8 and qw.group_size in GROUP_SIZES:
-        return "cpu"
+    """For int4/int8 on the CPU kernels/cpu_kernels.py's kernel where it builds here, else
+    PyTorch's packed int4 kernel; the Triton kernels on CUDA (where Triton is installed and the
+    groups fit its layout); else dequantize-then-matmul."""
+    if device.type == "cpu" and not qw.fp8:
+        if qw.group_size % 32 == 0 and cpu_kernels.fits(qw.scale, qw.zero, qw.bits) and cpu_kernels.available():
+            return "cpu"
+        if qw.group_size in GROUP_SIZES:
+            return "int4pack"
     if device.type == "cuda" and quant_gemv.triton is not None and (
             qw.group_size % quant_gemv.GROUP_MULTIPLE == 0 or qw.group_size == qw.shape[1]):
         return "triton"

@@ -1,0 +1,160 @@
+"""The CPU decode path's C++ kernels (AVX2, FMA, F16C): group-quantized matrix products
+(``cpu_quant.cpp``) and a decoder layer's small steps (``cpu_fused.cpp``: residual add + RMSNorm,
+q/k norms + RoPE + KV write, one row's paged attention, SiLU * up). Compiled once per machine by
+``torch.utils.cpp_extension`` (g++ and ninja; about a minute, cached under
+``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); where they cannot be built
+(no AVX2, no compiler, or ``MTPLX_CPU_KERNELS=0``) the PyTorch ops they replace run instead.
+
+Why: on a 2-core AVX2 EPYC a decode step of the default model spent 26 of its 49 ms outside
+the matrix products, in the dispatch of ~200 small PyTorch ops per layer, and PyTorch's packed
+int4 kernel (``aten._weight_int4pack_mm_for_cpu``) takes bf16 activations only (float32 ones
+run 13x slower) and is bound by its own arithmetic (docs/performance.md, "Session 10: the CPU
+decode path").
+
+Quantized layout (``pack``): int4 as two nibbles per byte in GGUF's order (byte ``16 c + j`` of
+a row holds inputs ``32 c + j`` low and ``32 c + 16 + j`` high), int8 one per byte; a float16
+scale and offset per group of ``group_size`` inputs (a multiple of 32), the offsets stored
+transposed ([groups, out]): ``w = u * scale + zero`` with ``u`` the stored integer (int4: in
+[0, 15]). Activations stay float32, or (``int8_activations``) each 32 inputs of a row are
+rounded to int8 with one scale, max |a| / 127, and multiplied in integers as llama.cpp does.
+Every kernel computes a token row the same way whatever else is in the batch, so a verify of
+1 + D tokens gives each the numbers an AR step gives it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mtplx")
+
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.cpp", "cpu_fused.cpp")]
+ENV_SWITCH = "MTPLX_CPU_KERNELS"  # "0": PyTorch's ops instead
+ACTIVATIONS_SWITCH = "MTPLX_CPU_ACTIVATIONS"  # "float32" / "int8" for every quantized layer
+FLOAT16_MAX = 65504.0
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU has AVX2 (PyTorch's own dispatch check) and a C++ compiler and ninja are
+    on PATH."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None where it cannot be built here (logged once)."""
+    if not cpu_supported():
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name="mtplx_cpu", sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:  # no working toolchain: fall back
+        log.warning("the CPU kernels could not be built (%s); using PyTorch's ops", exc)
+        return None
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused CPU ops take this activation: float32 on the CPU, under no_grad or
+    inference_mode (they have no backward; forge trains through PyTorch's ops)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and available()
+
+
+# --- quantized matrix products ------------------------------------------------------------------
+
+def int8_activations(bits: int) -> bool:
+    """Whether a quantized layer rounds its activations to int8: only where
+    ``MTPLX_CPU_ACTIVATIONS=int8`` asks (about 10% faster decoding on the default model, but its
+    greedy output then leaves the float32 model's within a few dozen tokens; float32, the
+    default, kept all 8 of 8 prompts identical for 64 tokens: docs/performance.md)."""
+    mode = os.environ.get(ACTIVATIONS_SWITCH, "float32")
+    if mode not in ("float32", "int8"):
+        raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32 or int8")
+    return mode == "int8"
+
+
+def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
+    """Whether ``pack``'s float16 scales and offsets hold these without overflowing."""
+    if not scale.numel():
+        return True
+    top = max(float(scale.abs().max()) * (9 if bits == 4 else 1), float(zero.abs().max()))
+    return top < FLOAT16_MAX
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int):
+    """(weights, scale, zero) for ``matmul`` from the portable form: q [out, in] int8 (int4 values
+    in [-8, 7]), ``w = q * scale + zero`` per group; for int4 the stored nibble is q + 8, so the
+    offset becomes ``zero - 8 * scale``. An odd number of rows gets one more row of zeros (the
+    kernel takes rows in pairs): the caller cuts its output."""
+    out, k = q.shape
+    if k % 32 or group_size % 32:
+        raise ValueError(f"in_features {k} and group_size {group_size} must be multiples of 32")
+    scale, zero = scale.float(), zero.float()
+    if out % 2:
+        q = torch.cat((q, q.new_zeros(1, k)))
+        scale = torch.cat((scale, scale.new_ones(1, scale.shape[1])))
+        zero = torch.cat((zero, zero.new_zeros(1, zero.shape[1])))
+    if bits == 4:
+        zero = zero - 8 * scale
+        u = (q.to(torch.int16) + 8).to(torch.uint8).reshape(q.shape[0], k // 32, 2, 16)
+        words = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).contiguous()
+    else:
+        words = q.to(torch.int8).contiguous()
+    return words, scale.half().contiguous(), zero.half().T.contiguous()
+
+
+def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored integers u [out, in] int32 (int4: in [0, 15]) back from ``pack``'s layout."""
+    if bits == 8:
+        return words.to(torch.int32)
+    out = words.shape[0]
+    w = words.reshape(out, -1, 16).to(torch.int32)
+    return torch.stack((w & 15, w >> 4), dim=2).reshape(out, -1)
+
+
+def matmul(a: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+           group_size: int, bits: int, int8_activations: bool = False) -> torch.Tensor:
+    """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32."""
+    return extension().quant_matmul(a, words, scale, zero, group_size, bits, int8_activations)
+
+
+# --- a layer's small steps ----------------------------------------------------------------------
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(x + delta, rmsnorm(x + delta) * weight); delta None: (x, norm(x))."""
+    return tuple(extension().add_rms_norm(x, delta, weight, eps))
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """A fused qkv projection's output [..., (heads + 2 kv_heads) head_dim] -> q [tokens, heads,
+    head_dim] after its norm and RoPE; k (norm, RoPE) and v written to the pools at ``slots``."""
+    return extension().rope_write(qkv, cos, sin, slots, k_pool, v_pool, heads, kv_heads, head_dim,
+                                  q_norm, k_norm, eps)
+
+
+def row_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                  positions: torch.Tensor, key_start: int, scale: float) -> torch.Tensor:
+    """One row's queries q [Q, heads, head_dim], query i attending keys key_start..positions[i]
+    of its paged cache -> [Q, heads * head_dim]."""
+    return extension().row_attention(q, k_pool, v_pool, block_table, positions, key_start, scale)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return extension().silu_mul(gate_up)

@@ -1,0 +1,186 @@
+// A decoder layer's small steps on the CPU, one call each instead of a handful of PyTorch ops
+// (on a 135M model every op's dispatch costs more than its arithmetic): the residual add with
+// the RMSNorm after it, q/k norms with RoPE and the KV-cache write, one row's attention over
+// its paged keys, and SiLU * up. float32; each token row is computed on its own, the same way
+// whatever else is in the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline void norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+// (x + delta, rmsnorm(x + delta) * w); delta may be undefined (then x, norm(x)).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32");
+  x = x.contiguous();
+  const int64_t H = x.size(-1), T = x.numel() / H;
+  torch::Tensor s = x;
+  if (delta.has_value() && delta->defined()) {
+    const torch::Tensor d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes(), "delta: x's shape");
+    s = torch::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>();
+    float* sp = s.data_ptr<float>();
+    for (int64_t i = 0; i < T * H; ++i) sp[i] = xp[i] + dp[i];
+  }
+  torch::Tensor y = torch::empty_like(x);
+  const float *sp = s.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) norm_row(sp + t * H, wp, static_cast<float>(eps), H, yp + t * H);
+  return {s, y};
+}
+
+// Rotate-half RoPE of one head vector in place over its first rd channels.
+inline void rope(float* v, const float* cos, const float* sin, int64_t rd) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] - b * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// qkv [T, (heads + 2 kv_heads) d] -> q [T, heads, d] with its norm and RoPE; k (norm, RoPE) and
+// v written to the pools' flat slots [*, kv_heads, d]. cos, sin: [T, rd].
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                         torch::Tensor k_pool, torch::Tensor v_pool, int64_t heads, int64_t kv_heads,
+                         int64_t d, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                         double eps) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32, "float32");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const torch::Tensor sl = slots.to(torch::kLong).contiguous();
+  const int64_t width = (heads + 2 * kv_heads) * d, T = qkv.numel() / width, rd = cos.size(-1);
+  TORCH_CHECK(cos.numel() == T * rd && sin.numel() == T * rd, "cos, sin: [T, rotary_dim]");
+  TORCH_CHECK(sl.numel() == T, "one slot per token");
+  const bool qn = q_norm.has_value() && q_norm->defined(), kn = k_norm.has_value() && k_norm->defined();
+  torch::Tensor q = torch::empty({T, heads, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  const float* qw = qn ? q_norm->contiguous().data_ptr<float>() : nullptr;
+  const float* kw = kn ? k_norm->contiguous().data_ptr<float>() : nullptr;
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const int64_t slots_total = k_pool.numel() / (kv_heads * d);
+  const float e = static_cast<float>(eps);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * width;
+    const float *c = cp + t * rd, *s = snp + t * rd;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* out = qp + (t * heads + h) * d;
+      if (qn) norm_row(row + h * d, qw, e, d, out); else std::copy(row + h * d, row + (h + 1) * d, out);
+      rope(out, c, s, rd);
+    }
+    const int64_t slot = slp[t];
+    TORCH_CHECK(slot >= 0 && slot < slots_total, "slot out of range");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float* kd = kp + (slot * kv_heads + h) * d;
+      const float* ks = row + (heads + h) * d;
+      if (kn) norm_row(ks, kw, e, d, kd); else std::copy(ks, ks + d, kd);
+      rope(kd, c, s, rd);
+      const float* vs = row + (heads + kv_heads + h) * d;
+      std::copy(vs, vs + d, vp + (slot * kv_heads + h) * d);
+    }
+  }
+  return q;
+}
+
+// One row's queries q [Q, heads, d] over its paged keys: query i attends keys
+// key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
+// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]
+torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                            torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
+                            double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32, "float32");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+  q = q.contiguous();
+  const torch::Tensor table = block_table.to(torch::kLong).contiguous();
+  const torch::Tensor pos = positions.to(torch::kLong).contiguous();
+  const int64_t Q = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(3) == d, "heads, head_dim");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t i = 0; i < Q; ++i) most = std::max(most, pp[i] + 1);
+  TORCH_CHECK(most <= table.numel() * block, "positions beyond the block table");
+  torch::Tensor out = torch::empty({Q, heads * d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, Q * heads, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
+    for (int64_t job = b; job < e; ++job) {
+      const int64_t i = job / heads, h = job % heads, kvh = h / group;
+      const float* qv = qp + (i * heads + h) * d;
+      const int64_t last = pp[i];
+      float top = -INFINITY;
+      for (int64_t j = key_start; j <= last; ++j) {
+        const float* kv = kp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
+        float dot = 0.f;
+        for (int64_t c = 0; c < d; ++c) dot += qv[c] * kv[c];
+        scores[j] = dot * sc;
+        top = std::max(top, scores[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = key_start; j <= last; ++j) {
+        scores[j] = std::exp(scores[j] - top);
+        total += scores[j];
+      }
+      float* o = op + i * heads * d + h * d;
+      std::fill(o, o + d, 0.f);
+      const float inv = 1.f / total;
+      for (int64_t j = key_start; j <= last; ++j) {
+        const float* vv = vp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
+        const float p = scores[j] * inv;
+        for (int64_t c = 0; c < d; ++c) o[c] += p * vv[c];
+      }
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up of [..., 2 I] (gate first) -> [..., I]
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32");
+  x = x.contiguous();
+  const int64_t two = x.size(-1), I = two / 2, T = x.numel() / two;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = I;
+  torch::Tensor y = torch::empty(shape, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = xp[t * two + i];
+      yp[t * I + i] = g / (1.f + std::exp(-g)) * xp[t * two + I + i];
+    }
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale, torch::Tensor zero,
+                           int64_t group, int64_t bits, bool int8_activations);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rmsnorm(x + delta) * w)");
+  m.def("rope_write", &rope_write, "q/k norms, RoPE and the KV write of a fused qkv projection");
+  m.def("row_attention", &row_attention, "one row's queries over its paged keys");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

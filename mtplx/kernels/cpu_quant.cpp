@@ -1,0 +1,240 @@
+// Group-quantized matrix products on the CPU (AVX2, FMA, F16C).
+//
+//   out[m, n] = sum_k a[m, k] * w[n, k],   w[n, k] = u[n, k] * scale[n, g] + zero[g, n],
+//   g = k / group_size, scale and zero float16
+//
+// int4: u in [0, 15], two per byte; byte 16 c + j of a row holds u[32 c + j] in its low nibble
+// and u[32 c + 16 + j] in its high one (GGUF's Q4_0/Q4_1 order). int8: u in [-128, 127], one
+// per byte. ``zero`` is stored transposed, [groups, N], so that the offset term
+// sum_g zero[g, n] * (sum of group g of a's row) runs as one vector pass over n.
+//
+// Activations either stay float32 (each 32-input chunk's products summed in float32, then
+// scaled), or are rounded to int8 with one scale per 32 inputs (max |a| / 127) and multiplied in
+// integers, as llama.cpp does: u8 x s8 pairs summed to int16, pairs of those to int32, exact.
+// The offsets always see the float sums. Every output is computed by the same instructions in
+// the same order whatever the number of rows m, so a row's result does not depend on the rows
+// beside it.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+constexpr int kRows = 4;  // activation rows per pass over a weight row
+
+struct Args {
+  const float* a;       // [M, K] float32 activations
+  const int8_t* qa;     // [M, K] int8 activations, or null
+  const float* da;      // [M, K / 32] their scales
+  int64_t M, K, N, group;
+  const uint8_t* w;     // [N, K / 2] (int4) or [N, K] (int8)
+  const at::Half* scale;  // [N, K / group]
+  float* out;           // [M, N]
+};
+
+// The 32 weights of chunk c of one row as four vectors of 8 floats.
+template <int Bits>
+inline void chunk_float(const uint8_t* row, int64_t c, __m256 w[4]) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  } else {
+    const uint8_t* p = row + c * 32;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    }
+  }
+}
+
+// Rows m0 .. m0 + R of output row n, float activations (R fixed: accumulators in registers).
+template <int Bits, int R>
+inline void tile_float(const Args& p, int64_t m0, int64_t n) {
+  const int64_t K = p.K, per = p.group / 32, groups = K / p.group;
+  const uint8_t* wn = p.w + n * (Bits == 4 ? K / 2 : K);
+  const at::Half* sn = p.scale + n * groups;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(_cvtsh_ss(sn[g].x));
+    for (int64_t c = g * per; c < (g + 1) * per; ++c) {
+      __m256 wv[4];
+      chunk_float<Bits>(wn, c, wv);
+      for (int r = 0; r < R; ++r) {
+        const float* ar = p.a + (m0 + r) * K + c * 32;
+        const __m256 t0 = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(ar + 8), _mm256_mul_ps(wv[0], _mm256_loadu_ps(ar)));
+        const __m256 t1 = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(ar + 24), _mm256_mul_ps(wv[2], _mm256_loadu_ps(ar + 16)));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_add_ps(t0, t1), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n] = hsum(acc[r]);
+}
+
+// The 32 weights of chunk c as bytes for maddubs: int4 as u (unsigned), int8 as |w| with the
+// sign kept apart (to move onto the activations).
+template <int Bits>
+inline __m256i chunk_bytes(const uint8_t* row, int64_t c, __m256i* sign) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  } else {
+    *sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+    return _mm256_sign_epi8(*sign, *sign);
+  }
+}
+
+// Rows m0 .. m0 + R of output rows n and n + 1, int8 activations.
+template <int Bits, int R>
+inline void tile_int8(const Args& p, int64_t m0, int64_t n) {
+  const int64_t K = p.K, per = p.group / 32, groups = K / p.group, chunks = K / 32;
+  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
+  const uint8_t* w0 = p.w + n * row_bytes;
+  const uint8_t* w1 = w0 + row_bytes;
+  const at::Half* s0 = p.scale + n * groups;
+  const at::Half* s1 = s0 + groups;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256i sign0, sign1;
+    const __m256i b0 = chunk_bytes<Bits>(w0, c, &sign0);
+    const __m256i b1 = chunk_bytes<Bits>(w1, c, &sign1);
+    const int64_t g = per == 1 ? c : c / per;
+    const float sc0 = _cvtsh_ss(s0[g].x), sc1 = _cvtsh_ss(s1[g].x);
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qa + (m0 + r) * K + c * 32));
+      const float d = p.da[(m0 + r) * chunks + c];
+      __m256i a0 = av, a1 = av;
+      if constexpr (Bits == 8) {
+        a0 = _mm256_sign_epi8(av, sign0);
+        a1 = _mm256_sign_epi8(av, sign1);
+      }
+      const __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(b0, a0), ones);
+      const __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(b1, a1), ones);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_set1_ps(sc0 * d), _mm256_cvtepi32_ps(i0), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_set1_ps(sc1 * d), _mm256_cvtepi32_ps(i1), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    p.out[(m0 + r) * p.N + n] = hsum(acc[r][0]);
+    p.out[(m0 + r) * p.N + n + 1] = hsum(acc[r][1]);
+  }
+}
+
+template <int Bits>
+void rows_range(const Args& p, int64_t n0, int64_t n1) {
+  const int64_t step = p.qa ? 2 : 1;
+  for (int64_t n = n0; n < n1; n += step) {
+    int64_t m0 = 0;
+    for (; m0 + kRows <= p.M; m0 += kRows) {
+      if (p.qa) tile_int8<Bits, kRows>(p, m0, n); else tile_float<Bits, kRows>(p, m0, n);
+    }
+    switch (p.M - m0) {
+      case 3: if (p.qa) tile_int8<Bits, 3>(p, m0, n); else tile_float<Bits, 3>(p, m0, n); break;
+      case 2: if (p.qa) tile_int8<Bits, 2>(p, m0, n); else tile_float<Bits, 2>(p, m0, n); break;
+      case 1: if (p.qa) tile_int8<Bits, 1>(p, m0, n); else tile_float<Bits, 1>(p, m0, n); break;
+      default: break;
+    }
+  }
+}
+
+// out[m, n0:n1] += sum_g asum[m, g] * zero[g, n0:n1]
+void add_offsets(const float* asum, const at::Half* zero, int64_t M, int64_t groups, int64_t N,
+                 float* out, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out + m * N;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_set1_ps(asum[m * groups + g]);
+      const at::Half* z = zero + g * N;
+      int64_t n = n0;
+      for (; n + 8 <= n1; n += 8) {
+        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + n)));
+        _mm256_storeu_ps(o + n, _mm256_fmadd_ps(s, zv, _mm256_loadu_ps(o + n)));
+      }
+      for (; n < n1; ++n) o[n] = std::fma(_mm256_cvtss_f32(s), _cvtsh_ss(z[n].x), o[n]);
+    }
+  }
+}
+
+// Each 32 inputs of a row as int8 with one float scale: q = round(a / d), d = max |a| / 127.
+void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) {
+  for (int64_t i = 0; i < M * K / 32; ++i) {
+    const float* x = a + 32 * i;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.f;
+    da[i] = d;
+    for (int j = 0; j < 32; ++j) qa[32 * i + j] = d > 0.f ? static_cast<int8_t>(std::nearbyint(x[j] / d)) : 0;
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale, torch::Tensor zero,
+                           int64_t group, int64_t bits, bool int8_activations) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat32, "a: [M, K] float32");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 || w.scalar_type() == torch::kInt8, "w: uint8 or int8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && zero.scalar_type() == torch::kHalf,
+              "scale, zero: float16");
+  a = a.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = w.size(0), groups = group > 0 ? K / group : 0;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group: multiples of 32");
+  TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
+  TORCH_CHECK(zero.size(0) == groups && zero.size(1) == N, "zero: [K / group, N]");
+  TORCH_CHECK(N % 2 == 0, "an even number of output rows (pack pads an odd one)");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
+  torch::Tensor asum = torch::empty({M, groups}, a.options());
+  {
+    const float* ap = a.data_ptr<float>();
+    float* sp = asum.data_ptr<float>();
+    for (int64_t i = 0; i < M * groups; ++i) {
+      float t = 0.f;
+      for (int64_t j = 0; j < group; ++j) t += ap[i * group + j];
+      sp[i] = t;
+    }
+  }
+  torch::Tensor out = torch::empty({M, N}, a.options());
+  torch::Tensor qa, da;
+  Args p{a.data_ptr<float>(), nullptr, nullptr, M, K, N, group,
+         static_cast<const uint8_t*>(w.data_ptr()), scale.data_ptr<at::Half>(), out.data_ptr<float>()};
+  if (int8_activations) {
+    qa = torch::empty({M, K}, a.options().dtype(torch::kInt8));
+    da = torch::empty({M, K / 32}, a.options());
+    quantize_rows(p.a, M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>());
+    p.qa = qa.data_ptr<int8_t>();
+    p.da = da.data_ptr<float>();
+  }
+  const float* sp = asum.data_ptr<float>();
+  const at::Half* zp = zero.data_ptr<at::Half>();
+  // about 32 k multiply-adds per task at least, so that small matrices stay on one thread;
+  // tasks start at even rows (int8 activations take output rows in pairs)
+  const int64_t grain = std::max<int64_t>(2, 32768 / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, N / 2, grain / 2, [&](int64_t h0, int64_t h1) {
+    const int64_t n0 = 2 * h0, n1 = 2 * h1;
+    if (bits == 4) rows_range<4>(p, n0, n1); else rows_range<8>(p, n0, n1);
+    add_offsets(sp, zp, M, groups, N, p.out, n0, n1);
+  });
+  return out;
+}
+
