@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtplx import kernels
-from mtplx.kernels import paged_attention as triton_kernel
+from mtplx.kernels import cpu as cpu_kernels, paged_attention as triton_kernel
 
 # Not cuDNN: it builds a plan for every new (query, key) length on first sight, tens of ms each,
 # and prompts and pre-feeds come in every length (stalls of about 70 ms inside requests on an H200)
@@ -95,6 +95,9 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     rows, q_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
     if not q.is_cuda and rows == 1 and q_len <= ROW_EXACT_QUERIES:
+        if cpu_kernels.usable(q) and k_pool.dtype == torch.float32:
+            return cpu_kernels.row_attention(q[0], k_pool, v_pool, meta.block_tables[0], meta.positions[0],
+                                             meta.key_start, scale).view(1, q_len, heads, head_dim)
         return _one_row_by_query(q, k_pool, v_pool, meta, scale)
     keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtplx.cache.attention import AttentionMetadata, paged_attention, write_kv
-from mtplx.kernels import fused, gemv
+from mtplx.kernels import cpu as cpu_kernels, fused, gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.parallel import reduce_partial
 
@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.usable(x):
             return fused.rms_norm(x, self.weight, self.eps, self.zero_centered)[1]
+        if not self.zero_centered and cpu_kernels.usable(x):
+            return cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
         return self._reference(x)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +35,8 @@ class RMSNorm(nn.Module):
         delta None: (x, norm(x))."""
         if fused.usable(x):
             return fused.rms_norm(x, self.weight, self.eps, self.zero_centered, delta)
+        if not self.zero_centered and cpu_kernels.usable(x):
+            return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
         if delta is not None:
             x = x + delta
         return x, self._reference(x)
@@ -150,10 +154,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
-        if self.qkv_proj is not None:
-            q, k, v = self.split_qkv(self.qkv_proj(x))
-        elif self.is_fused:
-            q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
+        if self.qkv_proj is not None or self.is_fused:
+            qkv = self.qkv_proj(x) if self.qkv_proj is not None else F.linear(x, self.qkv_weight, self.qkv_bias)
+            if cpu_kernels.usable(qkv) and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
+                return self.o_proj(self.attend_cpu(qkv, rotary, meta, k_pool, v_pool))
+            q, k, v = self.split_qkv(qkv)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if fused.usable(x) and isinstance(rotary, BoundRotary):
@@ -184,6 +189,20 @@ class Attention(nn.Module):
             self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
         return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
 
+    def attend_cpu(self, qkv, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor) -> torch.Tensor:
+        """The fused projection's output [rows, q_len, (heads + 2 kv_heads) head_dim] -> attention
+        output [rows, q_len, heads * head_dim] through kernels/cpu.py: q/k norms, RoPE and the KV
+        write in one call, then the attention (``paged_attention``: one call for one row)."""
+        rows, q_len = qkv.shape[:2]
+        q = cpu_kernels.rope_write(
+            qkv, rotary.cos.reshape(-1, rotary.rotary_dim), rotary.sin.reshape(-1, rotary.rotary_dim),
+            meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads, self.head_dim,
+            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 1e-6)
+        q = q.view(rows, q_len, self.heads, self.head_dim)
+        return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
+
     @property
     def is_fused(self) -> bool:
         return hasattr(self, "qkv_weight")
@@ -198,6 +217,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     where the fused kernels run, else PyTorch."""
     if fused.usable(gate_up):
         return fused.silu_mul(gate_up)
+    if cpu_kernels.usable(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
