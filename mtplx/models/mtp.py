@@ -33,6 +33,7 @@ from mtplx.kernels import gemv
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig, feature_layers
 from mtplx.models.layers import RMSNorm
+from mtplx.models.quant import QuantLinear
 
 # a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
 # kept token a grammar masks still has a distribution (uniform over the rest), and low enough
@@ -98,6 +99,11 @@ class MTPHead(nn.Module):
             raise ValueError(f"a draft-vocabulary id lies outside [0, {vocab})")
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # forge stores them so
             raise ValueError("the draft-vocabulary ids must be distinct and ascending")
+        self.quantized_draft_rows = ()
+        if isinstance(trunk.lm_head, QuantLinear) and trunk.lm_head.backend == "cpu":
+            # the quantized output matrix's own rows (a quarter of float32's bytes per draft); held
+            # in a tuple, not as a submodule: the head's weights stay the head's dtype
+            self.quantized_draft_rows = (trunk.lm_head.select_rows(ids),)
         weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
         dtype = trunk.model.embed_tokens.weight.dtype
         self.draft_rows = weight.detach().index_select(0, ids.to(weight.device)).to(dtype).contiguous()
@@ -111,6 +117,9 @@ class MTPHead(nn.Module):
         rows = getattr(self, "draft_rows", None)
         if rows is None:  # no pruned vocabulary, or not bound (a tensor-parallel rank)
             return None
+        quantized = getattr(self, "quantized_draft_rows", ())
+        if quantized and hidden.dtype == torch.float32:
+            return quantized[0](hidden), self.draft_vocab
         kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
         return kept, self.draft_vocab
 
