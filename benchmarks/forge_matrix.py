@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure on the first N held-out prompts (default: all)")
     args = p.parse_args(argv)
 
+    command = "python benchmarks/forge_matrix.py " + " ".join(  # a head's provenance rebuilds it
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     variants = {name: parse_variant(name) for name in args.variants.split(",") if name.strip()}
     temperatures = tuple(float(t) for t in args.measure_temperatures.split(","))
     log = lambda line: print(f"matrix: {line}", file=sys.stderr, flush=True)  # noqa: E731
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{costs['draft_step_s'] * 1e3:.3f} ms vs AR step {costs['ar_step_s'] * 1e3:.3f} ms")
         if args.heads_dir:
             provenance = provenance_of(trunk, trainer, corpus, measured, settings, mtp, vocab, [], None, [],
-                                       prompt_set.PROMPT_SET_VERSION, "benchmarks/forge_matrix.py " + name,
+                                       prompt_set.PROMPT_SET_VERSION, f"{command} (variant {name})",
                                        Path(args.corpus), time.monotonic() - t0)
             write_head(Path(args.heads_dir) / name.replace("+", "_"), weights, provenance)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # after each variant: a crash keeps the rest
