@@ -127,10 +127,24 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack((w & 15, w >> 4), dim=2).reshape(out, -1)
 
 
+SMALL_ROWS = 16  # up to this many rows the kernel; more (prefill): dequantize, one float32 matmul
+
+
 def matmul(a: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            group_size: int, bits: int, int8_activations: bool = False) -> torch.Tensor:
-    """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32."""
+    """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32. More than
+    ``SMALL_ROWS`` rows (a prompt's forward) take the dequantized weight through one float32
+    matrix product (BLAS), about twice the kernel's rate there; a row's result then depends on
+    the forward it is in only through BLAS's summation order, as in the float model."""
+    if a.shape[0] > SMALL_ROWS and not int8_activations:
+        return a @ dequantize(words, scale, zero, group_size, bits).T
     return extension().quant_matmul(a, words, scale, zero, group_size, bits, int8_activations)
+
+
+def dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+               bits: int) -> torch.Tensor:
+    """The float32 weight [out, in] (padding row included) the packed layout stands for."""
+    return extension().quant_dequantize(words, scale, zero, group_size, bits)
 
 
 # --- a layer's small steps ----------------------------------------------------------------------

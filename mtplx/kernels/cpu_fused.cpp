@@ -176,9 +176,12 @@ torch::Tensor silu_mul(torch::Tensor x) {
 
 torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale, torch::Tensor zero,
                            int64_t group, int64_t bits, bool int8_activations);
+torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t group,
+                               int64_t bits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
+  m.def("quant_dequantize", &quant_dequantize, "the float32 weight of quant_matmul's layout");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rmsnorm(x + delta) * w)");
   m.def("rope_write", &rope_write, "q/k norms, RoPE and the KV write of a fused qkv projection");
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");

@@ -238,3 +238,37 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   return out;
 }
 
+
+// The float32 weight [N, K] these integers, scales and offsets stand for (u * scale + zero), for
+// products of many rows (prefill), which then run as one float32 matrix product.
+torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t group,
+                               int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && zero.scalar_type() == torch::kHalf, "scale, zero: float16");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
+  const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1), groups = K / group;
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == groups && zero.size(1) == N,
+              "scale [N, K / group], zero [K / group, N]");
+  torch::Tensor out = torch::empty({N, K}, scale.options().dtype(torch::kFloat32));
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  const at::Half* zp = zero.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float* o = op + n * K;
+      for (int64_t k = 0; k < K; ++k) {
+        int32_t u;
+        if (bits == 4) {
+          const uint8_t byte = wp[n * (K / 2) + (k / 32) * 16 + (k % 16)];
+          u = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+        } else {
+          u = static_cast<int8_t>(wp[n * K + k]);
+        }
+        const int64_t g = k / group;
+        o[k] = static_cast<float>(u) * _cvtsh_ss(sp[n * groups + g].x) + _cvtsh_ss(zp[g * N + n].x);
+      }
+    }
+  });
+  return out;
+}

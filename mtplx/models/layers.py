@@ -217,8 +217,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     where the fused kernels run, else PyTorch."""
     if fused.usable(gate_up):
         return fused.silu_mul(gate_up)
-    if cpu_kernels.usable(gate_up):
-        return cpu_kernels.silu_mul(gate_up)
+    if cpu_kernels.usable(gate_up) and gate_up.numel() <= cpu_kernels.SMALL_ROWS * gate_up.shape[-1]:
+        return cpu_kernels.silu_mul(gate_up)  # (a prompt's many rows: PyTorch's vectorized ops)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
