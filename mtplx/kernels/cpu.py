@@ -53,6 +53,9 @@ def cpu_supported() -> bool:
 def extension():
     """The compiled module, or None where it cannot be built here (logged once)."""
     if not cpu_supported():
+        if os.environ.get(ENV_SWITCH, "1") != "0" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            log.warning("no C++ compiler or ninja on PATH: the CPU runs PyTorch's ops (slower); "
+                        "install g++ for the CPU kernels")
         return None
     from torch.utils import cpp_extension
 
