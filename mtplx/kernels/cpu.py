@@ -5,11 +5,11 @@ q/k norms + RoPE + KV write, one row's paged attention, SiLU * up). Compiled onc
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); where they cannot be built
 (no AVX2, no compiler, or ``MTPLX_CPU_KERNELS=0``) the PyTorch ops they replace run instead.
 
-Why: on a 2-core AVX2 EPYC a decode step of the default model spent 26 of its 49 ms outside
-the matrix products, in the dispatch of ~200 small PyTorch ops per layer, and PyTorch's packed
-int4 kernel (``aten._weight_int4pack_mm_for_cpu``) takes bf16 activations only (float32 ones
-run 13x slower) and is bound by its own arithmetic (docs/performance.md, "Session 10: the CPU
-decode path").
+Why: on a 135M model a decode step's small PyTorch ops cost more in dispatch than in arithmetic
+(about half of an AR step on this project's 2-core AVX2 EPYC), and PyTorch's packed int4
+kernel (``aten._weight_int4pack_mm_for_cpu``) takes bf16 activations only; with these kernels
+AR and MTP decode 1.6x faster there (docs/performance.md, "The CPU decode path through C++
+kernels").
 
 Quantized layout (``pack``): int4 as two nibbles per byte in GGUF's order (byte ``16 c + j`` of
 a row holds inputs ``32 c + j`` low and ``32 c + 16 + j`` high), int8 one per byte; a float16
