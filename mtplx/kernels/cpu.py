@@ -80,7 +80,7 @@ def usable(x: torch.Tensor) -> bool:
 
 # --- quantized matrix products ------------------------------------------------------------------
 
-def int8_activations(bits: int) -> bool:
+def int8_activations() -> bool:
     """Whether a quantized layer rounds its activations to int8: only where
     ``MTPLX_CPU_ACTIVATIONS=int8`` asks (about 10% faster decoding on the default model, but its
     greedy output then leaves the float32 model's within a few dozen tokens; float32, the
@@ -95,8 +95,8 @@ def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
     """Whether ``pack``'s float16 scales and offsets hold these without overflowing."""
     if not scale.numel():
         return True
-    top = max(float(scale.abs().max()) * (9 if bits == 4 else 1), float(zero.abs().max()))
-    return top < FLOAT16_MAX
+    stored = zero - 8 * scale if bits == 4 else zero  # the offset ``pack`` stores
+    return max(float(scale.abs().max()), float(stored.abs().max())) < FLOAT16_MAX
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int):

@@ -99,13 +99,15 @@ class MTPHead(nn.Module):
             raise ValueError(f"a draft-vocabulary id lies outside [0, {vocab})")
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # forge stores them so
             raise ValueError("the draft-vocabulary ids must be distinct and ascending")
-        self.quantized_draft_rows = ()
-        if isinstance(trunk.lm_head, QuantLinear) and trunk.lm_head.backend == "cpu":
-            # the quantized output matrix's own rows (a quarter of float32's bytes per draft); held
-            # in a tuple, not as a submodule: the head's weights stay the head's dtype
-            self.quantized_draft_rows = (trunk.lm_head.select_rows(ids),)
-        weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
         dtype = trunk.model.embed_tokens.weight.dtype
+        self.quantized_draft_rows = ()
+        if isinstance(trunk.lm_head, QuantLinear) and trunk.lm_head.backend == "cpu" and dtype == torch.float32:
+            # the quantized output matrix's own rows (a quarter of float32's bytes per draft), no
+            # float copy; held in a tuple, not as a submodule: the head's weights stay its dtype
+            self.quantized_draft_rows = (trunk.lm_head.select_rows(ids),)
+            self.draft_rows = None
+            return
+        weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
         self.draft_rows = weight.detach().index_select(0, ids.to(weight.device)).to(dtype).contiguous()
 
     def draft_subset(self, trunk: CausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -114,12 +116,12 @@ class MTPHead(nn.Module):
         A draft chosen here is the one ``draft_logits`` gives, read through the ids (ascending
         ids: the first of equal maxima is the same token), at a third of the work for the
         default head (16,384 of 49,152 rows): no full-width logits are written."""
+        quantized = getattr(self, "quantized_draft_rows", ())
+        if quantized:
+            return quantized[0](hidden), self.draft_vocab
         rows = getattr(self, "draft_rows", None)
         if rows is None:  # no pruned vocabulary, or not bound (a tensor-parallel rank)
             return None
-        quantized = getattr(self, "quantized_draft_rows", ())
-        if quantized and hidden.dtype == torch.float32:
-            return quantized[0](hidden), self.draft_vocab
         kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
         return kept, self.draft_vocab
 

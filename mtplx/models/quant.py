@@ -12,8 +12,8 @@ the same with ``q`` float8 e4m3 values, one scale per output row and no offset
 
 Backends (``QuantLinear.forward``):
 
-- CPU ("cpu"): the C++ kernel of kernels/cpu_kernels.py (AVX2 + FMA, compiled once per machine):
-  float32 activations, int4 (two per byte) or int8 weights, float32 scales and offsets per
+- CPU ("cpu"): the C++ kernel of kernels/cpu.py (AVX2 + FMA, compiled once per machine):
+  float32 activations, int4 (two per byte) or int8 weights, float16 scales and offsets per
   group; a row's output does not depend on the other rows of the batch.
 - CPU where that kernel cannot be built ("int4pack": no AVX2, no compiler, or
   ``MTPLX_CPU_KERNELS=0``): PyTorch's packed int4 kernel
@@ -128,7 +128,7 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int = 32) -> QuantizedW
 class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (see the module docstring). Inference only.
 
-    Holds the weight packed for its backend ("cpu": kernels/cpu_kernels.py; "int4pack": PyTorch's
+    Holds the weight packed for its backend ("cpu": kernels/cpu.py; "int4pack": PyTorch's
     packed int4 kernel; "triton": the CUDA kernels; "dequantize": the portable form, multiplied
     after dequantizing), by default the fastest one for ``device``; ``dequantize()`` gives the
     float weight."""
@@ -146,7 +146,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("words", words, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
             self.register_buffer("zero", zero, persistent=False)
-            self.int8_activations = cpu_kernels.int8_activations(qw.bits)
+            self.int8_activations = cpu_kernels.int8_activations()
         elif self.backend == "int4pack":
             packed, scales_zeros = _pack_cpu(qw)
             self.register_buffer("packed", packed, persistent=False)
@@ -220,10 +220,9 @@ class QuantLinear(nn.Module):
             return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
         if self.backend == "dequantize":
             return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
-        if self.backend == "cpu":
-            u = cpu_kernels.unpack(self.words, self.bits).double().unflatten(1, (-1, self.group_size))
-            w = u * self.scale.double().unsqueeze(-1) + self.zero.T.double().unsqueeze(-1)
-            return w.flatten(1)[: self.out_features].float()
+        if self.backend == "cpu":  # (what a product of many rows multiplies by)
+            w = cpu_kernels.dequantize(self.words, self.scale, self.zero, self.group_size, self.bits)
+            return w[: self.out_features]
         n, k, g = self.out_features, self.in_features, self.group_size
         rows = self.scales_zeros.shape[1]
         u = _unpack_cpu(self.packed, rows, self._kernel_k)
@@ -251,7 +250,7 @@ class QuantLinear(nn.Module):
 
 
 def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
-    """For int4/int8 on the CPU kernels/cpu_kernels.py's kernel where it builds here, else
+    """For int4/int8 on the CPU kernels/cpu.py's kernel where it builds here, else
     PyTorch's packed int4 kernel; the Triton kernels on CUDA (where Triton is installed and the
     groups fit its layout); else dequantize-then-matmul."""
     if device.type == "cpu" and not qw.fp8:
