@@ -135,3 +135,79 @@ def test_a_model_gives_the_same_logits_with_the_kernels_off(monkeypatch):
         # PyTorch's int4 kernel rounds activations to bf16: close, not equal
         assert (fused - plain).abs().max() < 0.05 * max(1.0, float(plain.abs().max()))
         assert math.isfinite(float(fused.abs().max()))
+
+
+def _tiny_quantized_engine(tmp: str):
+    """A tiny Qwen3 (q/k norms) with its trunk quantized to int4, on the CPU, and a function
+    giving its logits for 12 token ids fed in chunks of the given sizes."""
+    import json
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    import mtplx
+    from mtplx.engine.sampling import SamplingParams
+    from mtplx.engine.sequence import Sequence
+    from tests.tiny_models import hf_reference
+
+    hf, cfg = hf_reference("qwen3")
+    path = pathlib.Path(tmp)
+    (path / "config.json").write_text(json.dumps(cfg, default=str))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
+    ids = torch.randint(0, cfg["vocab_size"], (12,), generator=_gen(7)).tolist()
+    engine = mtplx.load(path, device="cpu", quantize="int4")
+
+    def logits(chunks):
+        runner = engine.runner
+        seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+        runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
+        outs, start = [], 0
+        with torch.inference_mode():
+            for n in chunks:
+                outs.append(runner.logits(runner.trunk([seq], [ids[start:start + n]], [start]))[0])
+                start += n
+        return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
+    return engine, logits
+
+
+def test_a_layer_as_one_call_gives_the_numbers_of_its_calls_one_by_one(monkeypatch, tmp_path):
+    """kernels/cpu.layer (the whole decoder layer from C++) makes the same calls in the same
+    order as the layer's Python forward: bit-identical logits, for a prompt chunk, a verify of
+    5 tokens and single decode steps; and it is the path those forwards take."""
+    from mtplx.models import layers
+
+    engine, logits = _tiny_quantized_engine(str(tmp_path))
+    built = []
+    original = layers.DecoderLayer._cpu_layer
+    monkeypatch.setattr(layers.DecoderLayer, "_cpu_layer", lambda self: built.append(original(self)) or built[-1])
+    one_call = logits([7, 5])
+    singles = logits([7, 1, 1, 1, 1, 1])
+    assert built and all(b is not None for b in built)
+    monkeypatch.setattr(layers.DecoderLayer, "_cpu_layer", lambda self: None)
+    assert torch.equal(one_call, logits([7, 5]))
+    assert torch.equal(singles, logits([7, 1, 1, 1, 1, 1]))
+    assert torch.equal(one_call[-5:], singles[-5:])
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or cpu_kernels.vector_width() != 512, reason="no AVX-512 here")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits):
+    """The AVX-512 float-activation products (chosen where the CPU has them) and the AVX2 ones
+    both give a @ dequantize(w)^T within float32 summation error, for 1-6 rows and a group of 64;
+    each row the same alone as among others."""
+    from mtplx.models.quant import quantize_rtn
+
+    w = torch.randn(38, 192, generator=_gen(11))
+    qw = quantize_rtn(w, bits, 64)
+    words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, bits, 64)
+    reference_w = cpu_kernels.dequantize(words, scale, zero, 64, bits).double()
+    try:
+        for width in (512, 256):
+            cpu_kernels.vector_width(width)
+            for rows in range(1, 7):
+                a = torch.randn(rows, 192, generator=_gen(rows))
+                out = cpu_kernels.matmul(a, words, scale, zero, 64, bits)
+                torch.testing.assert_close(out.double(), a.double() @ reference_w.T, rtol=1e-5, atol=1e-4)
+                assert torch.equal(out[-1], cpu_kernels.matmul(a[-1:], words, scale, zero, 64, bits)[0])
+    finally:
+        cpu_kernels.vector_width(512)

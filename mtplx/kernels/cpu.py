@@ -36,6 +36,7 @@ log = logging.getLogger("mtplx")
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.cpp", "cpu_fused.cpp")]
 ENV_SWITCH = "MTPLX_CPU_KERNELS"  # "0": PyTorch's ops instead
 ACTIVATIONS_SWITCH = "MTPLX_CPU_ACTIVATIONS"  # "float32" / "int8" for every quantized layer
+WIDTH_SWITCH = "MTPLX_CPU_VECTOR_WIDTH"  # "256": the AVX2 products on an AVX-512 CPU (A/B runs)
 FLOAT16_MAX = 65504.0
 
 
@@ -60,12 +61,26 @@ def extension():
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name="mtplx_cpu", sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # no working toolchain: fall back
         log.warning("the CPU kernels could not be built (%s); using PyTorch's ops", exc)
         return None
+    width = os.environ.get(WIDTH_SWITCH, "")
+    if width not in ("", "256", "512"):
+        raise ValueError(f"{WIDTH_SWITCH}={width!r}: expected 256 (AVX2) or 512 (AVX-512)")
+    if width:
+        module.quant_isa(int(width))
+    return module
+
+
+def vector_width(force: int = 0) -> int:
+    """The vector width of the float-activation quantized products: 512 where the CPU has
+    AVX-512 (F, BW, VL, DQ; detected when the module loads), else 256 (AVX2). ``force`` (256 or
+    512) switches for the whole process, as ``MTPLX_CPU_VECTOR_WIDTH`` does at load; 512 is
+    refused where the CPU lacks it."""
+    return extension().quant_isa(force)
 
 
 def available() -> bool:
@@ -175,3 +190,22 @@ def row_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return extension().silu_mul(gate_up)
+
+
+# --- a whole decoder layer ----------------------------------------------------------------------
+
+def projection(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int,
+               out_features: int):
+    """A packed weight (``pack``'s layout) as the C++ layer holds it; ``out_features`` cuts the
+    padding row."""
+    return extension().Projection(words, scale, zero, group_size, bits, out_features)
+
+
+def layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, o, gate_up, down, heads: int, kv_heads: int,
+          head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float, scale: float):
+    """A pre-norm decoder layer over ``projection`` weights, for ``layer.step(x [T, H], delta, cos,
+    sin [T, rotary_dim], slots [T], k_pool, v_pool, block_table, positions [T], key_start)`` ->
+    (residual, MLP output): the same calls as a layer's forward through the functions above, made
+    from C++ (one row's tokens: a decode step, a draft, a verify of up to 16 tokens)."""
+    return extension().Layer(ln1, ln2, eps, qkv, o, gate_up, down, heads, kv_heads, head_dim, q_norm, k_norm,
+                             qk_eps, scale)

@@ -178,12 +178,65 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
                            int64_t group, int64_t bits, bool int8_activations);
 torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t group,
                                int64_t bits);
+int64_t quant_isa(int64_t want);
+
+namespace {
+
+// A group-quantized projection in quant_matmul's layout; ``out`` cuts pack's padding row.
+struct Projection {
+  torch::Tensor words, scale, zero;
+  int64_t group, bits, out;
+
+  torch::Tensor operator()(const torch::Tensor& a) const {
+    torch::Tensor y = quant_matmul(a, words, scale, zero, group, bits, false);
+    return y.size(1) == out ? y : y.narrow(1, 0, out).contiguous();
+  }
+};
+
+// A pre-norm decoder layer's weights (quantized projections, no biases, float32 norms), held
+// once so that a decode step crosses from Python once per layer instead of a dozen times.
+struct Layer {
+  torch::Tensor ln1, ln2;
+  double eps;
+  Projection qkv, o, gate_up, down;
+  int64_t heads, kv_heads, head_dim;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  double qk_eps, scale;
+
+  // One row's tokens x [T, H] (+ delta) through the layer, the same steps in the same order as
+  // layers.DecoderLayer.forward_chain on the CPU kernels: returns (residual, MLP output).
+  std::vector<torch::Tensor> step(const torch::Tensor& x, c10::optional<torch::Tensor> delta,
+                                  const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                                  const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                  const torch::Tensor& block_table, const torch::Tensor& positions,
+                                  int64_t key_start) const {
+    const int64_t H = x.size(-1);
+    c10::optional<torch::Tensor> d;
+    if (delta.has_value() && delta->defined()) d = delta->reshape({-1, H});
+    std::vector<torch::Tensor> r = add_rms_norm(x.reshape({-1, H}), d, ln1, eps);
+    const torch::Tensor q = rope_write(qkv(r[1]), cos, sin, slots, k_pool, v_pool, heads, kv_heads, head_dim,
+                                       q_norm, k_norm, qk_eps);
+    const torch::Tensor attended = o(row_attention(q, k_pool, v_pool, block_table, positions, key_start, scale));
+    r = add_rms_norm(r[0], attended, ln2, eps);
+    return {r[0].view(x.sizes()), down(silu_mul(gate_up(r[1]))).view(x.sizes())};
+  }
+};
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
+  m.def("quant_isa", &quant_isa, "the float products' vector width (256 or 512); a width forces it, 0 reads it");
   m.def("quant_dequantize", &quant_dequantize, "the float32 weight of quant_matmul's layout");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rmsnorm(x + delta) * w)");
   m.def("rope_write", &rope_write, "q/k norms, RoPE and the KV write of a fused qkv projection");
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  pybind11::class_<Projection>(m, "Projection")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t>());
+  pybind11::class_<Layer>(m, "Layer")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection,
+                          int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          double, double>())
+      .def("step", &Layer::step, "one row's tokens [T, H] through the layer -> (residual, MLP output)");
 }

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.cache.attention import AttentionMetadata, paged_attention, write_kv
+from mtplx.cache.attention import ROW_EXACT_QUERIES, AttentionMetadata, paged_attention, write_kv
 from mtplx.kernels import cpu as cpu_kernels, fused, gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.parallel import reduce_partial
@@ -273,9 +273,37 @@ class DecoderLayer(nn.Module):
         norm after it. Same operations, in the same order, as ``forward``."""
         if self._decode_fusable(x, rotary):
             return self._forward_decode(x, delta, rotary, meta, k_pool, v_pool)
+        if x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_QUERIES and cpu_kernels.usable(x) \
+                and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
+            step = self._cpu_layer()
+            if step is not None:  # one row's decode step, draft or verify: one C++ call
+                return step.step(x, delta, rotary.cos.reshape(-1, rotary.rotary_dim),
+                                 rotary.sin.reshape(-1, rotary.rotary_dim), meta.slot_mapping, k_pool, v_pool,
+                                 meta.block_tables[0], meta.positions[0], meta.key_start)
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
         return x, self.mlp(h)
+
+    def _cpu_layer(self):
+        """The layer as one C++ call (kernels/cpu.layer), built once: quantized projections on the
+        C++ kernel without biases, plain norms; else None (the calls below run one by one)."""
+        attn, mlp = self.self_attn, self.mlp
+        cached = self.__dict__.get("_cpu_layer_cache")  # (built, the projections it was built from)
+        if cached is not None and cached[1] is attn.qkv_proj and cached[2] is mlp.down_proj:
+            return cached[0]
+        key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        built = None
+        if type(attn) is Attention and type(mlp) is MLP and not self.input_layernorm.zero_centered:
+            projections = [getattr(m, "cpu_projection", lambda: None)() for m in key]  # QuantLinear's
+            if all(p is not None for p in projections):
+                built = cpu_kernels.layer(
+                    self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+                    self.input_layernorm.eps, *projections, attn.heads, attn.kv_heads, attn.head_dim,
+                    attn.q_norm.weight.detach() if attn.qk_norm else None,
+                    attn.k_norm.weight.detach() if attn.qk_norm else None,
+                    attn.q_norm.eps if attn.qk_norm else 1e-6, attn.scale)
+        self.__dict__["_cpu_layer_cache"] = (built, attn.qkv_proj, mlp.down_proj)
+        return built
 
     def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:
         """Fused projections on the GPU, and few enough token rows (rows x q_len) that the GEMV

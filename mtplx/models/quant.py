@@ -200,6 +200,14 @@ class QuantLinear(nn.Module):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
         return silu_mul(self(x))
 
+    def cpu_projection(self):
+        """This weight as ``kernels/cpu.layer`` takes it, or None where that path cannot run it
+        (another backend, a bias, int8 activations)."""
+        if self.backend != "cpu" or self.bias is not None or self.int8_activations:
+            return None
+        return cpu_kernels.projection(self.words, self.scale, self.zero, self.group_size, self.bits,
+                                      self.out_features)
+
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
 
