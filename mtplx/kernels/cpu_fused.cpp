@@ -6,12 +6,68 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
+
+// sum_c a[c] * b[c], eight lanes at a time (d a multiple of 8 in every model here; a tail stays
+// scalar), the lanes summed in a fixed order.
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float total = _mm_cvtss_f32(s);
+  for (; c < d; ++c) total += a[c] * b[c];
+  return total;
+}
+
+// e^x for x <= 0 (softmax after its maximum is subtracted), eight lanes: 2^n e^r with
+// n = round(x log2 e), r = x - n ln 2 in two parts, e^r by its degree-6 Taylor polynomial (relative
+// error about 1e-7, as std::exp's float result); below -87 the result is 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[j] = e^(s[j] - top) for j < n, returning their sum (lanes summed in a fixed order).
+inline float exp_shifted(float* s, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+    _mm256_storeu_ps(s + j, v);
+    acc = _mm256_add_ps(acc, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float total = 0.f;
+  for (float l : lanes) total += l;
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - top);
+    total += s[j];
+  }
+  return total;
+}
 
 inline void norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
   float ss = 0.f;
@@ -131,16 +187,10 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
       float top = -INFINITY;
       for (int64_t j = key_start; j <= last; ++j) {
         const float* kv = kp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
-        float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += qv[c] * kv[c];
-        scores[j] = dot * sc;
+        scores[j] = dot(qv, kv, d) * sc;
         top = std::max(top, scores[j]);
       }
-      float total = 0.f;
-      for (int64_t j = key_start; j <= last; ++j) {
-        scores[j] = std::exp(scores[j] - top);
-        total += scores[j];
-      }
+      const float total = exp_shifted(scores.data() + key_start, last + 1 - key_start, top);
       float* o = op + i * heads * d + h * d;
       std::fill(o, o + d, 0.f);
       const float inv = 1.f / total;
