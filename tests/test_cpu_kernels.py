@@ -189,7 +189,6 @@ def test_a_layer_as_one_call_gives_the_numbers_of_its_calls_one_by_one(monkeypat
     assert torch.equal(one_call[-5:], singles[-5:])
 
 
-@pytest.mark.skipif(not cpu_kernels.available() or cpu_kernels.vector_width() != 512, reason="no AVX-512 here")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits):
     """The AVX-512 float-activation products (chosen where the CPU has them) and the AVX2 ones
@@ -198,6 +197,9 @@ def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits):
     from mtplx.models.quant import quantize_rtn
 
     w = torch.randn(38, 192, generator=_gen(11))
+    before = cpu_kernels.vector_width()
+    if before != 512:
+        pytest.skip("no AVX-512 here")
     qw = quantize_rtn(w, bits, 64)
     words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, bits, 64)
     reference_w = cpu_kernels.dequantize(words, scale, zero, 64, bits).double()
@@ -210,4 +212,44 @@ def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits):
                 torch.testing.assert_close(out.double(), a.double() @ reference_w.T, rtol=1e-5, atol=1e-4)
                 assert torch.equal(out[-1], cpu_kernels.matmul(a[-1:], words, scale, zero, 64, bits)[0])
     finally:
-        cpu_kernels.vector_width(512)
+        cpu_kernels.vector_width(before)
+
+
+@pytest.mark.parametrize("width", [256, 512])
+def test_bf16_weights_multiply_as_their_float32_copy(width):
+    """bf16_matmul: a [M, K] float32 times a bfloat16 weight gives the product with that weight
+    widened to float32, within float32 summation error, each row the same alone as among others,
+    at both vector widths."""
+    before = cpu_kernels.vector_width()
+    if width == 512 and before != 512:
+        pytest.skip("no AVX-512 here")
+    w = torch.randn(37, 96, generator=_gen(21)).to(torch.bfloat16)
+    try:
+        cpu_kernels.vector_width(width)
+        for rows in (1, 2, 3, 5):
+            a = torch.randn(rows, 96, generator=_gen(rows + 30))
+            out = cpu_kernels.bf16_matmul(a, w)
+            torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+            assert torch.equal(out[-1], cpu_kernels.bf16_matmul(a[-1:], w)[0])
+    finally:
+        cpu_kernels.vector_width(before)
+
+
+def test_a_head_shipped_in_bf16_runs_in_one_call_and_decodes_exactly():
+    """An MTP head whose float32 weights bfloat16 holds exactly (as a head shipped in bf16) runs
+    its decoder layer as one C++ call over bf16 copies of its weights, and greedy MTP still
+    equals AR greedy; a head whose weights bf16 does not hold keeps the float path."""
+    from tests.test_mtp_greedy import PROMPTS
+    from tests.tiny_models import tiny_engine
+
+    engine, _ = tiny_engine("llama", num_hidden_layers=4)
+    head = engine.runner.head
+    assert head.layers[0]._cpu_layer() is None  # random float32 weights: not bf16
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert head.layers[0]._cpu_layer() is not None  # rebuilt: the weights' versions moved
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, mode="ar", max_tokens=24).token_ids
+        for depth in (1, 3):
+            assert engine.generate(prompt, mode="mtp", depth=depth, max_tokens=24).token_ids == ar

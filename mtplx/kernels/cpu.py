@@ -165,6 +165,14 @@ def dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gro
     return extension().quant_dequantize(words, scale, zero, group_size, bits)
 
 
+def bf16_matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a [M, in] float32 @ weight [out, in] bfloat16 ^T -> [M, out] float32: the weight widened
+    exactly (a bf16 value is its float32's top half), products and sums in float32, each row on
+    its own (in a multiple of 16). For an MTP head shipped in bf16: its float32 copy's numbers up
+    to summation order, at half the bytes."""
+    return extension().bf16_matmul(a, weight)
+
+
 # --- a layer's small steps ----------------------------------------------------------------------
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -196,8 +204,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def projection(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int,
                out_features: int):
-    """A packed weight (``pack``'s layout) as the C++ layer holds it; ``out_features`` cuts the
-    padding row."""
+    """A weight as the C++ layer holds it: ``pack``'s layout (bits 4 or 8; ``out_features`` cuts
+    the padding row), or (bits 16) a bfloat16 weight [out, in] for ``bf16_matmul``, scale and zero
+    empty."""
     return extension().Projection(words, scale, zero, group_size, bits, out_features)
 
 

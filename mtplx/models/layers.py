@@ -223,6 +223,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _cpu_projection(modules: tuple[nn.Module, ...]):
+    """One projection for kernels/cpu.layer from a block's modules (q/k/v or gate/up stacked in
+    that order): a QuantLinear's own (``cpu_projection``), or the float32 weights of bias-free
+    Linears as one bfloat16 matrix where bf16 holds every weight exactly; else None."""
+    if len(modules) == 1 and hasattr(modules[0], "cpu_projection"):
+        return modules[0].cpu_projection()
+    if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in modules):
+        return None
+    weight = torch.cat([m.weight.detach() for m in modules])
+    half = weight.to(torch.bfloat16)
+    if weight.shape[1] % 16 or not torch.equal(half.float(), weight):
+        return None
+    return cpu_kernels.projection(half, half.new_empty(0), half.new_empty(0), 0, 16, weight.shape[0])
+
+
+def exact_bf16_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``; for a few CPU rows (a draft, a verify) of a bias-free float32 weight that
+    bfloat16 holds exactly (an MTP head shipped in bf16), through kernels/cpu.bf16_matmul on a bf16
+    copy (half the bytes; the same products, summed in another order), kept until the weight
+    changes."""
+    rows = x.numel() // x.shape[-1]
+    if linear.bias is not None or rows > ROW_EXACT_QUERIES or not cpu_kernels.usable(x):
+        return linear(x)
+    weight = linear.weight
+    cached = linear.__dict__.get("_exact_bf16")  # (weight's id, its version, the copy or None)
+    if cached is None or cached[0] != id(weight) or cached[1] != weight._version:
+        half = weight.detach().to(torch.bfloat16)
+        exact = weight.dtype == torch.float32 and weight.shape[1] % 16 == 0 and torch.equal(half.float(), weight)
+        cached = linear.__dict__["_exact_bf16"] = (id(weight), weight._version, half.contiguous() if exact else None)
+    if cached[2] is None:
+        return linear(x)
+    return cpu_kernels.bf16_matmul(x.reshape(rows, -1), cached[2]).reshape(*x.shape[:-1], -1)
+
+
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate Linear weights (and biases) along the output dimension and re-point each
     Linear at its slice, so the fused copy costs no extra memory."""
@@ -285,24 +319,32 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
     def _cpu_layer(self):
-        """The layer as one C++ call (kernels/cpu.layer), built once: quantized projections on the
-        C++ kernel without biases, plain norms; else None (the calls below run one by one)."""
+        """The layer as one C++ call (kernels/cpu.layer), or None where the calls run one by one.
+        Its projections are quantized ones on the C++ kernel, or float32 weights that bfloat16
+        holds exactly (an MTP head trained and shipped in bf16), read as bf16; no biases, plain
+        norms. Built once, and again when a projection is replaced or its weight changes (an
+        optimizer step bumps the tensor's version)."""
         attn, mlp = self.self_attn, self.mlp
-        cached = self.__dict__.get("_cpu_layer_cache")  # (built, the projections it was built from)
-        if cached is not None and cached[1] is attn.qkv_proj and cached[2] is mlp.down_proj:
-            return cached[0]
-        key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if type(attn) is not Attention or type(mlp) is not MLP or self.input_layernorm.zero_centered:
+            return None
+        parts = ((attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+                 (attn.o_proj,),
+                 (mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
+                 (mlp.down_proj,))
+        key = tuple((id(m), m.weight._version) if type(m) is nn.Linear else id(m) for ms in parts for m in ms)
+        cached = self.__dict__.get("_cpu_layer_cache")  # (key, built)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        projections = [_cpu_projection(ms) for ms in parts]
         built = None
-        if type(attn) is Attention and type(mlp) is MLP and not self.input_layernorm.zero_centered:
-            projections = [getattr(m, "cpu_projection", lambda: None)() for m in key]  # QuantLinear's
-            if all(p is not None for p in projections):
-                built = cpu_kernels.layer(
-                    self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
-                    self.input_layernorm.eps, *projections, attn.heads, attn.kv_heads, attn.head_dim,
-                    attn.q_norm.weight.detach() if attn.qk_norm else None,
-                    attn.k_norm.weight.detach() if attn.qk_norm else None,
-                    attn.q_norm.eps if attn.qk_norm else 1e-6, attn.scale)
-        self.__dict__["_cpu_layer_cache"] = (built, attn.qkv_proj, mlp.down_proj)
+        if all(p is not None for p in projections):
+            built = cpu_kernels.layer(
+                self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+                self.input_layernorm.eps, *projections, attn.heads, attn.kv_heads, attn.head_dim,
+                attn.q_norm.weight.detach() if attn.qk_norm else None,
+                attn.k_norm.weight.detach() if attn.qk_norm else None,
+                attn.q_norm.eps if attn.qk_norm else 1e-6, attn.scale)
+        self.__dict__["_cpu_layer_cache"] = (key, built)
         return built
 
     def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:

@@ -32,7 +32,7 @@ from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.kernels import gemv
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig, feature_layers
-from mtplx.models.layers import RMSNorm
+from mtplx.models.layers import RMSNorm, exact_bf16_linear
 from mtplx.models.quant import QuantLinear
 
 # a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
@@ -73,7 +73,7 @@ class MTPHead(nn.Module):
         if hidden.shape[-1] == self.hidden_size:
             return hidden
         extra = hidden[..., self.hidden_size:]
-        return self.feature_fc(extra) if self.mtp.features == "fuse3" else extra
+        return exact_bf16_linear(self.feature_fc, extra) if self.mtp.features == "fuse3" else extra
 
     def forward(self, trunk: CausalLM, hidden: torch.Tensor, next_tokens: torch.Tensor,
                 meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -84,7 +84,7 @@ class MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(trunk.model.embed_tokens(next_tokens))
         h = self.pre_fc_norm_hidden(self.features(hidden))
         pair = (h, e) if self.mtp.hidden_first else (e, h)
-        x = self.fc(torch.cat(pair, dim=-1))
+        x = exact_bf16_linear(self.fc, torch.cat(pair, dim=-1))
         rotary, head_meta = trunk.rotary.bind(meta.positions, x.dtype), meta.for_head()
         for i, layer in enumerate(self.layers):
             x = layer(x, rotary, head_meta, cache.k[self.cache_layer + i], cache.v[self.cache_layer + i])
