@@ -234,3 +234,30 @@ def test_sample_frequencies_match_probs_on_cuda():
     counts = torch.bincount(tokens, minlength=len(PROBS)).cpu().numpy()
     assert counts[-1] == 0
     assert chisquare(counts[:-1], PROBS[:-1].double().numpy() * n).pvalue > 0.001
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.3, 0.95), (0.7, 0.95), (1.0, 0.9), (1.0, 0.999), (2.0, 0.95),
+                                               (1.0, 0.5), (5.0, 0.99)])
+def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temperature, top_p):
+    """On the CPU top-p reads the largest probabilities first and sorts the whole vocabulary only
+    where their mass falls short: the result is bit-identical to the nucleus written out with a
+    full sort (mass strictly before each token below top_p, at least one kept), for peaked and
+    flat distributions over a 49,152-token vocabulary, rows of different settings in one batch."""
+    from mtplx.engine.sampling import SamplerTensors, process_logits
+
+    logits = torch.randn(3, 2, 49152, generator=torch.Generator().manual_seed(5)) * 4
+    logits[1] = torch.randn(2, 49152, generator=torch.Generator().manual_seed(6))  # flatter rows
+    s = SamplerTensors(3, torch.device("cpu"))
+    s.write([SamplingParams(temperature=temperature, top_p=top_p), SamplingParams(temperature=temperature, top_p=top_p),
+             SamplingParams(temperature=temperature, top_p=1.0)])
+    got = process_logits(logits, s, top_k=False, min_p=False, greedy=False)
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
+    ordered = torch.sort(probs, dim=-1, descending=True).values
+    n_keep = ((torch.cumsum(ordered, -1) - ordered) < top_p).sum(-1, keepdim=True).clamp(min=1)
+    kept = probs.masked_fill(probs < ordered.gather(-1, n_keep - 1), 0.0)
+    expected = kept / kept.sum(-1, keepdim=True)
+    assert torch.equal(got[:2], expected[:2])
+    assert torch.equal(got[2], probs[2])
+    for row in range(2):
+        single = logits_to_probs(logits[row], SamplingParams(temperature=temperature, top_p=top_p))
+        assert torch.equal(single, expected[row])
