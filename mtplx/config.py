@@ -127,7 +127,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("dtype", _choice(("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"), True),
         "float32, bfloat16, float16 (or fp32, bf16, fp16) or auto"),
     Key("quantize", _choice(("none", "gguf", "int4", "int8", "fp8"), True),
-        "none, gguf (a GGUF file's own quantized blocks), int4, int8, fp8 or auto (none)"),
+        "none, gguf (a GGUF file's own quantized blocks), int4, int8, fp8 or auto (gguf for a GGUF file on "
+        "the CPU, else none)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),

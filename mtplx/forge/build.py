@@ -99,7 +99,9 @@ def load_trunk(model: str | Path | None, device=None, dtype=None) -> TrunkInfo:
         model = default_model_path()
     path = Path(model).expanduser()
     dev = resolve_device(device)
-    loaded = load_checkpoint(path, device=dev, dtype=resolve_dtype(dtype, dev), allow_unverified_head=True)
+    # the float trunk: a head learns the trunk's own distribution, not a quantized copy's
+    loaded = load_checkpoint(path, device=dev, dtype=resolve_dtype(dtype, dev), allow_unverified_head=True,
+                             quantize="none")
     loaded = LoadedModel(loaded.model, None, loaded.tokenizer, loaded.config, loaded.source)
     return TrunkInfo(loaded, sha256_of_weights(path), path.name)
 

@@ -40,8 +40,10 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
 
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
-    quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None or "none":
-    float; "gguf": a GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
+    quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None (auto): a GGUF
+    file's own blocks where they run fastest and as exactly as the float model (float32 on a CPU
+    with kernels/cpu.py's kernels: ``resolve_quantize``), else float; "none": float; "gguf": a
+    GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
     "int4" / "int8": round-to-nearest with groups of 32 inputs; "fp8": float8 e4m3 with one
     scale per output row (fast on CUDA; on the CPU dequantized per forward, for quality checks).
     shard: load one tensor-parallel rank's slice of the trunk and head (float weights only;
@@ -54,6 +56,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
                                                   "parallelism needs float weights (quantize none)")
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist (give a Hugging Face directory or a .gguf file)")
+    quantize = resolve_quantize(quantize, path, device, dtype) if shard is None or shard.world == 1 else quantize
     if path.is_file() and path.suffix == ".gguf":
         from mtplx.loading.gguf_file import load_gguf
 
@@ -120,6 +123,21 @@ def _as_list(x) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def resolve_quantize(quantize: str | None, path: Path, device: torch.device, dtype: torch.dtype) -> str | None:
+    """``quantize`` as asked, or for None (auto) "gguf" for a GGUF file loaded as float32 on a CPU
+    where kernels/cpu.py's kernels run (float32 activations: greedy output equal to the float
+    model's on 8 of 8 prompts for 64 tokens, several times its decode speed: docs/performance.md),
+    else None (float: on CUDA the bf16 path is the tuned one)."""
+    if quantize is not None:
+        return quantize
+    from mtplx.kernels import cpu as cpu_kernels
+
+    if (path.is_file() and path.suffix == ".gguf" and torch.device(device).type == "cpu"
+            and dtype == torch.float32 and cpu_kernels.available()):
+        return "gguf"
+    return None
 
 
 def quantize_state(state: dict, config: ModelConfig, fmt: str) -> dict:

@@ -97,7 +97,7 @@ def _dir_meta(path: Path) -> tuple[dict, dict]:
 
 def _weight_formats(path: Path, config: ModelConfig) -> list[dict]:
     """Each trunk linear map's stored format and what it runs as (a GGUF file's: with
-    ``--quantize gguf``; by default every weight is dequantized to float), grouped:
+    ``--quantize gguf``, the default on the CPU; on CUDA every weight is dequantized to float), grouped:
     [{"names": "layers 0-29: q,k,v,o,gate,up,down", "stored": "Q4_1", "runs_as": "int4 g32 (exact)"}]."""
     per_tensor = _gguf_formats(path) if path.is_file() else _safetensors_formats(path)
     rows: dict[tuple[str, str, str], list[int]] = {}
