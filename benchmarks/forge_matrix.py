@@ -5,13 +5,13 @@ a fixed time, each measured on the held-out prompts through the engine, as a bui
         --variants final,prenorm,fuse3,final+2layers,fuse3+2layers,final+vocab16384 \
         --max-seconds-each 120 --out matrix.json [--heads-dir HEADS] [--device cuda]
 
-A variant is a feature choice (final, prenorm, fuse3) with optional "+2layers" (a two-layer head)
-and "+vocabN" (a pruned draft vocabulary of the N most frequent corpus tokens). The trunk pass
-runs once over the corpus, keeping the union of the variants' feature layers; each variant reads
-its own columns. Per variant the JSON holds: held-out acceptance by depth and mean acceptance
-length at temperature 0 and (mirror drafts) 0.7 and 1.0, validation agreement, steps and
-seconds trained, the draft vocabulary's coverage, and the cost of one draft step beside one AR
-step (one row, median). ``--heads-dir`` also writes each variant's head (mtp.safetensors and
+A variant is a feature choice (final, prenorm, fuse3) with optional "+2layers" (a two-layer head),
+"+mlpN" (its second layer's MLP N wide) and "+vocabN" (a pruned draft vocabulary of the N most
+frequent corpus tokens). The trunk pass runs once over the corpus, keeping the union of the
+variants' feature layers; each variant reads its own columns. Per variant the JSON holds:
+held-out acceptance by depth and mean acceptance length at temperature 0 and (mirror drafts)
+0.7 and 1.0, validation agreement, steps and seconds trained, the draft vocabulary's coverage,
+and the cost of one draft step beside one AR step (one row, median). ``--heads-dir`` also writes each variant's head (mtp.safetensors and
 mtplx_forge.json), ready for ``mtplx forge verify --head HEADS/VARIANT --against ...``.
 The corpus comes from ``mtplx forge build --model MODEL --work WORK --corpus-only``.
 """
@@ -36,17 +36,22 @@ from mtplx.forge.build import (BuildSettings, draft_vocabulary, encode_prompts, 
 from mtplx.forge.measure import acceptance_by_temperature, acceptance_line, step_costs
 from mtplx.forge.train import TrainSettings
 
-VARIANT = re.compile(r"^(final|prenorm|fuse3)((?:\+2layers|\+vocab\d+)*)$")
+VARIANT = re.compile(r"^(final|prenorm|fuse3)((?:\+2layers|\+mlp\d+|\+vocab\d+)*)$")
 
 
 def parse_variant(name: str) -> dict:
-    """``fuse3+2layers+vocab16384`` -> {"features": "fuse3", "head_layers": 2, "draft_vocab": 16384}."""
+    """``fuse3+2layers+mlp1024+vocab16384`` -> {"features": "fuse3", "head_layers": 2,
+    "second_mlp": 1024, "draft_vocab": 16384} (``+mlpN``: the second layer's MLP width)."""
     match = VARIANT.match(name)
     if not match:
-        raise ForgeError(f"variant {name!r}: expected final|prenorm|fuse3, then optionally +2layers and +vocabN")
+        raise ForgeError(f"variant {name!r}: expected final|prenorm|fuse3, then optionally +2layers, +mlpN "
+                         "and +vocabN")
     extras = match.group(2)
-    vocab = re.search(r"\+vocab(\d+)", extras)
-    return {"features": match.group(1), "head_layers": 2 if "+2layers" in extras else 1,
+    vocab, mlp = re.search(r"\+vocab(\d+)", extras), re.search(r"\+mlp(\d+)", extras)
+    layers = 2 if "+2layers" in extras else 1
+    if mlp and layers < 2:
+        raise ForgeError(f"variant {name!r}: +mlpN sets the second layer's MLP width; add +2layers")
+    return {"features": match.group(1), "head_layers": layers, "second_mlp": int(mlp.group(1)) if mlp else 0,
             "draft_vocab": int(vocab.group(1)) if vocab else 0}
 
 

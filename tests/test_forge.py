@@ -67,10 +67,10 @@ def forged(tmp_path_factory):
     return SimpleNamespace(root=root, trunk=trunk_dir, head=root / "head", provenance=provenance)
 
 
-@pytest.mark.parametrize("features,layers", [("final", 1), ("fuse3", 2)])
-def test_training_forward_equals_the_engine_head_at_every_depth(features, layers):
-    engine, _ = tiny_engine("qwen3", num_hidden_layers=4,
-                            mtp=MTPConfig(layout="sidecar", features=features, head_layers=layers))
+@pytest.mark.parametrize("features,layers,second_mlp", [("final", 1, 0), ("fuse3", 2, 0), ("fuse3", 2, 40)])
+def test_training_forward_equals_the_engine_head_at_every_depth(features, layers, second_mlp):
+    engine, _ = tiny_engine("qwen3", num_hidden_layers=4, mtp=MTPConfig(
+        layout="sidecar", features=features, head_layers=layers, second_mlp=second_mlp))
     model, head, runner = engine.loaded.model, engine.runner.head, engine.runner
     ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(0))
     hidden = trunk_hidden(model, ids, head.trunk_layers)
@@ -300,6 +300,48 @@ def test_a_head_without_recorded_features_loads_as_before(forged):
     assert sidecar_config({}, None, config) == mtp
     with pytest.raises(ModelLoadError, match="features"):
         sidecar_config({}, {"head": {"features": "fuse9"}}, config)
+
+
+def test_a_narrower_second_mlp_starts_as_the_full_width_head_and_loads_by_its_shape(forged):
+    """A two-layer head whose second MLP is narrower starts where the full-width one does (the
+    trunk's own predictor: its down projections are zeroed); a sidecar reads the width back from
+    the second layer's tensors, and a full-width or one-layer head reads 0 (the trunk's)."""
+    from mtplx.forge.artifact import head_state
+    from mtplx.loading.mtp_weights import sidecar_config
+
+    model = load_trunk(forged.trunk, device="cpu").loaded.model
+    full = init_head(model, "cpu", MTPConfig(layout="sidecar", features="fuse3", head_layers=2))
+    narrow = init_head(model, "cpu", MTPConfig(layout="sidecar", features="fuse3", head_layers=2, second_mlp=40))
+    assert narrow.layers[1].mlp.up_proj.weight.shape == (40, 64)
+    assert sum(p.numel() for p in full.parameters()) - sum(p.numel() for p in narrow.parameters()) == 3 * 64 * 88
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    hidden = trunk_hidden(model, ids, full.trunk_layers)
+    with torch.no_grad():
+        for a, b in zip(head_outputs(full, model, hidden, ids, depth=2), head_outputs(narrow, model, hidden, ids, depth=2)):
+            assert torch.allclose(a, b, atol=1e-5)
+    config = model.config
+    state = {k[len("mtp."):]: v for k, v in head_state(narrow).items()}
+    two = {"head": {"features": "fuse3", "num_layers": 2}}
+    assert sidecar_config(state, two, config).second_mlp == 40
+    assert sidecar_config({k[len("mtp."):]: v for k, v in head_state(full).items()}, two, config).second_mlp == 0
+    assert sidecar_config({}, None, config).second_mlp == 0
+
+
+def test_second_mlp_needs_a_two_layer_head(forged, tmp_path, capsys):
+    from benchmarks.forge_matrix import parse_variant
+    from mtplx.cli import main
+
+    assert main(["forge", "build", "--model", str(forged.trunk), "--out", str(tmp_path / "h"),
+                 "--second-mlp", "32"]) != 0
+    assert "second-mlp" in capsys.readouterr().err and not (tmp_path / "h").exists()
+    assert parse_variant("fuse3+2layers+mlp1280+vocab16384") == {
+        "features": "fuse3", "head_layers": 2, "second_mlp": 1280, "draft_vocab": 16384}
+    with pytest.raises(ForgeError, match="2layers"):
+        parse_variant("fuse3+mlp1280")
+    settings = BuildSettings(second_mlp=32)
+    with pytest.raises(ForgeError, match="two layers"):
+        build(load_trunk(forged.trunk, device="cpu"), tmp_path / "h", train_prompts=_token_prompts(2, 0),
+              held_out_prompts=_token_prompts(1, 1), settings=settings, log=lambda line: None)
 
 
 def test_held_out_prompts_are_not_training_prompts():

@@ -42,6 +42,19 @@ def test_mtp_greedy_equals_ar_greedy_for_every_head_kind(features, layers, vocab
     assert first.token_ids == engine.generate(prompt, mode="ar", max_tokens=16).token_ids
 
 
+def test_a_head_with_a_narrower_second_mlp_decodes_exactly():
+    """--second-mlp: the second layer's MLP is that wide (the first keeps the trunk's), and
+    greedy MTP still equals AR greedy."""
+    engine, _ = tiny_engine("qwen3", num_hidden_layers=4,
+                            mtp=MTPConfig(layout="sidecar", features="fuse3", head_layers=2, second_mlp=40))
+    first, second = engine.runner.head.layers
+    assert (first.mlp.gate_proj.out_features, second.mlp.gate_proj.out_features, second.mlp.down_proj.in_features) \
+        == (128, 40, 40)
+    for prompt in PROMPTS[:2]:
+        ar = engine.generate(prompt, mode="ar", max_tokens=20).token_ids
+        assert engine.generate(prompt, mode="mtp", depth=3, max_tokens=20).token_ids == ar, prompt
+
+
 def test_pruned_draft_logits_are_the_trunks_rows_of_the_draft_vocabulary():
     engine, _ = tiny_engine("llama", draft_vocab=VOCAB_IDS)
     model, head = engine.loaded.model, engine.runner.head

@@ -54,6 +54,9 @@ def _add_build(actions) -> None:
                         "last layer's output before the final norm), fuse3 (EAGLE-3: layers L/4, L/2 and the last, "
                         "projected to the hidden size)")
     g.add_argument("--head-layers", type=int, default=1, choices=(1, 2), help="decoder layers in the head")
+    g.add_argument("--second-mlp", type=int, default=0,
+                   help="with --head-layers 2: the second layer's MLP width (0: the trunk's); a narrower one "
+                        "keeps a two-layer head smaller")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="draft only from the N most frequent corpus tokens (FR-Spec; 0: the whole vocabulary)")
     g = p.add_argument_group("training")
@@ -108,6 +111,9 @@ def run_build(args) -> int:
         raise InvalidParameter("work", "--corpus-only writes WORK/corpus.pt: give --work")
     if args.draft_vocab < 0:
         raise InvalidParameter("draft-vocab", f"must be >= 0 (0: the whole vocabulary), got {args.draft_vocab}")
+    if args.second_mlp < 0 or (args.second_mlp and args.head_layers < 2):
+        raise InvalidParameter("second-mlp", f"must be >= 0 (0: the trunk's width) and needs --head-layers 2, "
+                                             f"got {args.second_mlp} with --head-layers {args.head_layers}")
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
         if getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
@@ -122,6 +128,7 @@ def run_build(args) -> int:
         max_seconds=args.max_seconds, measure_depth=args.measure_depth,
         measure_max_tokens=args.measure_max_tokens, measure_temperatures=measure_temperatures,
         features=args.features, head_layers=args.head_layers, draft_vocab=args.draft_vocab,
+        second_mlp=args.second_mlp,
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                             seed=args.seed))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)

@@ -67,6 +67,7 @@ class BuildSettings:
     features: str = "final"  # what the head reads of the trunk (models/config.py HEAD_FEATURES)
     head_layers: int = 1
     draft_vocab: int = 0  # keep the N most frequent corpus tokens as the draft vocabulary (0: all)
+    second_mlp: int = 0  # MLP width of the head's layers after the first (0: the trunk's)
     measure_depth: int = 3
     measure_max_tokens: int = 128
     measure_rows: int = 32
@@ -76,7 +77,8 @@ class BuildSettings:
     def head_config(self, loaded: LoadedModel) -> MTPConfig:
         """The forged head's MTPConfig (its draft vocabulary's size included)."""
         return MTPConfig(layout="sidecar", zero_centered_norms=loaded.config.model_type in ZERO_CENTERED_FAMILIES,
-                         features=self.features, head_layers=self.head_layers, draft_vocab=self.draft_vocab)
+                         features=self.features, head_layers=self.head_layers, draft_vocab=self.draft_vocab,
+                         second_mlp=self.second_mlp)
 
 
 @dataclass
@@ -347,6 +349,8 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
         raise ForgeError("--corpus trains on a stored corpus: it takes no --corpus-only, --self-prompts or --text")
     mtp = settings.head_config(loaded)
     feature_layers(mtp.features, loaded.config.num_hidden_layers)  # an unknown choice fails before any work
+    if mtp.second_mlp and mtp.head_layers < 2:
+        raise ForgeError("a second layer's MLP width (--second-mlp) needs a head of two layers (--head-layers 2)")
     prefix = user_turn_prefix(loaded.tokenizer) if settings.self_prompts else None  # fails before any work
     if work_dir is None and out_dir is None:
         raise ForgeError("give a work folder (--work) for the corpus")
@@ -441,6 +445,7 @@ def provenance_of(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: 
                            "embedding and lm_head shared with the trunk)",
                  "features": mtp.features, "feature_layers": list(mtp_layers(mtp, trunk.loaded)),
                  "num_layers": mtp.head_layers, "draft_vocab": vocab,
+                 "mlp_widths": [layer.mlp.down_proj.in_features for layer in trainer.head.layers],
                  "parameters": sum(p.numel() for p in trainer.head.parameters())},
         "training": {**asdict(settings.train), "objective": "KL(trunk next-token distribution || head) at every "
                                                             "depth, completion tokens, depths weighted; each depth "

@@ -129,7 +129,11 @@ def init_head(trunk: CausalLM, device, mtp: MTPConfig | None = None) -> MTPHead:
     h = trunk.config.hidden_size
     with torch.no_grad():
         for layer in head.layers:
-            layer.load_state_dict({k: v.float() for k, v in trunk.model.layers[-1].state_dict().items()})
+            shapes = {k: v.shape for k, v in layer.state_dict().items()}
+            # a narrower MLP (``second_mlp``) takes the first rows of gate and up (its down
+            # projection is zeroed below, so which ones does not change the start)
+            layer.load_state_dict({k: v[tuple(slice(n) for n in shapes[k])].float()
+                                   for k, v in trunk.model.layers[-1].state_dict().items()})
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         head.fc.weight.zero_()

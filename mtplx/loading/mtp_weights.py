@@ -137,7 +137,7 @@ def sidecar_config(state: dict[str, torch.Tensor], provenance: dict | None, conf
                    where: str = "the sidecar") -> MTPConfig:
     """A forged head's MTPConfig: features and layer count as ``mtplx_forge.json`` records them
     under ``head`` (a head without them: "final", one layer, as every head before forge v2), the
-    draft vocabulary's size from its tensor."""
+    draft vocabulary's size and a narrower second layer's MLP width from their tensors."""
     head = (provenance or {}).get("head") or {}
     features, layers = head.get("features", "final"), head.get("num_layers", 1)
     if features not in HEAD_FEATURES:
@@ -148,5 +148,8 @@ def sidecar_config(state: dict[str, torch.Tensor], provenance: dict | None, conf
         raise ModelLoadError(f"{where}: a head of {layers} layers reading {features!r} features needs a dense "
                              f"trunk, not {config.model_type}")
     vocab = state.get("draft_vocab")
+    second = state.get("layers.1.mlp.gate_proj.weight")  # a narrower second layer's MLP, by its shape
+    second_mlp = 0 if second is None or second.shape[0] == config.intermediate_size else second.shape[0]
     return MTPConfig(layout="sidecar", zero_centered_norms=config.model_type in ZERO_CENTERED_FAMILIES,
-                     features=features, head_layers=layers, draft_vocab=0 if vocab is None else vocab.numel())
+                     features=features, head_layers=layers, draft_vocab=0 if vocab is None else vocab.numel(),
+                     second_mlp=second_mlp)

@@ -42,6 +42,9 @@ class MTPConfig:
     features: str = "final"  # the trunk hidden state the head reads: one of HEAD_FEATURES
     head_layers: int = 1  # decoder layers stacked in the head (each its own KV layer)
     draft_vocab: int = 0  # rows of a pruned draft vocabulary (0: drafts over the whole vocabulary)
+    # the MLP width of every head layer after the first (0: the trunk's): a narrower second layer
+    # keeps a two-layer head of a small trunk inside the size a shipped head may have
+    second_mlp: int = 0
 
     @property
     def hidden_first(self) -> bool:

@@ -2,7 +2,8 @@
 
     e = norm_e(embed(x[t+1])); h = norm_h(features[t])
     x = fc(concat(e, h))            # [hidden, embedding] order for MiMo
-    x = DecoderLayer(x) (x head_layers)  # each its own KV layer (after the trunk's layers)
+    x = DecoderLayer(x) (x head_layers)  # each its own KV layer (after the trunk's layers);
+                                         # layers after the first: MLP width ``second_mlp``, if set
     out = norm(x); logits = lm_head(out)   # embedding and lm_head shared with the trunk
 
 features[t] is what the head reads of the trunk (``MTPConfig.features``): the final-normed
@@ -32,7 +33,7 @@ from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.kernels import gemv
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig, feature_layers
-from mtplx.models.layers import RMSNorm, exact_bf16_linear
+from mtplx.models.layers import MLP, RMSNorm, exact_bf16_linear
 from mtplx.models.quant import QuantLinear
 
 # a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
@@ -55,6 +56,9 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
         self.layers = nn.ModuleList([trunk.make_head_layer(config, zc) for _ in range(mtp.head_layers)])
+        if mtp.second_mlp:
+            for layer in list(self.layers)[1:]:
+                layer.mlp = MLP(h, mtp.second_mlp, config.mlp_bias)
         self.norm = RMSNorm(h, eps, zc)
         self.cache_layer = config.num_kv_layers  # KV layer index of layers[0] in the shared cache
         if mtp.draft_vocab:
