@@ -1,12 +1,17 @@
 """The CPU decode path with and without kernels/cpu.py's C++ kernels, side by side.
 
-Each configuration runs in its own process (the kernels are chosen once per process), the two
-alternating ``--rounds`` times so that machine noise hits both alike: the default model from its
-GGUF's own blocks (``quantize="gguf"``), AR and MTP depth 1, greedy, chat prompts not used for
-tuning, decode tok/s after the first token. "pytorch" is ``MTPLX_CPU_KERNELS=0``: PyTorch's
-packed int4 kernel (bf16 activations) and PyTorch's ops for norms, RoPE, attention and SiLU.
+Each configuration runs in its own process (the kernels are chosen once per process), all of
+them alternating ``--rounds`` times so that machine noise hits each alike: the default model from
+its GGUF's own blocks (``quantize="gguf"``), AR and MTP depth 1, greedy (and with ``--sampled``
+also temperature 0.7, top-p 0.95, seed 1), chat prompts not used for tuning, decode tok/s after
+the first token. "pytorch" is ``MTPLX_CPU_KERNELS=0``: PyTorch's packed int4 kernel (bf16
+activations) and PyTorch's ops for norms, RoPE, attention and SiLU. "avx2" is
+``MTPLX_CPU_VECTOR_WIDTH=256`` (the AVX2 products on an AVX-512 CPU). ``--baseline-tree DIR``
+adds "baseline": the same runs with the ``mtplx`` package of another checkout (an earlier
+commit's worktree), its kernels built apart.
 
-    python benchmarks/cpu_kernels_ab.py [--threads 1] [--rounds 3] [--tokens 96] [--json FILE]
+    python benchmarks/cpu_kernels_ab.py [--threads 1] [--rounds 3] [--tokens 96] [--sampled]
+        [--configs kernels,pytorch,avx2] [--baseline-tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,20 +28,28 @@ PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in
            "How does a hash map handle collisions? Explain with an example.")
 
 
-def one_run(threads: int, tokens: int) -> dict:
+def one_run(threads: int, tokens: int, sampled: bool) -> dict:
     import torch
 
     import mtplx
 
     torch.set_num_threads(threads)
     engine = mtplx.load(device="cpu", quantize="gguf")
-    out = {"ar": [], "mtp": []}
+    regimes = {"": dict(temperature=0)}
+    if sampled:
+        regimes["_t0.7"] = dict(temperature=0.7, top_p=0.95, seed=1)
+    out = {mode + name: [] for name in regimes for mode in ("ar", "mtp")}
     for prompt in PROMPTS:
-        for mode in out:
+        for key in out:
+            mode, _, name = key.partition("_")
             r = engine.generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=1,
-                                max_tokens=tokens, temperature=0, ignore_eos=True)
-            out[mode].append(r.stats["decode_tok_s"])
+                                max_tokens=tokens, ignore_eos=True, **regimes["_" + name if name else ""])
+            out[key].append(r.stats["decode_tok_s"])
     return out
+
+
+CONFIG_ENV = {"kernels": {"MTPLX_CPU_KERNELS": "1"}, "pytorch": {"MTPLX_CPU_KERNELS": "0"},
+              "avx2": {"MTPLX_CPU_KERNELS": "1", "MTPLX_CPU_VECTOR_WIDTH": "256"}}
 
 
 def main() -> None:
@@ -44,28 +57,42 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--sampled", action="store_true", help="also temperature 0.7, top-p 0.95")
+    ap.add_argument("--configs", default="kernels,pytorch", help="of: kernels, pytorch, avx2")
+    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(one_run(args.threads, args.tokens)))
+        print(json.dumps(one_run(args.threads, args.tokens, args.sampled)))
         return
-    runs = {"pytorch": {"ar": [], "mtp": []}, "kernels": {"ar": [], "mtp": []}}
+    envs = {name: {**os.environ, **CONFIG_ENV[name]} for name in args.configs.split(",")}
+    if args.baseline_tree:
+        tree = os.path.abspath(args.baseline_tree)
+        envs["baseline"] = {**os.environ, "PYTHONPATH": tree, "TORCH_EXTENSIONS_DIR": os.path.join(tree, ".ext")}
+    runs = {name: {} for name in envs}
     for _ in range(args.rounds):
-        for name in runs:
-            env = {**os.environ, "MTPLX_CPU_KERNELS": "0" if name == "pytorch" else "1"}
-            cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--tokens", str(args.tokens)]
-            res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        for name, env in envs.items():
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(args.threads),
+                   "--tokens", str(args.tokens)] + (["--sampled"] if args.sampled else [])
+            res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+                                            cwd=args.baseline_tree if name == "baseline" else None).stdout.splitlines()[-1])
             for mode, values in res.items():
-                runs[name][mode].extend(values)
+                runs[name].setdefault(mode, []).extend(values)
     summary = {name: {mode: round(statistics.mean(v), 2) for mode, v in modes.items()} for name, modes in runs.items()}
-    ratio = {mode: round(summary["kernels"][mode] / summary["pytorch"][mode], 3) for mode in ("ar", "mtp")}
+    first = next(iter(summary))
+    ratios = {f"{name}_x_{first}": {mode: round(v / summary[first][mode], 3) for mode, v in modes.items()}
+              for name, modes in summary.items() if name != first}
     report = {"date": datetime.date.today().isoformat(), "threads": args.threads, "tokens": args.tokens,
-              "rounds": args.rounds, "prompts": list(PROMPTS), "runs": runs, "mean_tok_s": summary,
-              "kernels_x_pytorch": ratio, "load_average_end": list(os.getloadavg())}
+              "rounds": args.rounds, "prompts": list(PROMPTS), "configs": list(envs),
+              "baseline_tree": args.baseline_tree, "runs": runs, "mean_tok_s": summary, "ratios": ratios,
+              "mtp_x_ar": {name: {key: round(modes[key] / modes[key.replace("mtp", "ar")], 3)
+                                  for key in modes if key.startswith("mtp")} for name, modes in summary.items()},
+              "load_average_end": list(os.getloadavg())}
     for name, modes in summary.items():
-        print(f"{name:8s} AR {modes['ar']:6.1f} tok/s   MTP d1 {modes['mtp']:6.1f} tok/s")
-    print(f"kernels / pytorch: AR {ratio['ar']:.2f}x, MTP {ratio['mtp']:.2f}x")
+        print(f"{name:8s} " + "   ".join(f"{mode} {v:6.1f}" for mode, v in modes.items()) + "  tok/s")
+    for name, modes in ratios.items():
+        print(f"{name}: " + ", ".join(f"{mode} {v:.2f}x" for mode, v in modes.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
