@@ -504,6 +504,33 @@ def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None
     return elapsed, [results[i] for i in range(len(requests))]
 
 
+def run_stream(engine: Engine, mode: str, requests: list) -> tuple[float, list]:
+    """One client in a loop: each request submitted to an in-process scheduler in ``mode`` when
+    the one before it has finished (what one stream sees, a cohort's gather window included);
+    returns (seconds from the first submit to the last finish, results in order)."""
+    import queue
+
+    from mtplx.batching.job import Done, Failed, Job
+    from mtplx.batching.scheduler import Scheduler
+    from mtplx.batching.state import SchedulerSettings
+
+    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode))
+    scheduler.start()
+    ended: queue.Queue = queue.Queue()
+    emit = lambda event: ended.put(event) if isinstance(event, (Done, Failed)) else None  # noqa: E731
+    results = []
+    t0 = time.perf_counter()
+    for i, request in enumerate(requests):
+        scheduler.submit(Job(request, emit))
+        event = ended.get(timeout=600)
+        if isinstance(event, Failed):
+            raise SystemExit(f"FAIL: {mode} request {i} failed: {event.error!r}")
+        results.append(event.result)
+    elapsed = time.perf_counter() - t0
+    scheduler.stop()
+    return elapsed, results
+
+
 def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_only: bool = False) -> dict:
     """hyper vs serial on the same greedy chat requests (tok/s ratio, byte-identical outputs),
     and mtp_batch / ar_batch aggregate tok/s at 1/2/4/8 concurrent streams (only these with

@@ -1,9 +1,11 @@
 """MTP at every temperature (issue 15): AR and MTP at fixed depths and depth="auto", with argmax
 and mirror drafts, greedy and sampled, on held-out chat prompts, side by side in one run;
-then the scheduler at 1, 4 and 8 streams, and hyper vs serial, with sampling.
+then the scheduler at 1, 4 and 8 streams, hyper vs serial, and one client's requests in turn
+through mtp_batch vs serial, with sampling.
 
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
-        [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler]
+        [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
+        [--scheduler-rounds N]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -68,11 +70,13 @@ def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str]) -> di
     return out
 
 
-def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str]) -> dict:
-    """mtp_batch and ar_batch at 1, 4 and 8 streams, and hyper vs serial, with each request's
+def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], rounds: int = 1) -> dict:
+    """mtp_batch and ar_batch at 1, 4 and 8 streams (best of ``rounds``), hyper vs serial, and
+    one stream of the same seeded requests through mtp_batch vs serial (each submitted when the
+    last finished: a lone client's view, byte-identical outputs expected), with each request's
     default draft policy (``draft_policy="auto"``)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu import run_jobs
+    from gpu import run_jobs, run_stream
 
     def requests(n: int, mode: str | None, sampling: dict, seed0: int = 0) -> list:
         return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
@@ -87,8 +91,11 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str]) -> di
         for mode, gen_mode in (("mtp_batch", "mtp"), ("ar_batch", "ar")):
             run_jobs(engine, mode, requests(1, gen_mode, sampling))  # warm-up
             for streams in (1, 4, 8):
-                elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode, sampling))
-                entry[f"{mode}_tok_s_x{streams}"] = sum(r.completion_tokens for r in results) / elapsed
+                best = 0.0
+                for _ in range(rounds):
+                    elapsed, results = run_jobs(engine, mode, requests(streams, gen_mode, sampling))
+                    best = max(best, sum(r.completion_tokens for r in results) / elapsed)
+                entry[f"{mode}_tok_s_x{streams}"] = best
         if sampling:  # hyper vs serial: the same seeded requests, best of three interleaved
             runs = {"serial": [], "hyper": []}
             for _ in range(3):
@@ -99,6 +106,16 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str]) -> di
             entry["serial_tok_s"], entry["hyper_tok_s"] = serial[0], hyper[0]
             entry["hyper_over_serial"] = hyper[0] / serial[0]
             entry["hyper_byte_identical"] = all(a.token_ids == b.token_ids for a, b in zip(serial[1], hyper[1]))
+            streams = {"serial": [], "mtp_batch": []}  # one client, the same requests in turn
+            for _ in range(3):
+                for mode in streams:
+                    elapsed, results = run_stream(engine, mode, requests(len(prompts), "mtp", sampling, 100))
+                    streams[mode].append((sum(r.completion_tokens for r in results) / elapsed, results))
+            serial, batch = (max(streams[m], key=lambda t: t[0]) for m in ("serial", "mtp_batch"))
+            entry["serial_stream_tok_s"], entry["mtp_batch_stream_tok_s"] = serial[0], batch[0]
+            entry["mtp_batch_stream_over_serial"] = batch[0] / serial[0]
+            entry["mtp_batch_stream_byte_identical"] = all(a.token_ids == b.token_ids
+                                                           for a, b in zip(serial[1], batch[1]))
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
     return out
 
@@ -115,6 +132,8 @@ def main() -> None:
     ap.add_argument("--depths", default="1,2,3,auto")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
     ap.add_argument("--no-scheduler", action="store_true")
+    ap.add_argument("--scheduler-only", action="store_true", help="skip the engine.generate part")
+    ap.add_argument("--scheduler-rounds", type=int, default=1, help="mtp_batch / ar_batch runs per width (best of)")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -135,11 +154,13 @@ def main() -> None:
               "quantize": args.quantize, "head": args.head, "prompts": list(HELD_OUT_CHAT[: args.prompts])}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    with torch.inference_mode():
-        report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths), regimes)
+    if not args.scheduler_only:
+        with torch.inference_mode():
+            report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),
+                                          regimes)
     if not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
-                                        regimes)
+                                        regimes, args.scheduler_rounds)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 

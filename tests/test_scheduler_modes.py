@@ -99,6 +99,56 @@ def test_mtp_batch_rows_join_a_running_cohort_at_cycle_boundaries(engine):
     assert max(int(w) for w in block["batch_histogram"]) > 1
 
 
+SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=24)
+
+
+def one_client(engine, mode: str, prompts, **knobs) -> tuple[list[Done], list[tuple[str, int]]]:
+    """Each prompt submitted when the last one finished (one client), seeded; returns the ends
+    and the generator's events (chain starts and commits, by row) in order."""
+    events: list[tuple[str, int]] = []
+    observe = lambda event, seq: events.append((event, seq.num_generated))  # noqa: E731
+    engine.generator.observers.append(observe)
+    scheduler = started(engine, mode, **knobs)
+    try:
+        ends = [run_concurrently(engine, scheduler, [p], seed=i, **SAMPLED)[0] for i, p in enumerate(prompts)]
+    finally:
+        scheduler.stop()
+        engine.generator.observers.remove(observe)
+    return ends, events
+
+
+def test_mtp_batch_one_stream_is_serial_step_for_step(engine, chained):
+    """A lone client's seeded sampled requests through mtp_batch take serial's engine path (the
+    same chain starts and commits, in order) and decode byte-identical output."""
+    one_client(engine, "serial", PROMPTS[:3])  # both runs below then hit the prefix cache alike
+    serial, serial_path = one_client(engine, "serial", PROMPTS[:3])
+    batch, batch_path = one_client(engine, "mtp_batch", PROMPTS[:3])
+    assert [e.result.token_ids for e in batch] == [e.result.token_ids for e in serial]
+    assert batch_path == serial_path
+    assert any(event == "chain_start" for event, _ in batch_path) == chained
+    assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_mtp_batch_decodes_while_its_gather_window_is_open(engine):
+    """The gather window never holds the engine idle: a lone request under a 60 s window ends
+    at once, and a request arriving while the first decodes joins the cohort as a founder."""
+    scheduler = started(engine, "mtp_batch", batch_wait_ms=60_000)
+    try:
+        first = Collector()
+        scheduler.submit(Job(engine.make_request(PROMPTS[0], max_tokens=4, temperature=0.0), first))
+        assert isinstance(first.wait(timeout=20), Done)
+        long = Collector()
+        scheduler.submit(Job(engine.make_request(PROMPTS[1], max_tokens=200, temperature=0.0), long))
+        long.events.get(timeout=20)  # decoding
+        run_concurrently(engine, scheduler, PROMPTS[2:4], max_tokens=8, temperature=0.0)
+        assert isinstance(long.wait(timeout=20), Done)
+        block = scheduler.telemetry()
+    finally:
+        scheduler.stop()
+    assert block["cohorts_sealed"] == 2 and block["rows_joined_mid_cohort"] == 0
+    assert max(int(w) for w in block["batch_histogram"]) > 1
+
+
 def test_ar_batch_turns_mtp_off_when_wider_than_one_and_says_why(engine, chained):
     """Chained: the lone MTP row and the AR rows step as two groups, so each group's step
     commits the other's cycle in flight; every committed token still reaches the stream."""

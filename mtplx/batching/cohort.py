@@ -17,7 +17,7 @@ from mtplx.engine.llm_engine import Engine, Request, TextTracker
 from mtplx.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(eq=False)  # rows compare by identity: field-wise equality walked prompts on every step
 class Row:
     job: Job
     seq: Sequence
@@ -59,8 +59,12 @@ def kv_headroom(engine: Engine, rows: list[Row]) -> int:
 
 def take_jobs(queue: JobQueue, limit: int, engine: Engine, rows: list[Row]) -> list[Job]:
     """Up to ``limit`` queued jobs, in FIFO order, whose whole runs fit in the KV cache beside
-    ``rows``; the first that does not fit goes back to the front of the queue. Never waits."""
+    ``rows``; the first that does not fit goes back to the front of the queue. Never waits.
+    An empty queue costs one length check (no lock): a job that lands meanwhile is taken at the
+    next cycle boundary."""
     taken: list[Job] = []
+    if limit <= 0 or not len(queue):
+        return taken
     headroom = kv_headroom(engine, rows)
     while len(taken) < limit and (job := queue.get_nowait()) is not None:
         need = 0 if job.cancelled else blocks_needed(engine, job.request)
@@ -127,6 +131,7 @@ class RowPolicy(Policy):
         for row in rows + [by_id[s.seq_id] for s in result.advanced if s.seq_id not in stepped and s.seq_id in by_id]:
             if row.seq.seq_id in by_id:
                 self.publish(row)
+        self.publish_kv()  # once per cycle, as serial does
 
     def publish(self, row: Row) -> None:
         """Send a row's new output; detokenising is the row's own work, so a failure there
@@ -137,13 +142,13 @@ class RowPolicy(Policy):
             self.drop(row, exc)
 
     def retire_done(self) -> None:
-        """Release and report every row that finished or whose client cancelled."""
+        """Release and report every row that finished or whose client cancelled (``finish``
+        publishes the KV counts)."""
         for row in [r for r in self.rows if r.done]:
             self.engine.generator.release(row.seq)
             self.rows.remove(row)
             self.rows_retired += 1
             self.finish(row.job, row.seq)
-        self.publish_kv()
 
     def abort(self, error: BaseException) -> None:
         self.rows.clear()

@@ -56,8 +56,9 @@ class SchedulerSettings:
     """The resolved knobs of one scheduler (every field set; mode defaults filled in).
 
     max_active_requests: requests holding KV blocks at once; decode_batch_max: rows verified
-    in one target forward (mtp_batch); batch_wait_ms: gather window before a cohort is sealed,
-    milliseconds; max_queued_requests: waiting requests beyond which new ones get 503.
+    in one target forward (mtp_batch); batch_wait_ms: a new cohort's gather window, milliseconds
+    (arrivals within it join as founding rows; decoding never waits for it);
+    max_queued_requests: waiting requests beyond which new ones get 503.
     generation_mode / depth: per-request defaults (None: the engine's own defaults).
     """
 
