@@ -205,18 +205,26 @@ MTPLX_AVX512 inline void tile_float512(const Args& p, int64_t m0, int64_t n) {
 
 // Every row of the tile is computed by the same instructions in the same order whatever R and O
 // are, so the number of rows in a forward changes no row's result.
+// One or two rows (a decode step, a depth-1 verify): four output rows a tile; more (deeper
+// verifies): up to four token rows a tile over two output rows, so that a weight is unpacked
+// once per four token rows.
 template <int Bits>
 MTPLX_AVX512 void rows_range512(const Args& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    int64_t m0 = 0;
-    for (; m0 + 2 <= p.M; m0 += 2) tile_float512<Bits, 2, 4>(p, m0, n);
-    if (m0 < p.M) tile_float512<Bits, 1, 4>(p, m0, n);
+  if (p.M <= 2) {
+    for (; n + 4 <= n1; n += 4) {
+      if (p.M == 2) tile_float512<Bits, 2, 4>(p, 0, n); else tile_float512<Bits, 1, 4>(p, 0, n);
+    }
   }
   for (; n < n1; n += 2) {
     int64_t m0 = 0;
-    for (; m0 + 2 <= p.M; m0 += 2) tile_float512<Bits, 2, 2>(p, m0, n);
-    if (m0 < p.M) tile_float512<Bits, 1, 2>(p, m0, n);
+    for (; m0 + 4 <= p.M; m0 += 4) tile_float512<Bits, 4, 2>(p, m0, n);
+    switch (p.M - m0) {
+      case 3: tile_float512<Bits, 3, 2>(p, m0, n); break;
+      case 2: tile_float512<Bits, 2, 2>(p, m0, n); break;
+      case 1: tile_float512<Bits, 1, 2>(p, m0, n); break;
+      default: break;
+    }
   }
 }
 
