@@ -1,9 +1,11 @@
-"""Where an AR step's time goes on the CPU: wall-clock of each part of the default model's
-decoder (the quantized products, attention, MLP, norms, RoPE, KV write), by wrapping those
-functions with timers, over one 65-token greedy generation, in ms per token (the wrappers add a
-little of their own). A diagnostic for the CPU decode path (docs/performance.md, session 10).
+"""Where a decode cycle's time goes on the CPU: wall-clock of the trunk forward (the decoder
+layers, each one C++ call where kernels/cpu.layer runs), the output matrix (``compute_logits``),
+the MTP head's forward and its draft logits, by wrapping those functions with timers, over one
+96-token greedy chat generation per mode (AR, then MTP at depths 1-3), in ms per cycle (the
+wrappers add a little of their own). A diagnostic for the CPU decode path (docs/performance.md,
+sessions 10 and 11).
 
-    python benchmarks/cpu_step_breakdown.py [--threads 1] [--quantize gguf]
+    python benchmarks/cpu_step_breakdown.py [--threads 1] [--quantize gguf] [--depths 1,2,3]
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ import time
 import torch
 
 import mtplx
-from mtplx.kernels import cpu as cpu_kernels
-from mtplx.models import layers
+from mtplx.models import base, mtp
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantize", default="gguf")
+    ap.add_argument("--depths", default="1,2,3")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = mtplx.load(device="cpu", quantize=args.quantize)
-    spent = collections.defaultdict(float)
+    spent, calls = collections.defaultdict(float), collections.Counter()
 
     def wrap(owner, name, key):
         original = getattr(owner, name)
@@ -37,24 +39,27 @@ def main() -> None:
                 return original(*a, **k)
             finally:
                 spent[key] += time.perf_counter() - start
+                calls[key] += 1
         setattr(owner, name, timed)
 
-    wrap(cpu_kernels, "matmul", "quantized products (C++ kernel)")
-    wrap(layers.RMSNorm, "add_forward", "residual add + RMSNorm")
-    wrap(layers.Attention, "forward", "attention block (with its products)")
-    wrap(layers.MLP, "forward", "MLP block (with its products)")
-    wrap(layers.BoundRotary, "__call__", "RoPE (PyTorch ops)")
-    wrap(layers, "write_kv", "KV write (PyTorch ops)")
-    wrap(layers, "paged_attention", "attention over the cache")
-    wrap(type(engine.loaded.model), "forward", "trunk forward")
-    prompt = "Describe the water cycle to a ten-year-old."
-    engine.generate(prompt, mode="ar", max_tokens=2, temperature=0, ignore_eos=True)
-    spent.clear()
-    start = time.perf_counter()
-    engine.generate(prompt, mode="ar", max_tokens=65, temperature=0, ignore_eos=True)
-    print(f"total {(time.perf_counter() - start) * 1e3 / 65:.2f} ms/token")
-    for key, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {key}: {seconds * 1e3 / 65:.2f} ms/token")
+    wrap(base.CausalLM, "forward", "trunk forward (decoder layers)")
+    wrap(base.CausalLM, "compute_logits", "output matrix (compute_logits)")
+    wrap(mtp.MTPHead, "forward", "MTP head forward")
+    wrap(mtp.MTPHead, "draft_subset", "draft logits (pruned vocabulary)")
+    prompt = [{"role": "user", "content": "How does a hash map handle collisions? Explain with an example."}]
+    engine.generate(prompt, chat=True, mode="mtp", max_tokens=4, temperature=0)
+    runs = [("ar", 1)] + [("mtp", int(d)) for d in args.depths.split(",")]
+    for mode, depth in runs:
+        spent.clear()
+        calls.clear()
+        r = engine.generate(prompt, chat=True, mode=mode, depth=depth, max_tokens=96, temperature=0,
+                            ignore_eos=True)
+        cycles = r.stats.get("verify_calls") or r.stats["generated_tokens"] - 1
+        label = "AR" if mode == "ar" else f"MTP depth {depth}"
+        print(f"{label}: {r.stats['decode_tok_s']:.1f} tok/s, {r.stats['decode_s'] * 1e3 / cycles:.2f} ms per "
+              f"cycle ({cycles} cycles), acceptance length {r.stats.get('mean_acceptance_length')}")
+        for key, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+            print(f"  {key}: {seconds * 1e3 / cycles:.2f} ms per cycle ({calls[key]} calls)")
 
 
 if __name__ == "__main__":
