@@ -99,6 +99,8 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             return cpu_kernels.row_attention(q[0], k_pool, v_pool, meta.block_tables[0], meta.positions[0],
                                              meta.key_start, scale).view(1, q_len, heads, head_dim)
         return _one_row_by_query(q, k_pool, v_pool, meta, scale)
+    if not q.is_cuda and rows == 1 and meta.key_start == 0 and _whole_prompt(meta.positions[0], q_len):
+        return _causal_prompt(q, k_pool, v_pool, meta.block_tables[0], scale)
     keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)
@@ -116,6 +118,28 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
 
 
 ROW_EXACT_QUERIES = 16  # one row's decode, draft and verify forwards on the CPU
+
+
+def _whole_prompt(positions: torch.Tensor, q_len: int) -> bool:
+    """Whether one row's q_len queries are positions 0 .. q_len - 1 (a prompt's forward from its
+    first token; host reads: on the CPU there is no device to wait for)."""
+    return q_len > ROW_EXACT_QUERIES and int(positions[0]) == 0 and int(positions[-1]) == q_len - 1
+
+
+def _causal_prompt(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` for a prompt's forward from its first token on the CPU: its
+    keys are exactly its queries' positions, so SDPA's own causal mask applies and its flash
+    kernel skips the masked half (a 1,908-token prompt: 0.068 s a layer against 0.14 s with an
+    explicit mask, one thread, the same outputs). q [1, q_len, heads, head_dim] -> the same shape."""
+    q_len = q.shape[1]
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    blocks = table[: -(-q_len // block_size)]
+    keys = k_pool.index_select(0, blocks).reshape(1, -1, kv_heads, head_dim)[:, :q_len]
+    values = v_pool.index_select(0, blocks).reshape(1, -1, kv_heads, head_dim)[:, :q_len]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         is_causal=True, scale=scale, enable_gqa=kv_heads != q.shape[2])
+    return out.transpose(1, 2)
 
 
 def _one_row_by_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
