@@ -92,60 +92,14 @@ def test_silu_mul_is_silu_of_gate_times_up():
     torch.testing.assert_close(cpu_kernels.silu_mul(x), F.silu(x[..., :20]) * x[..., 20:], rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_gives_the_same_logits_with_the_kernels_off(monkeypatch):
-    """The whole CPU forward, fused ops against PyTorch's, on a tiny Qwen3 (q/k norms) with a
-    quantized trunk: close logits, and every token row the same alone as in a 5-token verify."""
-    import mtplx
-    from tests.tiny_models import hf_reference
-    from mtplx.engine.sampling import SamplingParams
-    from mtplx.engine.sequence import Sequence
-    import json
-    from safetensors.torch import save_file
-    import tempfile, pathlib
-
-    hf, cfg = hf_reference("qwen3")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp)
-        (path / "config.json").write_text(json.dumps(cfg, default=str))
-        save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
-        ids = torch.randint(0, cfg["vocab_size"], (12,), generator=_gen(7)).tolist()
-
-        def logits(engine, chunks):
-            runner = engine.runner
-            seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
-            runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
-            outs, start = [], 0
-            with torch.inference_mode():
-                for n in chunks:
-                    outs.append(runner.logits(runner.trunk([seq], [ids[start:start + n]], [start]))[0])
-                    start += n
-            return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
-
-        engine = mtplx.load(path, device="cpu", quantize="int4")
-        fused = logits(engine, [7, 5])
-        singles = logits(engine, [7, 1, 1, 1, 1, 1])
-        assert torch.equal(fused[-5:], singles[-5:])  # a 5-token forward gives AR's numbers
-        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-        cpu_kernels.extension.cache_clear()
-        try:
-            plain = logits(mtplx.load(path, device="cpu", quantize="int4"), [7, 5])
-        finally:
-            monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
-            cpu_kernels.extension.cache_clear()
-        # PyTorch's int4 kernel rounds activations to bf16: close, not equal
-        assert (fused - plain).abs().max() < 0.05 * max(1.0, float(plain.abs().max()))
-        assert math.isfinite(float(fused.abs().max()))
-
-
-def _tiny_quantized_engine(tmp: str):
-    """A tiny Qwen3 (q/k norms) with its trunk quantized to int4, on the CPU, and a function
-    giving its logits for 12 token ids fed in chunks of the given sizes."""
+def _tiny_quantized_model(tmp: str):
+    """A tiny Qwen3 (q/k norms) written to ``tmp`` (load it with quantize="int4"), and a function
+    giving an engine's logits for 12 token ids fed in chunks of the given sizes."""
     import json
     import pathlib
 
     from safetensors.torch import save_file
 
-    import mtplx
     from mtplx.engine.sampling import SamplingParams
     from mtplx.engine.sequence import Sequence
     from tests.tiny_models import hf_reference
@@ -155,9 +109,8 @@ def _tiny_quantized_engine(tmp: str):
     (path / "config.json").write_text(json.dumps(cfg, default=str))
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
     ids = torch.randint(0, cfg["vocab_size"], (12,), generator=_gen(7)).tolist()
-    engine = mtplx.load(path, device="cpu", quantize="int4")
 
-    def logits(chunks):
+    def logits(engine, chunks):
         runner = engine.runner
         seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
@@ -167,7 +120,29 @@ def _tiny_quantized_engine(tmp: str):
                 outs.append(runner.logits(runner.trunk([seq], [ids[start:start + n]], [start]))[0])
                 start += n
         return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
-    return engine, logits
+    return path, logits
+
+
+def test_a_model_gives_the_same_logits_with_the_kernels_off(monkeypatch, tmp_path):
+    """The whole CPU forward, fused ops against PyTorch's, on a tiny Qwen3 (q/k norms) with a
+    quantized trunk: close logits, and every token row the same alone as in a 5-token verify."""
+    import mtplx
+
+    path, logits = _tiny_quantized_model(str(tmp_path))
+    engine = mtplx.load(path, device="cpu", quantize="int4")
+    fused = logits(engine, [7, 5])
+    singles = logits(engine, [7, 1, 1, 1, 1, 1])
+    assert torch.equal(fused[-5:], singles[-5:])  # a 5-token forward gives AR's numbers
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels.extension.cache_clear()
+    try:
+        plain = logits(mtplx.load(path, device="cpu", quantize="int4"), [7, 5])
+    finally:
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+        cpu_kernels.extension.cache_clear()
+    # PyTorch's int4 kernel rounds activations to bf16: close, not equal
+    assert (fused - plain).abs().max() < 0.05 * max(1.0, float(plain.abs().max()))
+    assert math.isfinite(float(fused.abs().max()))
 
 
 def test_a_layer_as_one_call_gives_the_numbers_of_its_calls_one_by_one(monkeypatch, tmp_path):
@@ -176,16 +151,19 @@ def test_a_layer_as_one_call_gives_the_numbers_of_its_calls_one_by_one(monkeypat
     5 tokens and single decode steps; and it is the path those forwards take."""
     from mtplx.models import layers
 
-    engine, logits = _tiny_quantized_engine(str(tmp_path))
+    import mtplx
+
+    path, logits = _tiny_quantized_model(str(tmp_path))
+    engine = mtplx.load(path, device="cpu", quantize="int4")
     built = []
     original = layers.DecoderLayer._cpu_layer
     monkeypatch.setattr(layers.DecoderLayer, "_cpu_layer", lambda self: built.append(original(self)) or built[-1])
-    one_call = logits([7, 5])
-    singles = logits([7, 1, 1, 1, 1, 1])
+    one_call = logits(engine, [7, 5])
+    singles = logits(engine, [7, 1, 1, 1, 1, 1])
     assert built and all(b is not None for b in built)
     monkeypatch.setattr(layers.DecoderLayer, "_cpu_layer", lambda self: None)
-    assert torch.equal(one_call, logits([7, 5]))
-    assert torch.equal(singles, logits([7, 1, 1, 1, 1, 1]))
+    assert torch.equal(one_call, logits(engine, [7, 5]))
+    assert torch.equal(singles, logits(engine, [7, 1, 1, 1, 1, 1]))
     assert torch.equal(one_call[-5:], singles[-5:])
 
 
