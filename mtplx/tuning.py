@@ -40,7 +40,10 @@ def model_key(loaded, device, dtype) -> str:
     source = Path(loaded.source).expanduser().resolve() if loaded.source else None
     size = _size(source) if source else 0
     head = (loaded.head_info or {}).get("source", "") if loaded.head is not None else ""
-    return f"{source}:{size}|head={head}|{getattr(device, 'type', device)}|{str(dtype).replace('torch.', '')}"
+    key = f"{source}:{size}|head={head}|{getattr(device, 'type', device)}|{str(dtype).replace('torch.', '')}"
+    # quantized weights change what a cycle costs: a float model's verdict is not theirs
+    quantized = getattr(loaded, "quantize", None)
+    return f"{key}|quantize={quantized}" if quantized else key
 
 
 def read_tuning(path: Path | None = None) -> dict:

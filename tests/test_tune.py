@@ -238,3 +238,21 @@ def test_an_auto_verdict_and_its_cycle_costs_are_saved_and_given_to_the_engine()
     engine = mtplx.Engine(engine.loaded, depth=tuned["depth"], depth_costs=tuned["depth_costs"])
     assert engine.make_request([3, 4, 5]).adaptive
     assert engine.auto_depth.costs is tuned["depth_costs"]
+
+
+def test_a_verdict_measured_on_float_weights_is_not_the_quantized_models():
+    """The same file loaded with quantized weights (the CPU default for a GGUF) decodes at other
+    cycle costs: a depth tuned on its float weights is not applied to it, and its own verdict
+    is kept apart."""
+    import dataclasses
+
+    engine, _ = tiny_engine("llama")
+    floating = (engine.loaded, engine.device, engine.dtype)
+    quantized = (dataclasses.replace(engine.loaded, quantize="gguf"), engine.device, engine.dtype)
+    report = _report(40.0, {2: (60.0, 0.6)})
+    tuning.save_choice(*floating, tuning.pick_depth(report), report)
+    assert tuning.tuned(*floating) == {"depth": 2}
+    assert tuning.tuned(*quantized) == {}
+    report = _report(40.0, {1: (30.0, 0.5)})
+    tuning.save_choice(*quantized, tuning.pick_depth(report), report)
+    assert tuning.tuned(*quantized) == {"mode": "ar"} and tuning.tuned(*floating) == {"depth": 2}

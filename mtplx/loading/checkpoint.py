@@ -32,6 +32,7 @@ class LoadedModel:
     source: Path
     generation_defaults: dict = field(default_factory=dict)
     head_info: dict = field(default_factory=dict)  # layout, verified, source, provenance
+    quantize: str | None = None  # the trunk's weights as loaded: None float, else the format (gguf, int4, ...)
 
 
 def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
@@ -102,7 +103,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
             model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device)
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
-    return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info)
+    return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info,
+                       None if quantize in (None, "none") else quantize)
 
 
 def shard_loaded(loaded: LoadedModel, shard: Shard, device) -> LoadedModel:
