@@ -99,3 +99,16 @@ def test_depth_auto_is_validated_and_bounded_by_max_depth():
         engine.make_request([1, 2, 3], depth="deep")
     with pytest.raises(InvalidParameter, match="max_depth"):
         type(engine)(engine.loaded, max_depth=0)
+
+
+def test_untuned_engines_price_sampled_cycles_apart_from_greedy_ones():
+    """Without a tuned cost table, greedy rows plan with the device's greedy cycle costs and
+    sampled rows with its sampled ones (on the CPU the measured greedy table made sampled rows
+    draft deeper than paid); a tuned greedy table without a sampled one serves both, as before."""
+    engine, _ = tiny_engine("llama")
+    assert engine.auto_depth.costs == DepthCosts.default("cpu")
+    assert engine.auto_depth.sampled_costs == DepthCosts.default_sampled("cpu")
+    assert engine.auto_depth.plan(greedy=False).costs == DepthCosts.default_sampled("cpu")
+    tuned = DepthCosts((1.1, 1.3, 1.5), 0.2)
+    assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(greedy=False).costs == tuned
+    assert isinstance(engine.auto_depth, AutoDepth)

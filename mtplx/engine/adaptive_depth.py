@@ -40,9 +40,16 @@ SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 @dataclass(frozen=True)
 class DepthCosts:
     """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
-    the table cost ``per_draft`` more each. Measured: on the H200 (CUDA graphs) greedy AR 1,369
-    tok/s, depth 1 1.27x, 2 1.17x at acceptance 0.53 / 0.20 (REFERENCE.md section 10) give
-    1.20 and 1.48; on the 2-core CPU `mtplx bench` gave 1.22, 1.48 and 2.03 (docs/forge.md)."""
+    the table cost ``per_draft`` more each. Defaults (``default``: greedy cycles,
+    ``default_sampled``: sampled ones), measured in session 11 (docs/performance.md): on the
+    2-core CPU (AVX-512 kernels, one thread, `benchmarks/cpu_step_breakdown.py`) greedy cycles
+    of 14.60 / 17.45 / 21.96 ms against AR's 10.32 give 1.41, 1.69 and 2.13 AR steps, and auto
+    with them decoded 101.9 tok/s greedy against 92.3 with session 10's table (1.22, 1.48, 2.03);
+    but sampled rows then drafted deeper than pays (76.4 against 88.7 tok/s at T 1.0, and on
+    the H200 1.13x against 1.17x AR with mirror drafts for the greedy costs 1.21, 1.45, 1.55
+    measured there), so sampled cycles keep session 10's tables (H200: 1.20, 1.48, 1.75, from
+    greedy AR 1,369 tok/s, depth 1 1.27x, 2 1.17x at acceptance 0.53 / 0.20), as does the H200's
+    greedy one (the measured costs decoded greedy auto at the same 1.35x)."""
 
     cycles: tuple[float, ...]
     per_draft: float
@@ -54,6 +61,12 @@ class DepthCosts:
 
     @classmethod
     def default(cls, device_type: str) -> DepthCosts:
+        if device_type == "cuda":
+            return cls((1.20, 1.48, 1.75), 0.27)
+        return cls((1.41, 1.69, 2.13), 0.44)
+
+    @classmethod
+    def default_sampled(cls, device_type: str) -> DepthCosts:
         if device_type == "cuda":
             return cls((1.20, 1.48, 1.75), 0.27)
         return cls((1.22, 1.48, 2.03), 0.55)
