@@ -1,6 +1,7 @@
-"""The CPU decode path's C++ kernels (AVX2, FMA, F16C): group-quantized matrix products
-(``cpu_quant.cpp``) and a decoder layer's small steps (``cpu_fused.cpp``: residual add + RMSNorm,
-q/k norms + RoPE + KV write, one row's paged attention, SiLU * up). Compiled once per machine by
+"""The CPU decode path's C++ kernels (AVX2, FMA, F16C; AVX-512 products where the CPU has it):
+group-quantized and bfloat16-weight matrix products (``cpu_quant.cpp``), a decoder layer's small
+steps (``cpu_fused.cpp``: residual add + RMSNorm, q/k norms + RoPE + KV write, one row's paged
+attention, SiLU * up) and the whole layer as one call (``layer``). Compiled once per machine by
 ``torch.utils.cpp_extension`` (g++ and ninja; about a minute, cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); where they cannot be built
 (no AVX2, no compiler, or ``MTPLX_CPU_KERNELS=0``) the PyTorch ops they replace run instead.

@@ -1,4 +1,5 @@
-// Group-quantized matrix products on the CPU (AVX2, FMA, F16C).
+// Group-quantized matrix products on the CPU (AVX2, FMA, F16C; with float activations also an
+// AVX-512 path, chosen at run time where the CPU has it), and bfloat16-weight products.
 //
 //   out[m, n] = sum_k a[m, k] * w[n, k],   w[n, k] = u[n, k] * scale[n, g] + zero[g, n],
 //   g = k / group_size, scale and zero float16
