@@ -299,6 +299,13 @@ def test_default_model_runs_from_its_blocks_and_the_head_stays_float(default_ggu
     model = engine.loaded.model
     assert linear_weight_bytes(model) - linear_weight_bytes(model.draft_lm_head) < 0.2 * 135e6 * 4
     assert formats["draft_lm_head"] == "int4 g32 (rtn)"  # drafts read half the output matrix's bytes
+    # the pruned draft vocabulary's rows: the 8-bit output matrix's rows rounded to 4 bits
+    head = engine.loaded.head
+    [rows] = head.quantized_draft_rows
+    assert rows.bits == 4 and rows.out_features == head.draft_vocab.numel()
+    n = rows.out_features
+    eight_bit = model.lm_head.select_rows(head.draft_vocab).dequantize()[:n]
+    torch.testing.assert_close(rows.dequantize()[:n], _rtn_reference(eight_bit, 4), rtol=0, atol=1e-6)
     # the verify reads the exact output matrix: MTP's greedy output is AR's
     messages = [{"role": "user", "content": "Name three rivers in Europe."}]
     ar = engine.generate(messages, chat=True, max_tokens=40, mode="ar", ignore_eos=True)

@@ -34,7 +34,7 @@ from mtplx.kernels import gemv
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig, feature_layers
 from mtplx.models.layers import MLP, RMSNorm, exact_bf16_linear
-from mtplx.models.quant import QuantLinear
+from mtplx.models.quant import QuantLinear, quantize_rtn
 
 # a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
 # kept token a grammar masks still has a distribution (uniform over the rest), and low enough
@@ -106,9 +106,17 @@ class MTPHead(nn.Module):
         dtype = trunk.model.embed_tokens.weight.dtype
         self.quantized_draft_rows = ()
         if isinstance(trunk.lm_head, QuantLinear) and trunk.lm_head.backend == "cpu" and dtype == torch.float32:
-            # the quantized output matrix's own rows (a quarter of float32's bytes per draft), no
-            # float copy; held in a tuple, not as a submodule: the head's weights stay its dtype
-            self.quantized_draft_rows = (trunk.lm_head.select_rows(ids),)
+            # the quantized output matrix's rows, no float copy; held in a tuple, not as a
+            # submodule: the head's weights stay its dtype. 8-bit rows are rounded once more to
+            # 4 bits (groups of 32): a draft reads half the bytes, and the drafts only propose
+            # (the verify reads the whole output matrix, so decoding stays exact). On this
+            # project's CPU, depth 1, 3 chat prompts x 2 rounds: greedy 108.1 -> 111.0 tok/s at
+            # acceptance length 1.49 -> 1.52, T 0.7 86.6 -> 92.6 at 1.45 -> 1.47 (session 11).
+            rows = trunk.lm_head.select_rows(ids)
+            if rows.bits > 4:
+                rows = QuantLinear(quantize_rtn(rows.dequantize()[: rows.out_features], 4, 32),
+                                   device=rows.words.device, backend="cpu")
+            self.quantized_draft_rows = (rows,)
             self.draft_rows = None
             return
         weight = trunk.lm_head.weight if isinstance(trunk.lm_head, nn.Linear) else trunk.lm_head.dequantize()
