@@ -68,7 +68,7 @@ class DepthCosts:
     @classmethod
     def default_sampled(cls, device_type: str) -> DepthCosts:
         if device_type == "cuda":
-            return cls((1.20, 1.48, 1.75), 0.27)
+            return cls.default(device_type)
         return cls((1.22, 1.48, 2.03), 0.55)
 
     @classmethod

@@ -113,8 +113,10 @@ class Engine:
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
-        self.auto_depth = AutoDepth(max_depth, depth_costs or DepthCosts.default(self.device.type),
-                                    sampled_depth_costs or (None if depth_costs else DepthCosts.default_sampled(self.device.type)))
+        if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
+            depth_costs = DepthCosts.default(self.device.type)
+            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(self.device.type)
+        self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs)
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.runner.compile_kernels()

@@ -245,7 +245,7 @@ struct Projection {
   }
 };
 
-// A pre-norm decoder layer's weights (quantized projections, no biases, float32 norms), held
+// A pre-norm decoder layer's weights (quantized or bf16 projections, no biases, float32 norms), held
 // once so that a decode step crosses from Python once per layer instead of a dozen times.
 struct Layer {
   torch::Tensor ln1, ln2;

@@ -145,7 +145,7 @@ inline void tile_int8(const Args& p, int64_t m0, int64_t n) {
 // Each 32-input chunk of a weight row becomes two vectors of 16 floats: an int4 row's bytes widen
 // to 16 int32 lanes and a 16-entry table of 0.0 .. 15.0 is indexed by each lane's low nibble,
 // then by its high one (vpermps reads the low 4 bits of each index), 5 instructions for 32
-// weights against 13 in the AVX2 path. Two output rows share every activation load.
+// weights against 13 in the AVX2 path. The output rows of a tile share every activation load.
 
 #define MTPLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
@@ -291,7 +291,7 @@ void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) 
 }  // namespace
 
 // The vector width the float-activation products use: 512 where the CPU has AVX-512 (F, BW, VL,
-// DQ), else 256 (AVX2); ``set_isa(256)`` forces AVX2 (tests, benchmarks), 512 is refused where
+// DQ), else 256 (AVX2); ``quant_isa(256)`` forces AVX2 (tests, benchmarks), 512 is refused where
 // the CPU lacks it. Returns the width now in use.
 int64_t quant_isa(int64_t want) {
   if (want == 512) TORCH_CHECK(detect_isa() == 512, "this CPU has no AVX-512 (F, BW, VL, DQ)");

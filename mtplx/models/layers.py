@@ -229,13 +229,21 @@ def _cpu_projection(modules: tuple[nn.Module, ...]):
     Linears as one bfloat16 matrix where bf16 holds every weight exactly; else None."""
     if len(modules) == 1 and hasattr(modules[0], "cpu_projection"):
         return modules[0].cpu_projection()
-    if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in modules):
+    if not all(type(m) is nn.Linear and m.bias is None for m in modules):
         return None
-    weight = torch.cat([m.weight.detach() for m in modules])
-    half = weight.to(torch.bfloat16)
-    if weight.shape[1] % 16 or not torch.equal(half.float(), weight):
+    half = _exact_bf16(torch.cat([m.weight.detach() for m in modules]))
+    if half is None:
         return None
-    return cpu_kernels.projection(half, half.new_empty(0), half.new_empty(0), 0, 16, weight.shape[0])
+    return cpu_kernels.projection(half, half.new_empty(0), half.new_empty(0), 0, 16, half.shape[0])
+
+
+def _exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] float32 as a contiguous bfloat16 copy where bf16 holds every value
+    exactly and ``in`` is a multiple of 16 (``bf16_matmul``'s step), else None."""
+    if weight.dtype != torch.float32 or weight.shape[1] % 16:
+        return None
+    half = weight.detach().to(torch.bfloat16).contiguous()
+    return half if torch.equal(half.float(), weight) else None
 
 
 def exact_bf16_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -249,9 +257,7 @@ def exact_bf16_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = linear.weight
     cached = linear.__dict__.get("_exact_bf16")  # (weight's id, its version, the copy or None)
     if cached is None or cached[0] != id(weight) or cached[1] != weight._version:
-        half = weight.detach().to(torch.bfloat16)
-        exact = weight.dtype == torch.float32 and weight.shape[1] % 16 == 0 and torch.equal(half.float(), weight)
-        cached = linear.__dict__["_exact_bf16"] = (id(weight), weight._version, half.contiguous() if exact else None)
+        cached = linear.__dict__["_exact_bf16"] = (id(weight), weight._version, _exact_bf16(weight))
     if cached[2] is None:
         return linear(x)
     return cpu_kernels.bf16_matmul(x.reshape(rows, -1), cached[2]).reshape(*x.shape[:-1], -1)
