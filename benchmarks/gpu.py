@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -751,22 +752,31 @@ def quant_gemv_sweep(config: ModelConfig, device, fmt: str, group: int) -> dict:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from quant_gemv import bench_matrix
+    from quant_gemv import bench_matrix, bench_mma
 
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     mats = {"qkv": (config.num_attention_heads * config.head_dim + 2 * kv, h),
             "o": (h, config.num_attention_heads * config.head_dim),
             "gate_up": (2 * config.intermediate_size, h), "down": (h, config.intermediate_size),
             "lm_head": (config.vocab_size, h)}
-    return {name: bench_matrix(name, n, k, fmt, (1, 4), True, device, group) for name, (n, k) in mats.items()}
+    bench = bench_mma if fmt in ("int4", "int8") else bench_matrix
+    return {name: bench(name, n, k, fmt, (1, 4), True, device, group) for name, (n, k) in mats.items()}
 
 
 def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth: float) -> dict:
     """bf16 against each quantized format on one shape (see the module docstring); the issue's
     H200 targets: int4 AR >= 2.5x bf16, int8 >= 1.6x, int4 verify 1+3 <= 1.2x an AR step."""
     out = {}
-    for fmt in ("bf16", *fmts):
+    for label in ("bf16", *fmts):
+        # "int4/cuda-cores": the CUDA-core GEMV (kernels/quant_gemv.py) instead of the tensor-core one
+        fmt, _, kernel = label.partition("/")
+        saved = os.environ.pop("MTPLX_CUDA_QUANT", None)
+        if kernel:
+            os.environ["MTPLX_CUDA_QUANT"] = kernel
         engine = random_engine(shape, device, quant=None if fmt == "bf16" else fmt, group=group)
+        os.environ.pop("MTPLX_CUDA_QUANT", None)
+        if saved is not None:
+            os.environ["MTPLX_CUDA_QUANT"] = saved
         entry = {"weight_GB": weight_bytes(engine) / 1e9, "engine_build_s": engine.build_s}
         if fmt != "bf16":
             entry.update(check_quantized_layers(engine))
@@ -782,9 +792,10 @@ def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth
         if fmt != "bf16":
             entry["ar_over_bf16"] = entry["ar_tok_s_x1"] / out["bf16"]["ar_tok_s_x1"]
             entry["ar_step_over_bf16"] = entry["ar_step_s"] / out["bf16"]["ar_step_s"]
-            entry["gemv_sweep"] = quant_gemv_sweep(config, device, fmt, group)
-        out[fmt] = entry
-        print(f"  {fmt}: AR {entry['ar_tok_s_x1']:.1f} tok/s"
+            if not kernel:  # (benchmarks/quant_gemv.py compares the kernels matrix by matrix)
+                entry["gemv_sweep"] = quant_gemv_sweep(config, device, fmt, group)
+        out[label] = entry
+        print(f"  {label}: AR {entry['ar_tok_s_x1']:.1f} tok/s"
               + (f" ({entry['ar_over_bf16']:.2f}x bf16)" if fmt != "bf16" else "")
               + f", verify 1+3 {entry['verify_1+3_over_ar']:.3f}x its AR step, "
               f"{entry['ar_share_of_roofline']:.1%} of its roofline", flush=True)

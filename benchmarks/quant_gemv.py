@@ -1,10 +1,12 @@
-"""The quantized GEMV (mtplx/kernels/quant_gemv.py) on the 8B shape's matrices against bf16
-cuBLAS: per matrix, format, token rows and kernel configuration, the time of one product in a
-CUDA graph (weights rotated over enough copies that they stream from memory, not L2) and the
-weight bytes read per second. Each configuration's output is first checked against the
-dequantized weight's float32 product.
+"""The quantized GEMVs on the 8B shape's matrices against bf16 cuBLAS: the CUDA-core kernel
+(mtplx/kernels/quant_gemv.py, "gemv") and the tensor-core one for symmetric int4/int8
+(mtplx/kernels/quant_mma.py, "mma"); per matrix, format, token rows and kernel configuration,
+the time of one product in a CUDA graph (weights rotated over enough copies that they stream
+from memory, not L2) and the weight bytes read per second. Each configuration's output is first
+checked against the dequantized weight's float32 product.
 
     PYTHONPATH=. python3 benchmarks/quant_gemv.py --out r.json [--formats int4,int8] [--quick]
+        [--kernels gemv,mma]
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mtplx.kernels import quant_gemv
+from mtplx.kernels import quant_gemv, quant_mma
 from mtplx.models.quant import QuantLinear, quantize
 
 # Qwen3-8B: hidden 4096, 32 query heads and 8 KV heads of 128, intermediate 12288, vocabulary 151936
@@ -69,10 +71,51 @@ def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tupl
     return block_n, warps, quant_gemv.split_ranges(chunks, split, dot_c or 32 * warps)[1], dot_c
 
 
-def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
-    """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``."""
+MMA_SWEEP = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 1, 1), (8, 2, 1), (4, 1, 2), (4, 2, 2), (8, 1, 2), (4, 1, 4), (4, 2, 4)]  # (WARPS, UNITS, SPLIT)
+
+
+def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
+    """The tensor-core GEMV on one weight [n, k] at each of ``rows_list``: its default config and
+    (unless quick) MMA_SWEEP, each checked against the dequantized weight first."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-    layer = QuantLinear(quantize(w, fmt, group), device=device)
+    layer = QuantLinear(quantize(w, fmt, group), device=device, backend="mma")
+    qbytes = layer.weight_bytes()
+    wq = layer.dequantize()
+    copies = max(2, -(-ROTATE_BYTES // qbytes))
+    bufs = [(layer.words.clone(), layer.scale.clone()) for _ in range(copies)]
+    args = dict(n=n, k=k, bits=layer.bits)
+    out = {}
+    for rows in rows_list:
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        ref = x.float() @ wq.T
+        magnitude = x.float().abs() @ wq.abs().T + 1e-6
+        entry = {"us_by_config": {}}
+        default = quant_mma.config_for(n, k, layer.bits, False)
+        for cfg in [default] + ([] if quick else [c for c in MMA_SWEEP if c != default]):
+            got = quant_mma.gemv(x, layer.words, layer.scale, None, config=cfg, **args)
+            err = float(((got.float() - ref).abs() / magnitude).max())
+            if not err < 1e-2:
+                raise SystemExit(f"FAIL: mma {fmt} {name} rows {rows} config {cfg}: error {err}")
+            t = graph_time([lambda b=b: quant_mma.gemv(x, b[0], b[1], None, config=cfg, **args) for b in bufs])
+            entry["us_by_config"][("default " if cfg == default else "") + "x".join(map(str, cfg))] = t * 1e6
+        best = min(entry["us_by_config"], key=entry["us_by_config"].get)
+        t = entry["us_by_config"][best] / 1e6
+        dflt = next(v for key, v in entry["us_by_config"].items() if key.startswith("default"))
+        entry.update(best=best, best_us=t * 1e6, best_GBs=qbytes / t / 1e9, default_us=dflt,
+                     default_GBs=qbytes / dflt / 1e3, max_rel_err=err)
+        out[f"rows{rows}"] = entry
+        print(f"mma {fmt:5s} {name:8s} {n}x{k} rows {rows}: default {dflt:7.1f} us ({qbytes / dflt / 1e3:.0f} GB/s) | "
+              f"best {best} {t * 1e6:7.1f} us ({qbytes / t / 1e9:.0f} GB/s)", flush=True)
+    del bufs, wq
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
+    """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``,
+    on the CUDA-core kernel."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    layer = QuantLinear(quantize(w, fmt, group), device=device, backend="triton")
     qbytes = layer.weight_bytes()
     wq = layer.dequantize()
     copies = max(2, -(-ROTATE_BYTES // qbytes))
@@ -124,16 +167,23 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--matrices", default=",".join(MATRICES))
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
+    ap.add_argument("--kernels", default="gemv,mma", help="gemv: the CUDA-core kernel; mma: the tensor-core one")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "results": {}}
     rows_list = [int(r) for r in args.rows.split(",")]
+    kernels = args.kernels.split(",")
     for fmt in args.formats.split(","):
-        report["results"][fmt] = {name: bench_matrix(name, *MATRICES[name], fmt, rows_list, args.quick, device)
-                                  for name in args.matrices.split(",")}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        for kernel in kernels:
+            if kernel == "mma" and fmt == "fp8":
+                continue
+            bench = bench_mma if kernel == "mma" else bench_matrix
+            report["results"][f"{fmt} {kernel}"] = {
+                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device)
+                for name in args.matrices.split(",")}
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -211,3 +211,48 @@ def test_quantized_gemv_replays_in_a_cuda_graph():
         graph.replay()
         assert torch.equal(captured, layer(x))
         assert not torch.equal(captured, eager)
+
+
+# The tensor-core layout (kernels/quant_mma.py): its dequantizing kernel (prefill) runs under the
+# interpreter too; its GEMV is inline PTX (mma.sync), so only a CUDA device runs it.
+MMA_SHAPES = [(37, 128, 32), (16, 192, 64), (40, 256, 128)]  # rows not a multiple of 16
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_mma_layout_dequantize_kernel_equals_the_weight(fmt):
+    from mtplx.kernels import quant_mma
+
+    for i, (out, inp, group) in enumerate(MMA_SHAPES):
+        qw = _weight(fmt, out, inp, group, seed=i, offsets=False)
+        layer = QuantLinear(qw, device=DEVICE, backend="mma")
+        w = quant_mma.dequantize(layer.words, layer.scale, n=out, k=inp, bits=qw.bits, dtype=torch.float32)
+        ref = QuantizedWeight(qw.q, qw.scale.half().float(), qw.zero, qw.bits, group).dequantize()
+        assert torch.equal(w.cpu(), ref)
+        x = torch.randn(19, inp, generator=torch.Generator().manual_seed(i)).to(DEVICE)  # prefill rows
+        with torch.no_grad():
+            _check(layer(x), x, qw, layer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX (mma.sync) runs on a CUDA device only")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+def test_mma_gemv_equals_dequantize_then_matmul(fmt, rows):
+    from mtplx.kernels import quant_mma
+
+    for i, (out, inp, group) in enumerate(MMA_SHAPES + [(96, 4096, 32)]):
+        qw = _weight(fmt, out, inp, group, seed=i, offsets=False)
+        layer = QuantLinear(qw, device=DEVICE, backend="mma")
+        bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+        with torch.no_grad():
+            for config in (None, (1, 1, 1), (2, 1, 3), (4, 2, 2)):
+                got = quant_mma.gemv(x, layer.words, layer.scale, None, n=out, k=inp, bits=qw.bits, config=config)
+                _check(got, x, qw, layer)
+            _check(layer(x), x, qw, layer)
+            layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+            _check(layer(x), x, qw, layer, bias)
+            if out % 32 == 0:  # whole row tiles on both halves: the SiLU epilogue
+                for config in (None, (1, 1, 3)):
+                    got = quant_mma.gemv(x, layer.words, layer.scale, bias, n=out, k=inp, bits=qw.bits, silu=True,
+                                         config=config)
+                    _check_silu_mul(got, x, qw, layer, bias)

@@ -21,10 +21,14 @@ Backends (``QuantLinear.forward``):
   int8 weight runs through it as two int4 planes, ``q = 16 * hi + lo`` (hi in [-8, 7], lo in
   [0, 15]), laid side by side along the input axis, which is exact and reads the same 1 byte
   per weight.
-- CUDA: Triton kernels (kernels/quant_gemv.py) for all three formats: a GEMV for up to 8
-  token rows (decode, drafts, verifies; CUDA cores up to 4 rows, tensor cores for 5-8), a
-  dequantizing kernel plus cuBLAS for more (prefill). A fused gate/up layer's SiLU * up is the
-  GEMV's epilogue (``QuantLinear.silu_mul_forward``).
+- CUDA, symmetric int4/int8 ("mma", sm_80+; ``MTPLX_CUDA_QUANT=cuda-cores`` opts out):
+  kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16 token rows that costs the
+  same at 1 and at 8 rows, and a dequantizing kernel plus cuBLAS for more rows or other dtypes.
+- CUDA, everything else ("triton": fp8, int4/int8 with offsets such as GGUF's Q4_1):
+  kernels/quant_gemv.py, a GEMV for up to 8 token rows (CUDA cores up to 4 rows, tensor cores
+  for 5-8), a dequantizing kernel plus cuBLAS for more (prefill).
+  On both, a fused gate/up layer's SiLU * up is the GEMV's epilogue
+  (``QuantLinear.silu_mul_forward``).
 - Anywhere else, and fp8 on the CPU (which has no fp8 kernel): dequantize-then-matmul in the
   activation dtype (correct, not fast; on the CPU fp8 is for quality checks such as
   benchmarks/perplexity.py).
@@ -32,13 +36,14 @@ Backends (``QuantLinear.forward``):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplx.kernels import cpu as cpu_kernels, quant_gemv
+from mtplx.kernels import cpu as cpu_kernels, quant_gemv, quant_mma
 from mtplx.models.layers import MLP, Attention, silu_mul
 
 FORMATS = ("int4", "int8", "fp8")
@@ -129,9 +134,9 @@ class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (see the module docstring). Inference only.
 
     Holds the weight packed for its backend ("cpu": kernels/cpu.py; "int4pack": PyTorch's
-    packed int4 kernel; "triton": the CUDA kernels; "dequantize": the portable form, multiplied
-    after dequantizing), by default the fastest one for ``device``; ``dequantize()`` gives the
-    float weight."""
+    packed int4 kernel; "mma": the CUDA tensor-core GEMV; "triton": the other CUDA kernels;
+    "dequantize": the portable form, multiplied after dequantizing), by default the fastest one
+    for ``device``; ``dequantize()`` gives the float weight."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None,
                  backend: str | None = None):
@@ -152,6 +157,15 @@ class QuantLinear(nn.Module):
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
+        elif self.backend == "mma":
+            scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
+            if zero is not None:
+                raise ValueError("the 'mma' backend takes symmetric weights (no offsets)")
+            n, k = qw.shape
+            self.register_buffer("words", quant_mma.pack(qw.q.to(device), qw.bits), persistent=False)
+            self.register_buffer("scale", quant_mma.pack_scales(scale, qw.bits, qw.group_size, n, k),
+                                 persistent=False)
+            self.zero = None
         elif self.backend == "triton":
             quant_gemv.check_group(qw.group_size, qw.shape[1])
             scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
@@ -177,6 +191,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out] in x's dtype."""
+        if self.backend == "mma":
+            return quant_mma.matmul(x, self.words, self.scale, self.bias, **self._mma_args())
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, **self._kernel_args())
         if self.backend == "cpu":
@@ -196,6 +212,8 @@ class QuantLinear(nn.Module):
         """silu(gate) * up of this layer's output [..., 2 I] (gate first, a fused gate/up
         projection): x [..., in] -> [..., out / 2] in x's dtype. On the kernels, one launch (the
         SiLU * up is the GEMV's epilogue), else the product then ``layers.silu_mul``."""
+        if self.backend == "mma":
+            return quant_mma.matmul(x, self.words, self.scale, self.bias, silu=True, **self._mma_args())
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
         return silu_mul(self(x))
@@ -210,6 +228,9 @@ class QuantLinear(nn.Module):
 
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
+
+    def _mma_args(self) -> dict:
+        return dict(n=self.out_features, k=self.in_features, bits=self.bits)
 
     def _forward_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -226,6 +247,8 @@ class QuantLinear(nn.Module):
         float16-rounded ones for the Triton kernels where ``quant_gemv.compact_scales`` chose so)."""
         if self.backend == "triton":
             return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
+        if self.backend == "mma":
+            return quant_mma.dequantize_reference(self.words, self.scale, group=self.group_size, **self._mma_args())
         if self.backend == "dequantize":
             return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
         if self.backend == "cpu":  # (what a product of many rows multiplies by)
@@ -259,13 +282,18 @@ class QuantLinear(nn.Module):
 
 def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
     """For int4/int8 on the CPU kernels/cpu.py's kernel where it builds here, else
-    PyTorch's packed int4 kernel; the Triton kernels on CUDA (where Triton is installed and the
-    groups fit its layout); else dequantize-then-matmul."""
+    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for symmetric int4/int8 (unless
+    ``MTPLX_CUDA_QUANT=cuda-cores``), the other Triton kernels for the rest (where Triton is
+    installed and the groups fit their layout); else dequantize-then-matmul."""
     if device.type == "cpu" and not qw.fp8:
         if qw.group_size % 32 == 0 and cpu_kernels.fits(qw.scale, qw.zero, qw.bits) and cpu_kernels.available():
             return "cpu"
         if qw.group_size in GROUP_SIZES:
             return "int4pack"
+    if (device.type == "cuda" and os.environ.get("MTPLX_CUDA_QUANT") != "cuda-cores"
+            and quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8, bool((qw.zero != 0).any()))
+            and quant_mma.device_ok(device)):
+        return "mma"
     if device.type == "cuda" and quant_gemv.triton is not None and (
             qw.group_size % quant_gemv.GROUP_MULTIPLE == 0 or qw.group_size == qw.shape[1]):
         return "triton"

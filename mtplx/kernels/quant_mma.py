@@ -1,0 +1,482 @@
+"""Weight-only int4 and int8 GEMV on the tensor cores, for bf16 activations of 1 to 8 token rows
+(decode steps, drafts, verifies) on CUDA GPUs with bf16 ``mma`` (compute capability 8.0+).
+
+    out[m, n] = sum_k x[m, k] * q[n, k] * scale[n, k // group]      q: int4 or int8, symmetric
+
+Why: ``quant_gemv``'s CUDA-core kernel spends about four instructions per int4 weight decoding
+and multiplying (docs/performance.md, session 9): at one row it issues instructions about as
+fast as memory delivers the weights, and a verify of 4 rows costs it 2x a step because every
+row is a separate multiply. Here a warp decodes its weights straight into the A operand of
+``mma.sync.m16n8k16`` (bf16 in, float32 sums) and the token rows are the B operand's 8
+columns, so 1 to 8 rows cost the same instructions: about two per int4 weight, and the
+multiplies run on the tensor cores.
+
+Decoding (inline PTX, ``_MMA_INT4`` / ``_MMA_INT8``): one ``lop3`` puts two 4-bit fields u, at
+bits 0 and 16 of a word (after a shift of 0, 4, 8 or 12), into the mantissas of two bf16 128.0,
+giving 128 + u exactly, which is the A register pair. The offset (the 128, and the 8 of
+offset-binary: q = u - 8) is taken off with two more mma per group half whose A is the constant
+-136: the products are exact in float32 and the float32 sums of these small integers times the
+activations lose nothing that matters (relative 2^-24 * 136 of sum |x|). The group's float32 sums
+are then multiplied by its scale (one FFMA per output), which is exactly what the CUDA-core
+kernel computes, up to the order of the float32 sums. int8 weights are two planes of 4 bits,
+u = 16 uh + ul: the high field is decoded into bf16 2048.0's mantissa, whose unit is 16, so
+2048 + 16 uh, and the low one into 128 + ul; each pair of B elements repeats one activation
+(``prmt``), and the constant A is (-128, -2176).
+
+Layout (``pack``): rows in tiles of 16, inputs in tiles of KT (64 int4 or 32 int8); a tile is
+32 lanes x 4 int32 words (512 bytes, one 16-byte load per lane), word s of lane l = 4 g + t
+holding mma step s's A fragment: the shift-4j pair of nibbles is A register j, whose two
+elements are (row g + 8 (j % 2), k) for
+
+    int4: k = 16 s + 4 t + 2 (j // 2) + e       (e = 0 for bits 0-15, 1 for bits 16-31)
+    int8: k = 8 s + 2 t + j // 2                (the low 4 bits, then the high 4 bits)
+
+which is the PTX fragment order (a0 a1: row g, a2 a3: row g + 8, a4 a5: row g, more k; a6 a7:
+row g + 8) with the mma's k axis permuted so that a lane's B values for a step are consecutive
+activations: 4 (int4) or 2 (int8) of them per step, loaded as one 8- or 4-byte word. Steps 0-1
+and 2-3 each lie in one scale group (groups are multiples of 32 inputs). Rows and inputs are
+padded with q = 0 to whole tiles.
+
+The lane layout relies on Triton giving lane l of a warp elements 4 l .. 4 l + 3 of each
+128-element row (a tile) of the kernel's tensors, the layout of the coalesced 16-byte weight
+loads, which Triton 3.6 and 3.9 both choose (checked in their TTGIR): ``tests/test_quant_mma.py`` checks the
+layout's arithmetic in PyTorch (an emulation of the fragments), and benchmarks/gpu.py and
+benchmarks/quant_gemv.py check every layer against its dequantized weight on the GPU before
+timing. Prompts (more than 8 rows) dequantize the weight with ``dequantize`` and use cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtplx import kernels
+from mtplx.kernels import fused, quant_gemv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach these kernels
+    triton = None
+
+ROW_TILE = 16
+LANES = 32
+WORDS = 4  # per lane per tile: mma steps
+MAX_ROWS = 8  # the B operand's columns
+GROUP_MULTIPLE = 32
+
+
+def tile_k(bits: int) -> int:
+    """Inputs per tile: 64 int4 or 32 int8."""
+    return 64 if bits == 4 else 32
+
+
+def supports(bits: int, group: int, k: int, fp8: bool, has_zero: bool) -> bool:
+    """Formats this layout holds: symmetric int4 or int8 in whole groups of a multiple of 32,
+    rows of whole input tiles (no activation is read past a row's end)."""
+    return (bits in (4, 8) and not fp8 and not has_zero and group % GROUP_MULTIPLE == 0 and k % group == 0
+            and k % tile_k(bits) == 0)
+
+
+def device_ok(device: torch.device) -> bool:
+    """A CUDA device with bf16 mma (sm_80+), kernels enabled, Triton installed."""
+    return (kernels.ENABLED and triton is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def _fragment_index(bits: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each (lane, word s, nibble position p) of a tile: (row in the tile, k in the tile,
+    which 4 bits of the int8 value: 0 low, 1 high; always 0 for int4), each [32, 4, 8]."""
+    lane = torch.arange(LANES, device=device).view(LANES, 1, 1)
+    s = torch.arange(WORDS, device=device).view(1, WORDS, 1)
+    p = torch.arange(8, device=device).view(1, 1, 8)
+    g, t, j, e = lane // 4, lane % 4, p % 4, p // 4
+    row = g + 8 * (j % 2)
+    if bits == 4:
+        k, half = 16 * s + 4 * t + 2 * (j // 2) + e, torch.zeros_like(e)
+    else:
+        k, half = 8 * s + 2 * t + j // 2, e
+    shape = (LANES, WORDS, 8)
+    return row.expand(shape), k.expand(shape), half.expand(shape)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [N, K] int8 (int4 values in [-8, 7]) -> int32 [ceil(N / 16), ceil(K / KT), 32, 4] in
+    the layout above, on q's device."""
+    n, k = q.shape
+    kt = tile_k(bits)
+    u = q.to(torch.int32) + (8 if bits == 4 else 128)  # offset-binary; padding is q = 0
+    u = F.pad(u, (0, -k % kt, 0, -n % ROW_TILE), value=8 if bits == 4 else 128)
+    tiles = u.view(u.shape[0] // ROW_TILE, ROW_TILE, u.shape[1] // kt, kt).transpose(1, 2)
+    row, kk, half = _fragment_index(bits, q.device)
+    fields = (tiles[:, :, row, kk] >> (4 * half)) & 15  # [R, C, 32, 4, 8]
+    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
+    words = (fields.to(torch.int64) << shifts).sum(-1)  # disjoint fields: the sum is their or
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def pack_scales(scale: torch.Tensor, bits: int, group: int, n: int, k: int) -> torch.Tensor:
+    """scale [n, k // group] -> [ceil(n / 16), ceil(k / KT), 8, 4] in scale's dtype: for row
+    tile r, input tile c and lane group g, the scales of (row g, first half of the tile's inputs),
+    (row g + 8, first half), (row g, second half), (row g + 8, second half): one 8-byte load
+    per lane (0 for padding rows)."""
+    kt = tile_k(bits)
+    r, c = -(-n // ROW_TILE), -(-k // kt)
+    g = torch.arange(8, device=scale.device).view(1, 1, 8, 1)
+    v = torch.arange(4, device=scale.device).view(1, 1, 1, 4)
+    row = torch.arange(r, device=scale.device).view(r, 1, 1, 1) * ROW_TILE + g + 8 * (v % 2)
+    grp = (torch.arange(c, device=scale.device).view(1, c, 1, 1) * kt + (kt // 2) * (v // 2)) // group
+    padded = F.pad(scale, (0, 0, 0, r * ROW_TILE - n))
+    return padded[row.expand(r, c, 8, 4), grp.expand(r, c, 8, 4)].contiguous()
+
+
+def unpack(words: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
+    """``pack``'s inverse in PyTorch: q [n, k] as int32."""
+    r, c = words.shape[:2]
+    kt = tile_k(bits)
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    fields = (words.unsqueeze(-1) >> shifts) & 15  # [R, C, 32, 4, 8]
+    row, kk, half = _fragment_index(bits, words.device)
+    at = (row * kt + kk).reshape(1, 1, -1).expand(r, c, -1)
+    u = torch.zeros(r, c, ROW_TILE * kt, dtype=torch.int32, device=words.device)
+    u.scatter_add_(2, at, (fields << (4 * half)).to(torch.int32).reshape(r, c, -1))  # int8: the two halves add
+    u = u.view(r, c, ROW_TILE, kt).transpose(1, 2).reshape(r * ROW_TILE, c * kt)[:n, :k]
+    return u - (8 if bits == 4 else 128)
+
+
+def unpack_scales(scales: torch.Tensor, bits: int, group: int, n: int, k: int) -> torch.Tensor:
+    """``pack_scales``'s inverse: [n, k // group]."""
+    kt = tile_k(bits)
+    rows = torch.arange(n, device=scales.device)
+    starts = torch.arange(k // group, device=scales.device) * group  # each group's first input
+    c, half = starts // kt, (starts % kt) // (kt // 2)
+    return scales[(rows // ROW_TILE).view(-1, 1), c.view(1, -1), (rows % 8).view(-1, 1),
+                  (2 * half).view(1, -1) + ((rows % ROW_TILE) // 8).view(-1, 1)]
+
+
+def dequantize_reference(words, scales, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+    """The float32 weight [n, k] the kernel computes with, in PyTorch."""
+    q = unpack(words, bits, n, k).float()
+    scale = unpack_scales(scales, bits, group, n, k).float()
+    return (q.unflatten(1, (-1, group)) * scale.unsqueeze(-1)).flatten(1)
+
+
+def emulate(x: torch.Tensor, words, scales, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+    """What the kernel computes, in PyTorch (float32), from the PTX definitions: each lane's A
+    registers decoded from its word as the inline PTX does (128 + u; int8: 128 + ul and
+    2048 + 16 uh), its B registers loaded from x as the kernel loads them, both placed in the
+    16 x 16 A and 16 x 8 B matrices by the mma fragment rules, multiplied, the constant mma
+    added, each group half scaled, and D read back by the C fragment rule. x [rows <= 8, k] ->
+    [rows, n]. For tests: it checks the layout's arithmetic without a GPU."""
+    rows = x.shape[0]
+    kt = tile_k(bits)
+    r_tiles, c_tiles = words.shape[:2]
+    xp = torch.zeros(MAX_ROWS, c_tiles * kt + 8)
+    xp[:rows, :k] = x.float()
+    lane = torch.arange(LANES)
+    g, t = lane // 4, lane % 4
+    j, e = torch.arange(4).view(1, 4, 1), torch.arange(2).view(1, 1, 2)
+    a_row = (g.view(-1, 1, 1) + 8 * (j % 2)).expand(LANES, 4, 2)  # A register j, element e
+    a_col = (2 * t.view(-1, 1, 1) + e + 8 * (j // 2)).expand(LANES, 4, 2)
+    b, eb = torch.arange(2).view(1, 2, 1), torch.arange(2).view(1, 1, 2)
+    b_row = (2 * t.view(-1, 1, 1) + eb + 8 * b).expand(LANES, 2, 2)  # B register b, element e
+    b_col = g.view(-1, 1, 1).expand(LANES, 2, 2)
+    if bits == 4:
+        const = torch.full((16, 16), -136.0)
+    else:  # register elements alternate (low 4 bits, high 4 bits)
+        const = torch.tensor([-128.0, -2176.0]).repeat(8).expand(16, 16)
+    out = torch.zeros(MAX_ROWS, r_tiles * ROW_TILE)
+    for r in range(r_tiles):
+        acc = torch.zeros(ROW_TILE, MAX_ROWS)
+        for c in range(c_tiles):
+            for h in range(2):  # group halves: steps 0-1, 2-3
+                d = torch.zeros(ROW_TILE, MAX_ROWS)
+                for s in (2 * h, 2 * h + 1):
+                    w = words[r, c, :, s].to(torch.int64) & 0xFFFFFFFF
+                    pair = w.view(-1, 1) >> (4 * torch.arange(4)).view(1, 4)
+                    lo, hi = (pair & 15).float(), ((pair >> 16) & 15).float()
+                    regs = torch.stack((128 + lo, (128 + hi) if bits == 4 else (2048 + 16 * hi)), dim=-1)
+                    a = torch.zeros(16, 16)
+                    a[a_row, a_col] = regs
+                    if bits == 4:  # x[g][base + 4 t + 2 b + e]
+                        at = c * kt + 16 * s + 4 * t.view(-1, 1, 1) + 2 * b + eb
+                    else:  # x[g][base + 2 t + b], both elements
+                        at = (c * kt + 8 * s + 2 * t.view(-1, 1, 1) + b + 0 * eb)
+                    bm = torch.zeros(16, MAX_ROWS)
+                    bm[b_row, b_col] = xp[g.view(-1, 1, 1).expand(LANES, 2, 2), at.expand(LANES, 2, 2)]
+                    d += a @ bm + const @ bm
+                sc = scales[r, c, :, 2 * h:2 * h + 2].float().T.reshape(ROW_TILE)  # rows 0-7, then 8-15
+                acc += d * sc.view(-1, 1)
+        out[:, r * ROW_TILE:(r + 1) * ROW_TILE] = acc.T
+    return out[:rows, :n]
+
+
+def _load_asm(bits: int) -> str:
+    """Inline PTX loading one lane's activations for a tile's 4 mma steps from the address of
+    step 0's ($4; $5-$7 are copies): int4, 8 bytes a step (the lane's 4 activations), 32 bytes
+    apart, as the B registers $0-$3 (activations 0-1 of steps 0-3) and $4-$7 (2-3); int8, 4
+    bytes (a pair), 16 bytes apart, as $0-$3. The loads are written in PTX, not Triton, so that
+    Triton keeps every operand in the words' layout instead of moving the words through shared
+    memory into the activations' (these addresses are not contiguous across a warp's lanes)."""
+    if bits == 4:
+        loads = [f"ld.global.nc.v2.b32 {{${s}, ${4 + s}}}, [$8+{32 * s}];" for s in range(4)]
+    else:
+        loads = [f"ld.global.nc.b32 ${s}, [$4+{16 * s}];" for s in range(4)]
+    return "\n".join(loads)
+
+
+def _asm(bits: int) -> str:
+    """The inline PTX of one lane's tile: 4 words -> 16 A registers, 4 mma steps and the
+    constant's 4 in two chains per group half, each half's sums scaled into the 4 float32 sums.
+    Operands (pack 4): $0-$3 the sums out; $4-$7 the words; int4: $8-$11 and $12-$15 each step's
+    B registers (activations 0-1 and 2-3 of the lane's four), int8: $8-$11 each step's pair of
+    activations; then 4 scales ((row g, half 0), (row g + 8, half 0), (g, 1), (g + 8, 1)) and the
+    4 sums in."""
+    magic, const = ("0x43004300", "0xC308C308") if bits == 4 else ("0x45004300", "0xC508C300")
+    sc, acc = (16, 20) if bits == 4 else (12, 16)
+    lines = ["{", ".reg .b32 a<16>, t<3>, b<8>, c;", ".reg .f32 d<8>, e<8>, f<4>;", f"mov.b32 c, {const};"]
+    for s in range(4):  # B registers of step s: b{2s}, b{2s+1}
+        if bits == 4:
+            lines += [f"mov.b32 b{2 * s}, ${8 + s};", f"mov.b32 b{2 * s + 1}, ${12 + s};"]
+        else:  # (x0, x0) and (x1, x1) from the pair (x0, x1)
+            lines += [f"prmt.b32 b{2 * s}, ${8 + s}, 0, 0x1010;", f"prmt.b32 b{2 * s + 1}, ${8 + s}, 0, 0x3232;"]
+    for s in range(4):
+        lines.append(f"lop3.b32 a{4 * s}, ${4 + s}, 0x000F000F, {magic}, 0xEA;")
+        for j in range(1, 4):
+            lines.append(f"shr.u32 t{j - 1}, ${4 + s}, {4 * j};")
+            lines.append(f"lop3.b32 a{4 * s + j}, t{j - 1}, 0x000F000F, {magic}, 0xEA;")
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%s}, {%s}, {%s}, {%s};"
+    zero = "0f00000000, 0f00000000, 0f00000000, 0f00000000"
+    for h in range(2):  # chains: d (the weights' two steps), e (the constant's)
+        dh, eh = ", ".join(f"d{4 * h + i}" for i in range(4)), ", ".join(f"e{4 * h + i}" for i in range(4))
+        for n, s in enumerate((2 * h, 2 * h + 1)):
+            regs, bregs = ", ".join(f"a{4 * s + j}" for j in range(4)), f"b{2 * s}, b{2 * s + 1}"
+            lines += [mma % (dh, regs, bregs, zero if n == 0 else dh), mma % (eh, "c, c, c, c", bregs, zero if n == 0 else eh)]
+    for h in range(2):
+        for i in range(4):
+            prev = f"${acc + i}" if h == 0 else f"f{i}"
+            lines += [f"add.f32 d{4 * h + i}, d{4 * h + i}, e{4 * h + i};",
+                      f"fma.rn.f32 f{i}, d{4 * h + i}, ${sc + 2 * h + i // 2}, {prev};"]
+    lines += [f"mov.f32 ${i}, f{i};" for i in range(4)] + ["}"]
+    return "\n".join(lines)
+
+
+if triton is not None:
+    _ASM4 = tl.constexpr(_asm(4))
+    _ASM8 = tl.constexpr(_asm(8))
+    _LOAD4 = tl.constexpr(_load_asm(4))
+    _LOAD8 = tl.constexpr(_load_asm(8))
+
+    @triton.jit
+    def _load_x(x_at, INT8: tl.constexpr):
+        """The B registers of the tiles whose step-0 activations are at x_at (int64 addresses):
+        int8, one tensor (the pairs of steps 0-3 in each lane's 4 elements); int4, two."""
+        if INT8:
+            return tl.inline_asm_elementwise(_LOAD8, "=r,=r,=r,=r" + ",l" * 4, [x_at], dtype=tl.int32,
+                                             is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_LOAD4, "=r,=r,=r,=r,=r,=r,=r,=r" + ",l" * 4, [x_at],
+                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
+
+    @triton.jit
+    def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
+                         INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile
+        program_id(0) (with SILU also those of tile program_id(0) + half_rows / 16, the up rows:
+        PAIRS = 2) over input tiles [s * split_tiles, (s + 1) * split_tiles) of split s =
+        program_id(1). Each step of the loop takes WARPS * UNITS consecutive tiles, one a row of
+        the [PAIRS, WARPS * UNITS, 128] tensors (a lane's 4 words, scales and sums at 4 l .. 4 l + 3).
+        Stores as ``quant_gemv._store_sums`` does (PARTIAL: float32 [SPLIT, rows, N] partials)."""
+        KT: tl.constexpr = 32 if INT8 else 64
+        STEP: tl.constexpr = WARPS * UNITS
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # [PAIRS, STEP, 128]: the last axis is a tile's 32 lanes x 4 words, contiguous in memory, so
+        # that every Triton version lays it out as 4 consecutive elements per thread and 32
+        # threads per warp (the layout of the coalesced weight load), which the mma needs
+        p = tl.arange(0, PAIRS)[:, None, None]
+        wu = tl.arange(0, STEP)[None, :, None]
+        e = tl.arange(0, 128)[None, None, :]
+        lane = e // 4
+        v = e % 4
+        g = lane // 4
+        t = lane % 4
+        c_lo = pid_k * split_tiles
+        c_hi = tl.minimum(c_lo + split_tiles, tiles_k)
+        tile = (pid_r + p * (half_rows // 16)) * tiles_k + c_lo + wu  # [PAIRS, STEP, 1]
+        w_at = w_ptr + tile * 128 + e
+        s_at = s_ptr + tile * 32 + g * 4 + v
+        # B columns past the rows read row rows - 1 (their sums are not stored), tiles past the
+        # split read its last tile (their scales load as 0): no activation load needs a mask
+        xb = (tl.minimum(g, rows - 1) * sx).to(tl.int64) * 2 + x_ptr.to(tl.int64)  # bytes
+        x_step = (KT * STEP) * 2  # bytes
+        if INT8:  # step 0's pair of activations (the load adds 16 bytes a step)
+            x_at = xb + ((c_lo + wu) * KT + 2 * t).to(tl.int64) * 2
+        else:  # step 0's four activations (the load adds 32 bytes a step)
+            x_at = xb + ((c_lo + wu) * KT + 4 * t).to(tl.int64) * 2
+        # each step loads the next step's weights, scales and activations before it computes (one
+        # step in flight ahead); tiles past the split load from its first tile (scales 0)
+        ok = c_lo + wu < c_hi
+        words = tl.load(w_at, mask=ok, other=0)
+        sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+        xs = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
+        acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
+        for c0 in range(c_lo, c_hi, STEP):
+            ok = c0 + STEP + wu < c_hi
+            w_at += STEP * 128
+            s_at += STEP * 32
+            x_at += x_step
+            words_next = tl.load(w_at, mask=ok, other=0)
+            sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+            xs_next = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
+            if INT8:
+                acc = tl.inline_asm_elementwise(_ASM8, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 8, [words, xs, sc, acc],
+                                                dtype=tl.float32, is_pure=True, pack=4)
+            else:
+                acc = tl.inline_asm_elementwise(_ASM4, "=f,=f,=f,=f" + ",r" * 12 + ",f" * 8,
+                                                [words, xs[0], xs[1], sc, acc], dtype=tl.float32, is_pure=True,
+                                                pack=4)
+            words = words_next
+            sc = sc_next
+            xs = xs_next
+        sums = tl.sum(acc, axis=1)  # [PAIRS, 128]: per lane c0 c1 (row g), c2 c3 (row g + 8)
+        e2 = tl.arange(0, 128)[None, :]
+        tok = 2 * ((e2 // 4) % 4) + e2 % 2
+        o = pid_r * 16 + e2 // 16 + 8 * ((e2 % 4) // 2)
+        dtype = out_ptr.dtype.element_ty
+        if SILU:
+            gate, up = tl.split(tl.permute(sums, [1, 0]))
+            gate = gate[None, :]
+            up = up[None, :]
+            if PARTIAL:
+                ok = (tok < rows) & (o < half_rows)
+                at = (pid_k * rows + tok) * N + o
+                tl.store(out_ptr + at, gate, mask=ok)
+                tl.store(out_ptr + at + half_rows, up, mask=ok)
+            else:
+                if HAS_BIAS:
+                    gate += tl.load(b_ptr + o, mask=o < half_rows, other=0.0).to(tl.float32)
+                    up += tl.load(b_ptr + half_rows + o, mask=o < half_rows, other=0.0).to(tl.float32)
+                gate = gate.to(dtype).to(tl.float32)
+                up = up.to(dtype).to(tl.float32)
+                tl.store(out_ptr + tok * half_rows + o, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype),
+                         mask=(tok < rows) & (o < half_rows))
+        else:
+            out = tl.sum(sums, axis=0)[None, :]
+            ok = (tok < rows) & (o < N)
+            if PARTIAL:
+                tl.store(out_ptr + (pid_k * rows + tok) * N + o, out, mask=ok)
+            else:
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + o, mask=o < N, other=0.0).to(tl.float32)
+                tl.store(out_ptr + tok * N + o, out.to(dtype), mask=ok)
+
+    @triton.jit
+    def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, tiles_k, INT8: tl.constexpr, TILES: tl.constexpr):
+        """out[n, k] = q[n, k] * scale in out's dtype for row tile program_id(0) and input tiles
+        [program_id(1) * TILES, ...): the layout's index arithmetic, written out."""
+        KT: tl.constexpr = 32 if INT8 else 64
+        r = tl.program_id(0)
+        c = tl.program_id(1) * TILES + tl.arange(0, TILES)[:, None, None]
+        lane = tl.arange(0, 32)[None, :, None]
+        s = tl.arange(0, 4)[None, None, :]
+        g = lane // 4
+        t = lane % 4
+        c_ok = c < tiles_k
+        words = tl.load(w_ptr + ((r * tiles_k + c) * 32 + lane) * 4 + s, mask=c_ok, other=0)
+        dtype = out_ptr.dtype.element_ty
+        for j in tl.static_range(4):
+            n = r * 16 + g + 8 * (j % 2)
+            sc = tl.load(s_ptr + ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2, mask=c_ok, other=0.0)
+            sc = sc.to(tl.float32)
+            lo = (words >> (4 * j)) & 15
+            hi = (words >> (16 + 4 * j)) & 15
+            if INT8:
+                k = c * KT + 8 * s + 2 * t + j // 2
+                ok = c_ok & (n < N) & (k < K)
+                tl.store(out_ptr + n * K + k, ((16 * hi + lo - 128).to(tl.float32) * sc).to(dtype), mask=ok)
+            else:
+                k = c * KT + 16 * s + 4 * t + 2 * (j // 2)
+                ok = c_ok & (n < N) & (k < K)
+                tl.store(out_ptr + n * K + k, ((lo - 8).to(tl.float32) * sc).to(dtype), mask=ok)
+                tl.store(out_ptr + n * K + k + 1, ((hi - 8).to(tl.float32) * sc).to(dtype), mask=ok)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the GEMV runs for activations like x: bf16 on CUDA, kernels on, no autograd."""
+    return (kernels.ENABLED and triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def config_for(n: int, k: int, bits: int, silu: bool) -> tuple[int, int, int]:
+    """(WARPS, UNITS, SPLIT) for a weight [n, k], from benchmarks/quant_gemv.py's sweep on the
+    H200 (benchmarks/results/gpu_h200_s12_quant_gemv.json; the 8B shape's matrices, int4 and
+    int8, 1 and 4 rows): four warps; for the few row tiles of q/k/v and o, four tiles per warp
+    per loop step; for long rows (down), splits of the inputs instead; for many row tiles
+    (fused gate/up: two, LM head: one) fewer tiles per step."""
+    row_tiles = -(-n // ROW_TILE)
+    if row_tiles >= 4096:
+        return 4, 1, 1
+    if row_tiles >= 1024:
+        return 4, 2, 1
+    if k // tile_k(bits) >= 128:
+        return 4, 1, 4
+    return 4, 4, 1
+
+
+def gemv(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, silu: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., k] (bf16, at most MAX_ROWS rows) @ w.T (+ bias) -> [..., n] in bf16; silu: w is
+    gate and up stacked ([2 I, k], I a multiple of 16) and out is silu(gate) * up [..., I]."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
+    rows = x2.shape[0]
+    warps, units, split = config or config_for(n, k, bits, silu)
+    tiles_k = words.shape[1]
+    step = warps * units
+    per = -(-(-(-tiles_k // split)) // step) * step  # whole loop steps per split
+    split = -(-tiles_k // per)
+    n_out = n // 2 if silu else n
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    _mma_gemv_kernel[(-(-n_out // ROW_TILE), split)](
+        x2, x2.stride(0), words, scales, bias if bias is not None else scales, part, rows, n, tiles_k, per,
+        n_out if silu else 0, INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, SILU=silu, num_warps=warps)
+    if split > 1:
+        total = rows * n_out
+        quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
+            part, bias if bias is not None else part, out, total, n, SPLIT=split, HAS_BIAS=bias is not None,
+            SILU=silu, BLOCK=1024, num_warps=4)
+    return out.view(*x.shape[:-1], n_out)
+
+
+def dequantize(words, scales, *, n: int, k: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [n, k] in ``dtype``, by ``_dequantize_kernel``."""
+    out = torch.empty(n, k, dtype=dtype, device=words.device)
+    tiles = 8
+    _dequantize_kernel[(words.shape[0], triton.cdiv(words.shape[1], tiles))](
+        words, scales, out, n, k, words.shape[1], INT8=bits == 8, TILES=tiles, num_warps=4)
+    return out
+
+
+def _group_of(scales: torch.Tensor, bits: int, k: int) -> int:
+    """Any group size the packed scales are consistent with, for ``dequantize_reference``: the
+    half tile (every half holds one group's scale)."""
+    return tile_k(bits) // 2
+
+
+def matmul(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, silu: bool = False) -> torch.Tensor:
+    """x [..., k] @ w.T (+ bias), then with silu ``silu(gate) * up``: the GEMV for up to
+    MAX_ROWS bf16 rows (silu in its epilogue where the halves are whole row tiles), else the
+    weight dequantized into x's dtype and multiplied by cuBLAS."""
+    if usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0):
+        return gemv(x, words, scales, bias, n=n, k=k, bits=bits, silu=silu)
+    if kernels.ENABLED and triton is not None and (x.is_cuda or fused._INTERPRET):
+        w = dequantize(words, scales, n=n, k=k, bits=bits, dtype=x.dtype)
+    else:  # the reference path
+        w = dequantize_reference(words, scales, n=n, k=k, group=_group_of(scales, bits, k), bits=bits).to(x.dtype)
+    out = F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return fused.silu_mul(out) if silu else out
