@@ -759,7 +759,7 @@ def quant_gemv_sweep(config: ModelConfig, device, fmt: str, group: int) -> dict:
             "o": (h, config.num_attention_heads * config.head_dim),
             "gate_up": (2 * config.intermediate_size, h), "down": (h, config.intermediate_size),
             "lm_head": (config.vocab_size, h)}
-    bench = bench_mma if fmt in ("int4", "int8") else bench_matrix
+    bench = bench_mma if fmt == "int4" else bench_matrix  # each format's default kernel (models/quant.py)
     return {name: bench(name, n, k, fmt, (1, 4), True, device, group) for name, (n, k) in mats.items()}
 
 
@@ -768,7 +768,8 @@ def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth
     H200 targets: int4 AR >= 2.5x bf16, int8 >= 1.6x, int4 verify 1+3 <= 1.2x an AR step."""
     out = {}
     for label in ("bf16", *fmts):
-        # "int4/cuda-cores": the CUDA-core GEMV (kernels/quant_gemv.py) instead of the tensor-core one
+        # "int4/cuda-cores", "int8/mma": the format on the other CUDA kernel than its default
+        # (MTPLX_CUDA_QUANT; kernels/quant_gemv.py's CUDA-core GEMV, kernels/quant_mma.py's tensor-core one)
         fmt, _, kernel = label.partition("/")
         saved = os.environ.pop("MTPLX_CUDA_QUANT", None)
         if kernel:

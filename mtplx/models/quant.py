@@ -21,10 +21,11 @@ Backends (``QuantLinear.forward``):
   int8 weight runs through it as two int4 planes, ``q = 16 * hi + lo`` (hi in [-8, 7], lo in
   [0, 15]), laid side by side along the input axis, which is exact and reads the same 1 byte
   per weight.
-- CUDA, symmetric int4/int8 ("mma", sm_80+; ``MTPLX_CUDA_QUANT=cuda-cores`` opts out):
-  kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16 token rows that costs the
-  same at 1 and at 8 rows, and a dequantizing kernel plus cuBLAS for more rows or other dtypes.
-- CUDA, everything else ("triton": fp8, int4/int8 with offsets such as GGUF's Q4_1):
+- CUDA, symmetric int4 ("mma", sm_80+; ``MTPLX_CUDA_QUANT=cuda-cores`` opts out, ``=mma``
+  takes symmetric int8 too): kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16
+  token rows that costs about the same at 1 and at 8 rows, and a dequantizing kernel plus
+  cuBLAS for more rows or other dtypes.
+- CUDA, everything else ("triton": fp8, int8, int4/int8 with offsets such as GGUF's Q4_1):
   kernels/quant_gemv.py, a GEMV for up to 8 token rows (CUDA cores up to 4 rows, tensor cores
   for 5-8), a dequantizing kernel plus cuBLAS for more (prefill).
   On both, a fused gate/up layer's SiLU * up is the GEMV's epilogue
@@ -282,15 +283,22 @@ class QuantLinear(nn.Module):
 
 def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
     """For int4/int8 on the CPU kernels/cpu.py's kernel where it builds here, else
-    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for symmetric int4/int8 (unless
-    ``MTPLX_CUDA_QUANT=cuda-cores``), the other Triton kernels for the rest (where Triton is
-    installed and the groups fit their layout); else dequantize-then-matmul."""
+    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for symmetric int4 (and int8 with
+    ``MTPLX_CUDA_QUANT=mma``; ``cuda-cores`` keeps int4 off it), the other Triton kernels for the
+    rest (where Triton is installed and the groups fit their layout); else dequantize-then-matmul.
+    H200, 8B shape (docs/performance.md, session 12): int4 AR 370.8 tok/s on the tensor cores
+    against 404.8 on the CUDA cores, but a verify of 1+3 tokens 1.04x its AR step against
+    2.03x; int8 on the tensor cores 231.2 tok/s, slower than the CUDA cores' (313.4 in session 9)."""
     if device.type == "cpu" and not qw.fp8:
         if qw.group_size % 32 == 0 and cpu_kernels.fits(qw.scale, qw.zero, qw.bits) and cpu_kernels.available():
             return "cpu"
         if qw.group_size in GROUP_SIZES:
             return "int4pack"
-    if (device.type == "cuda" and os.environ.get("MTPLX_CUDA_QUANT") != "cuda-cores"
+    choice = os.environ.get("MTPLX_CUDA_QUANT", "auto")
+    if choice not in ("auto", "mma", "cuda-cores"):
+        raise ValueError(f"MTPLX_CUDA_QUANT={choice!r}: expected auto, mma or cuda-cores")
+    wants_mma = choice == "mma" or (choice == "auto" and qw.bits == 4)
+    if (device.type == "cuda" and wants_mma
             and quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8, bool((qw.zero != 0).any()))
             and quant_mma.device_ok(device)):
         return "mma"
