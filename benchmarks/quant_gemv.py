@@ -6,7 +6,7 @@ from memory, not L2) and the weight bytes read per second. Each configuration's 
 checked against the dequantized weight's float32 product.
 
     PYTHONPATH=. python3 benchmarks/quant_gemv.py --out r.json [--formats int4,int8] [--quick]
-        [--kernels gemv,mma]
+        [--kernels gemv,mma] [--offsets]
 """
 
 from __future__ import annotations
@@ -74,15 +74,26 @@ def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tupl
 MMA_SWEEP = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 1, 1), (8, 2, 1), (4, 1, 2), (4, 2, 2), (8, 1, 2), (4, 1, 4), (4, 2, 4)]  # (WARPS, UNITS, SPLIT)
 
 
-def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
+def _quantized(n: int, k: int, fmt: str, group: int, device, offsets: bool):
+    """A random weight [n, k] quantized to ``fmt``; offsets: with random group offsets as
+    GGUF's Q4_1 / Q4_K minima give (round-to-nearest is symmetric)."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    qw = quantize(w, fmt, group)
+    if offsets:
+        qw.zero = torch.randn_like(qw.scale) * 0.01
+    return qw
+
+
+def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32,
+              offsets: bool = False) -> dict:
     """The tensor-core GEMV on one weight [n, k] at each of ``rows_list``: its default config and
     (unless quick) MMA_SWEEP, each checked against the dequantized weight first."""
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-    layer = QuantLinear(quantize(w, fmt, group), device=device, backend="mma")
+    layer = QuantLinear(_quantized(n, k, fmt, group, device, offsets), device=device, backend="mma")
     qbytes = layer.weight_bytes()
     wq = layer.dequantize()
     copies = max(2, -(-ROTATE_BYTES // qbytes))
-    bufs = [(layer.words.clone(), layer.scale.clone()) for _ in range(copies)]
+    bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
+            for _ in range(copies)]
     args = dict(n=n, k=k, bits=layer.bits)
     out = {}
     for rows in rows_list:
@@ -92,11 +103,11 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
         entry = {"us_by_config": {}}
         default = quant_mma.config_for(n, k, layer.bits, False)
         for cfg in [default] + ([] if quick else [c for c in MMA_SWEEP if c != default]):
-            got = quant_mma.gemv(x, layer.words, layer.scale, None, config=cfg, **args)
+            got = quant_mma.gemv(x, layer.words, layer.scale, layer.zero, None, config=cfg, **args)
             err = float(((got.float() - ref).abs() / magnitude).max())
             if not err < 1e-2:
                 raise SystemExit(f"FAIL: mma {fmt} {name} rows {rows} config {cfg}: error {err}")
-            t = graph_time([lambda b=b: quant_mma.gemv(x, b[0], b[1], None, config=cfg, **args) for b in bufs])
+            t = graph_time([lambda b=b: quant_mma.gemv(x, b[0], b[1], b[2], None, config=cfg, **args) for b in bufs])
             entry["us_by_config"][("default " if cfg == default else "") + "x".join(map(str, cfg))] = t * 1e6
         best = min(entry["us_by_config"], key=entry["us_by_config"].get)
         t = entry["us_by_config"][best] / 1e6
@@ -111,18 +122,18 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
     return out
 
 
-def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32) -> dict:
+def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32,
+                 offsets: bool = False) -> dict:
     """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``,
     on the CUDA-core kernel."""
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-    layer = QuantLinear(quantize(w, fmt, group), device=device, backend="triton")
+    layer = QuantLinear(_quantized(n, k, fmt, group, device, offsets), device=device, backend="triton")
     qbytes = layer.weight_bytes()
     wq = layer.dequantize()
     copies = max(2, -(-ROTATE_BYTES // qbytes))
     bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
             for _ in range(copies)]
-    bcopies = max(2, -(-ROTATE_BYTES // (2 * n * k)))
-    wb = [w.clone() for _ in range(bcopies)]
+    w = wq.to(torch.bfloat16)  # the bf16 baseline: the same weight in bf16
+    wb = [w.clone() for _ in range(max(2, -(-ROTATE_BYTES // (2 * n * k))))]
     out = {}
     for rows in rows_list:
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -168,6 +179,7 @@ def main() -> None:
     ap.add_argument("--matrices", default=",".join(MATRICES))
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
     ap.add_argument("--kernels", default="gemv,mma", help="gemv: the CUDA-core kernel; mma: the tensor-core one")
+    ap.add_argument("--offsets", action="store_true", help="weights with group offsets (GGUF's Q4_1, Q4_K)")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -180,7 +192,7 @@ def main() -> None:
                 continue
             bench = bench_mma if kernel == "mma" else bench_matrix
             report["results"][f"{fmt} {kernel}"] = {
-                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device)
+                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device, offsets=args.offsets)
                 for name in args.matrices.split(",")}
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

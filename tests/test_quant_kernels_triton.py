@@ -219,14 +219,16 @@ MMA_SHAPES = [(37, 128, 32), (16, 192, 64), (40, 256, 128)]  # rows not a multip
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_mma_layout_dequantize_kernel_equals_the_weight(fmt):
+@pytest.mark.parametrize("offsets", [False, True])
+def test_mma_layout_dequantize_kernel_equals_the_weight(fmt, offsets):
     from mtplx.kernels import quant_mma
 
     for i, (out, inp, group) in enumerate(MMA_SHAPES):
-        qw = _weight(fmt, out, inp, group, seed=i, offsets=False)
+        qw = _weight(fmt, out, inp, group, seed=i, offsets=offsets)
         layer = QuantLinear(qw, device=DEVICE, backend="mma")
-        w = quant_mma.dequantize(layer.words, layer.scale, n=out, k=inp, bits=qw.bits, dtype=torch.float32)
-        ref = QuantizedWeight(qw.q, qw.scale.half().float(), qw.zero, qw.bits, group).dequantize()
+        w = quant_mma.dequantize(layer.words, layer.scale, layer.zero, n=out, k=inp, bits=qw.bits,
+                                 dtype=torch.float32)
+        ref = QuantizedWeight(qw.q, qw.scale.half().float(), qw.zero.half().float(), qw.bits, group).dequantize()
         assert torch.equal(w.cpu(), ref)
         x = torch.randn(19, inp, generator=torch.Generator().manual_seed(i)).to(DEVICE)  # prefill rows
         with torch.no_grad():
@@ -236,23 +238,25 @@ def test_mma_layout_dequantize_kernel_equals_the_weight(fmt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX (mma.sync) runs on a CUDA device only")
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
-def test_mma_gemv_equals_dequantize_then_matmul(fmt, rows):
+@pytest.mark.parametrize("offsets", [False, True])
+def test_mma_gemv_equals_dequantize_then_matmul(fmt, rows, offsets):
     from mtplx.kernels import quant_mma
 
     for i, (out, inp, group) in enumerate(MMA_SHAPES + [(96, 4096, 32)]):
-        qw = _weight(fmt, out, inp, group, seed=i, offsets=False)
+        qw = _weight(fmt, out, inp, group, seed=i, offsets=offsets)
         layer = QuantLinear(qw, device=DEVICE, backend="mma")
         bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+        args = dict(n=out, k=inp, bits=qw.bits)
         with torch.no_grad():
             for config in (None, (1, 1, 1), (2, 1, 3), (4, 2, 2)):
-                got = quant_mma.gemv(x, layer.words, layer.scale, None, n=out, k=inp, bits=qw.bits, config=config)
+                got = quant_mma.gemv(x, layer.words, layer.scale, layer.zero, None, config=config, **args)
                 _check(got, x, qw, layer)
             _check(layer(x), x, qw, layer)
             layer.bias = torch.nn.Parameter(bias, requires_grad=False)
             _check(layer(x), x, qw, layer, bias)
             if out % 32 == 0:  # whole row tiles on both halves: the SiLU epilogue
                 for config in (None, (1, 1, 3)):
-                    got = quant_mma.gemv(x, layer.words, layer.scale, bias, n=out, k=inp, bits=qw.bits, silu=True,
-                                         config=config)
+                    got = quant_mma.gemv(x, layer.words, layer.scale, layer.zero, bias, silu=True, config=config,
+                                         **args)
                     _check_silu_mul(got, x, qw, layer, bias)

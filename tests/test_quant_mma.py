@@ -1,12 +1,14 @@
-"""The tensor-core GEMV's weight layout (mtplx/kernels/quant_mma.py) on the CPU: packing round
-trips, and the kernel's arithmetic emulated from the PTX fragment rules (``quant_mma.emulate``:
-each lane's decoded A registers and loaded B registers placed where mma.sync reads them) against
-the product with the unpacked weight in float64. The GPU kernel itself (inline PTX) runs only on
-CUDA: tests/test_quant_kernels_triton.py checks it there, and benchmarks/quant_gemv.py and
+"""The tensor-core GEMV (mtplx/kernels/quant_mma.py) on the CPU: packing round trips; the
+layout's arithmetic emulated from the PTX fragment rules (``quant_mma.emulate``: each lane's
+decoded A registers and loaded B registers placed where mma.sync reads them); and the inline
+PTX text itself, run on a small simulator of the instructions it uses, each against the product
+with the unpacked weight in float64. The Triton kernel around the PTX runs only on CUDA:
+tests/test_quant_kernels_triton.py checks it there, and benchmarks/quant_gemv.py and
 benchmarks/gpu.py --quant check every layer against its dequantized weight before timing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,13 +21,14 @@ def _weight(bits: int, n: int, k: int, group: int, seed: int = 0):
     q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
     q[0, :2] = torch.tensor([lo, hi - 1])  # both ends of the range
     scale = (torch.rand(n, k // group, generator=g) * 0.1 + 1e-3).half()
-    return q, scale
+    zero = (torch.randn(n, k // group, generator=g) * 0.3).half()  # GGUF's Q4_1 / Q4_K minima
+    return q, scale, zero
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 128, 64), (33, 192, 32), (7, 256, 128)])
 def test_pack_round_trips(bits, n, k, group):
-    q, scale = _weight(bits, n, k, group)
+    q, scale, zero = _weight(bits, n, k, group)
     words = quant_mma.pack(q, bits)
     assert words.shape == (-(-n // 16), k // quant_mma.tile_k(bits), 32, 4) and words.dtype == torch.int32
     assert torch.equal(quant_mma.unpack(words, bits, n, k), q.int())
@@ -33,30 +36,181 @@ def test_pack_round_trips(bits, n, k, group):
     assert torch.equal(quant_mma.unpack_scales(scales, bits, group, n, k), scale)
     w = quant_mma.dequantize_reference(words, scales, n=n, k=k, group=group, bits=bits)
     assert torch.equal(w, (q.float().unflatten(1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(1))
+    zeros = quant_mma.pack_scales(zero, bits, group, n, k)
+    w = quant_mma.dequantize_reference(words, scales, zeros, n=n, k=k, group=group, bits=bits)
+    want = q.float().unflatten(1, (-1, group)) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    assert torch.equal(w, want.flatten(1))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n,k,group", [(40, 128, 32), (33, 192, 64), (16, 256, 128)])
-def test_emulated_kernel_matches_the_weight(bits, rows, n, k, group):
-    q, scale = _weight(bits, n, k, group, seed=rows)
+@pytest.mark.parametrize("offsets", [False, True])
+def test_emulated_kernel_matches_the_weight(bits, rows, n, k, group, offsets):
+    q, scale, zero = _weight(bits, n, k, group, seed=rows)
     words = quant_mma.pack(q, bits)
     scales = quant_mma.pack_scales(scale, bits, group, n, k)
+    zeros = quant_mma.pack_scales(zero, bits, group, n, k) if offsets else None
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).bfloat16()
     w = q.double().unflatten(1, (-1, group)) * scale.double().unsqueeze(-1)
+    if offsets:
+        w = w + zero.double().unsqueeze(-1)
     w = w.flatten(1)
     ref = x.double() @ w.T
-    got = quant_mma.emulate(x, words, scales, n=n, k=k, group=group, bits=bits).double()
+    got = quant_mma.emulate(x, words, scales, zeros, n=n, k=k, group=group, bits=bits).double()
     magnitude = x.double().abs() @ w.abs().T
     # float32 sums of exact products, less the constant's sum (128 + 8 or 2048 + 128 + 128 times
-    # sum x): a few float32 roundings of terms up to 2304 |x| * scale
+    # sum x), and the offset's term from that sum: a few float32 roundings of terms up to
+    # 2304 |x| * scale
     assert float(((got - ref).abs() / magnitude).max()) < 1e-5
 
 
 def test_supports_only_what_the_layout_holds():
-    assert quant_mma.supports(4, 32, 4096, False, False) and quant_mma.supports(8, 128, 4096, False, False)
-    assert not quant_mma.supports(4, 32, 4096, False, True)  # offsets (GGUF Q4_1)
-    assert not quant_mma.supports(8, 32, 4096, True, False)  # fp8
-    assert not quant_mma.supports(4, 48, 4800, False, False)  # groups not a multiple of 32
-    assert not quant_mma.supports(4, 32, 96, False, False)  # rows not whole 64-input tiles
-    assert quant_mma.supports(8, 32, 96, False, False)  # int8 tiles are 32 inputs
+    assert quant_mma.supports(4, 32, 4096, False) and quant_mma.supports(8, 128, 4096, False)
+    assert not quant_mma.supports(8, 32, 4096, True)  # fp8
+    assert not quant_mma.supports(4, 48, 4800, False)  # groups not a multiple of 32
+    assert not quant_mma.supports(4, 32, 96, False)  # rows not whole 64-input tiles
+    assert quant_mma.supports(8, 32, 96, False)  # int8 tiles are 32 inputs
+
+
+# --- the inline PTX itself, run on a small simulator of the instructions it uses -------------------
+# (lop3, shr, prmt, mov, ld.global, mma.sync.m16n8k16 with the PTX ISA's fragment layouts, add and
+# fma in float32): 32 lanes in lockstep over one tile, so that the text the GPU compiles is checked
+# here too, not only the layout's arithmetic (``quant_mma.emulate``).
+
+def _f32(bits: int) -> float:
+    return float(np.frombuffer(np.uint32(bits & 0xFFFFFFFF).tobytes(), np.float32)[0])
+
+
+def _bits(value: float) -> int:
+    return int(np.frombuffer(np.float32(value).tobytes(), np.uint32)[0])
+
+
+def _bf16_pair(bits: int) -> tuple[float, float]:
+    return _f32((bits & 0xFFFF) << 16), _f32(bits & 0xFFFF0000)
+
+
+class _Warp:
+    """32 lanes of 32-bit registers running straight-line PTX; memory: a bytes object."""
+
+    def __init__(self, operands: list[list[int]], memory: bytes):
+        self.regs = [{f"${i}": v for i, v in enumerate(lane)} for lane in operands]
+        self.memory = memory
+
+    def value(self, lane: int, token: str) -> int:
+        token = token.strip()
+        if token in self.regs[lane]:
+            return self.regs[lane][token]
+        if token.startswith("0f"):
+            return int(token[2:], 16)
+        return int(token, 0)
+
+    def run(self, text: str) -> None:
+        for line in text.splitlines():
+            line = line.strip().rstrip(";")
+            if not line or line in "{}" or line.startswith(".reg"):
+                continue
+            op, _, rest = line.partition(" ")
+            if op.startswith("mma.sync"):
+                self.mma(rest)
+                continue
+            for lane in range(32):
+                self.step(lane, op, rest)
+
+    def step(self, lane: int, op: str, rest: str) -> None:
+        if op.startswith("ld.global"):
+            dst, addr = rest.split(", [")
+            base, _, off = addr.rstrip("]").partition("+")
+            at = self.value(lane, base) + int(off or 0)
+            names = dst.strip("{} ").split(", ")
+            for i, name in enumerate(names):
+                self.regs[lane][name] = int.from_bytes(self.memory[at + 4 * i: at + 4 * i + 4], "little")
+            return
+        args = [a.strip() for a in rest.split(",")]
+        v = [self.value(lane, a) for a in args[1:]]
+        if op in ("mov.b32", "mov.f32"):
+            out = v[0]
+        elif op == "lop3.b32":  # each result bit: the LUT's bit at (a << 2 | b << 1 | c) of the 0xF0/0xCC/0xAA roles
+            a, b, c, lut = v
+            out = 0
+            for i in range(32):
+                index = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
+                out |= ((lut >> index) & 1) << i
+        elif op == "shr.u32":
+            out = (v[0] & 0xFFFFFFFF) >> v[1]
+        elif op == "prmt.b32":  # bytes of {b, a} chosen by the selector's nibbles
+            pool = (v[0] & 0xFFFFFFFF) | ((v[1] & 0xFFFFFFFF) << 32)
+            out = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "add.f32":
+            out = _bits(np.float32(_f32(v[0])) + np.float32(_f32(v[1])))
+        elif op == "fma.rn.f32":
+            out = _bits(np.float32(_f32(v[0]) * _f32(v[1]) + _f32(v[2])))  # float64 product: exact enough
+        else:
+            raise AssertionError(f"the simulator has no {op}")
+        self.regs[lane][args[0]] = out & 0xFFFFFFFF
+
+    def mma(self, rest: str) -> None:
+        """m16n8k16, bf16 in, f32 sums: fragments per the PTX ISA (groupID g = lane / 4, t = lane % 4)."""
+        groups = [grp.strip(" {}").split(", ") for grp in rest.split("}, {")]
+        d_regs, a_regs, b_regs, c_regs = groups
+        a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j, name in enumerate(a_regs):
+                lo, hi = _bf16_pair(self.value(lane, name))
+                row, col = g + 8 * (j % 2), 2 * t + 8 * (j // 2)
+                a[row, col], a[row, col + 1] = lo, hi
+            for j, name in enumerate(b_regs):
+                lo, hi = _bf16_pair(self.value(lane, name))
+                b[2 * t + 8 * j, g], b[2 * t + 8 * j + 1, g] = lo, hi
+            for j, name in enumerate(c_regs):
+                c[g + 8 * (j // 2), 2 * t + j % 2] = _f32(self.value(lane, name))
+        d = (a @ b + c).astype(np.float32)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j, name in enumerate(d_regs):
+                self.regs[lane][name] = _bits(d[g + 8 * (j // 2), 2 * t + j % 2])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_inline_ptx_computes_a_tile(bits, offsets):
+    """One tile (16 rows x 64 or 32 inputs), 8 token rows: the load PTX, then the tile PTX, for
+    every lane, against the tile's float64 product."""
+    n, k, group = 16, quant_mma.tile_k(bits), 32
+    q, scale, zero = _weight(bits, n, k, group, seed=bits + offsets)
+    words = quant_mma.pack(q, bits)[0, 0]  # [32, 4]
+    scales = quant_mma.pack_scales(scale, bits, group, n, k)[0, 0]  # [8, 4]
+    zeros = quant_mma.pack_scales(zero, bits, group, n, k)[0, 0]
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    memory = x.view(torch.int16).numpy().tobytes()
+    u32 = lambda t: int(t) & 0xFFFFFFFF  # noqa: E731
+    # the load: lane (g, t) reads token row g from input 4 t (int4) or 2 t (int8), byte addresses
+    per_lane = 4 if bits == 4 else 2
+    addresses = [2 * ((lane // 4) * k + per_lane * (lane % 4)) for lane in range(32)]
+    outs = 8 if bits == 4 else 4
+    load = _Warp([[0] * outs + [a] * 4 for a in addresses], memory)
+    load.run(quant_mma._load_asm(bits))
+    xs = [[load.regs[lane][f"${i}"] for i in range(outs)] for lane in range(32)]
+    kappa = quant_mma.bias_of(bits)
+    operands = []
+    for lane in range(32):
+        g = lane // 4
+        sc = [_bits(float(s)) for s in scales[g]]
+        zq = [_bits(float(np.float32(float(z)) * np.float32(-1.0 / kappa))) for z in zeros[g]]
+        operands.append([0] * 4 + [u32(w) for w in words[lane]] + xs[lane] + sc + (zq if offsets else [])
+                        + [_bits(0.0)] * 4)
+    tile = _Warp(operands, memory)
+    tile.run(quant_mma._asm(bits, offsets))
+    got = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for j in range(4):
+            got[g + 8 * (j // 2), 2 * t + j % 2] = _f32(tile.regs[lane][f"${j}"])
+    w = q.double().unflatten(1, (-1, group)) * scale.double().unsqueeze(-1)
+    if offsets:
+        w = w + zero.double().unsqueeze(-1)
+    w = w.flatten(1)
+    ref = (x.double() @ w.T).T.numpy()
+    magnitude = (x.double().abs() @ w.abs().T).T.numpy()
+    assert np.abs(got - ref).max() / magnitude.max() < 1e-5

@@ -1,7 +1,7 @@
 """Weight-only int4 and int8 GEMV on the tensor cores, for bf16 activations of 1 to 8 token rows
 (decode steps, drafts, verifies) on CUDA GPUs with bf16 ``mma`` (compute capability 8.0+).
 
-    out[m, n] = sum_k x[m, k] * q[n, k] * scale[n, k // group]      q: int4 or int8, symmetric
+    out[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, k // group] + zero[n, k // group])      q: int4 or int8
 
 Why: ``quant_gemv``'s CUDA-core kernel spends about four instructions per int4 weight decoding
 and multiplying (docs/performance.md, session 9): at one row it issues instructions about as
@@ -40,7 +40,8 @@ padded with q = 0 to whole tiles.
 The lane layout relies on Triton giving lane l of a warp elements 4 l .. 4 l + 3 of each
 128-element row (a tile) of the kernel's tensors, the layout of the coalesced 16-byte weight
 loads, which Triton 3.6 and 3.9 both choose (checked in their TTGIR): ``tests/test_quant_mma.py`` checks the
-layout's arithmetic in PyTorch (an emulation of the fragments), and benchmarks/gpu.py and
+layout's arithmetic in PyTorch (an emulation of the fragments) and runs the inline PTX on a small
+simulator of its instructions; tests/test_quant_kernels_triton.py (on CUDA), benchmarks/gpu.py and
 benchmarks/quant_gemv.py check every layer against its dequantized weight on the GPU before
 timing. Prompts (more than 8 rows) dequantize the weight with ``dequantize`` and use cuBLAS.
 """
@@ -71,11 +72,17 @@ def tile_k(bits: int) -> int:
     return 64 if bits == 4 else 32
 
 
-def supports(bits: int, group: int, k: int, fp8: bool, has_zero: bool) -> bool:
-    """Formats this layout holds: symmetric int4 or int8 in whole groups of a multiple of 32,
-    rows of whole input tiles (no activation is read past a row's end)."""
-    return (bits in (4, 8) and not fp8 and not has_zero and group % GROUP_MULTIPLE == 0 and k % group == 0
+def supports(bits: int, group: int, k: int, fp8: bool) -> bool:
+    """Formats this layout holds: int4 or int8 (with or without offsets) in whole groups of a
+    multiple of 32, rows of whole input tiles (no activation is read past a row's end)."""
+    return (bits in (4, 8) and not fp8 and group % GROUP_MULTIPLE == 0 and k % group == 0
             and k % tile_k(bits) == 0)
+
+
+def bias_of(bits: int) -> float:
+    """kappa: the constant mma adds -kappa * (the half's activation sum) to the weights' sums
+    (128 + 8 for int4, 2048 + 128 + 128 for int8), which is how an offset's term is recovered."""
+    return 136.0 if bits == 4 else 2304.0
 
 
 def device_ok(device: torch.device) -> bool:
@@ -154,19 +161,23 @@ def unpack_scales(scales: torch.Tensor, bits: int, group: int, n: int, k: int) -
                   (2 * half).view(1, -1) + ((rows % ROW_TILE) // 8).view(-1, 1)]
 
 
-def dequantize_reference(words, scales, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
-    """The float32 weight [n, k] the kernel computes with, in PyTorch."""
+def dequantize_reference(words, scales, zeros=None, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+    """The float32 weight [n, k] the kernel computes with, in PyTorch (zeros: the offsets in
+    ``pack_scales``'s layout, or None)."""
     q = unpack(words, bits, n, k).float()
-    scale = unpack_scales(scales, bits, group, n, k).float()
-    return (q.unflatten(1, (-1, group)) * scale.unsqueeze(-1)).flatten(1)
+    w = q.unflatten(1, (-1, group)) * unpack_scales(scales, bits, group, n, k).float().unsqueeze(-1)
+    if zeros is not None:
+        w = w + unpack_scales(zeros, bits, group, n, k).float().unsqueeze(-1)
+    return w.flatten(1)
 
 
-def emulate(x: torch.Tensor, words, scales, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
     """What the kernel computes, in PyTorch (float32), from the PTX definitions: each lane's A
     registers decoded from its word as the inline PTX does (128 + u; int8: 128 + ul and
     2048 + 16 uh), its B registers loaded from x as the kernel loads them, both placed in the
     16 x 16 A and 16 x 8 B matrices by the mma fragment rules, multiplied, the constant mma
-    added, each group half scaled, and D read back by the C fragment rule. x [rows <= 8, k] ->
+    added, each group half scaled (and its offset's term, -offset / kappa times the constant
+    mma's sums, added), and D read back by the C fragment rule. x [rows <= 8, k] ->
     [rows, n]. For tests: it checks the layout's arithmetic without a GPU."""
     rows = x.shape[0]
     kt = tile_k(bits)
@@ -191,6 +202,7 @@ def emulate(x: torch.Tensor, words, scales, *, n: int, k: int, group: int, bits:
         for c in range(c_tiles):
             for h in range(2):  # group halves: steps 0-1, 2-3
                 d = torch.zeros(ROW_TILE, MAX_ROWS)
+                e_sum = torch.zeros(ROW_TILE, MAX_ROWS)  # the constant mma's chain
                 for s in (2 * h, 2 * h + 1):
                     w = words[r, c, :, s].to(torch.int64) & 0xFFFFFFFF
                     pair = w.view(-1, 1) >> (4 * torch.arange(4)).view(1, 4)
@@ -204,9 +216,13 @@ def emulate(x: torch.Tensor, words, scales, *, n: int, k: int, group: int, bits:
                         at = (c * kt + 8 * s + 2 * t.view(-1, 1, 1) + b + 0 * eb)
                     bm = torch.zeros(16, MAX_ROWS)
                     bm[b_row, b_col] = xp[g.view(-1, 1, 1).expand(LANES, 2, 2), at.expand(LANES, 2, 2)]
-                    d += a @ bm + const @ bm
+                    d += a @ bm
+                    e_sum += const @ bm
                 sc = scales[r, c, :, 2 * h:2 * h + 2].float().T.reshape(ROW_TILE)  # rows 0-7, then 8-15
-                acc += d * sc.view(-1, 1)
+                acc += (d + e_sum) * sc.view(-1, 1)
+                if zeros is not None:
+                    zq = zeros[r, c, :, 2 * h:2 * h + 2].float().T.reshape(ROW_TILE) * (-1.0 / bias_of(bits))
+                    acc += e_sum * zq.view(-1, 1)
         out[:, r * ROW_TILE:(r + 1) * ROW_TILE] = acc.T
     return out[:rows, :n]
 
@@ -225,15 +241,17 @@ def _load_asm(bits: int) -> str:
     return "\n".join(loads)
 
 
-def _asm(bits: int) -> str:
+def _asm(bits: int, offsets: bool) -> str:
     """The inline PTX of one lane's tile: 4 words -> 16 A registers, 4 mma steps and the
     constant's 4 in two chains per group half, each half's sums scaled into the 4 float32 sums.
     Operands (pack 4): $0-$3 the sums out; $4-$7 the words; int4: $8-$11 and $12-$15 each step's
     B registers (activations 0-1 and 2-3 of the lane's four), int8: $8-$11 each step's pair of
-    activations; then 4 scales ((row g, half 0), (row g + 8, half 0), (g, 1), (g + 8, 1)) and the
-    4 sums in."""
+    activations; then 4 scales ((row g, half 0), (row g + 8, half 0), (g, 1), (g + 8, 1)), with
+    ``offsets`` 4 offsets times -1 / kappa (``bias_of``) in the same order, and the 4 sums in. An
+    offset z adds z * (sum of the half's activations) = -z / kappa * (the constant's chain)."""
     magic, const = ("0x43004300", "0xC308C308") if bits == 4 else ("0x45004300", "0xC508C300")
-    sc, acc = (16, 20) if bits == 4 else (12, 16)
+    sc = 16 if bits == 4 else 12
+    zq, acc = sc + 4, sc + (8 if offsets else 4)
     lines = ["{", ".reg .b32 a<16>, t<3>, b<8>, c;", ".reg .f32 d<8>, e<8>, f<4>;", f"mov.b32 c, {const};"]
     for s in range(4):  # B registers of step s: b{2s}, b{2s+1}
         if bits == 4:
@@ -257,13 +275,17 @@ def _asm(bits: int) -> str:
             prev = f"${acc + i}" if h == 0 else f"f{i}"
             lines += [f"add.f32 d{4 * h + i}, d{4 * h + i}, e{4 * h + i};",
                       f"fma.rn.f32 f{i}, d{4 * h + i}, ${sc + 2 * h + i // 2}, {prev};"]
+            if offsets:
+                lines.append(f"fma.rn.f32 f{i}, e{4 * h + i}, ${zq + 2 * h + i // 2}, f{i};")
     lines += [f"mov.f32 ${i}, f{i};" for i in range(4)] + ["}"]
     return "\n".join(lines)
 
 
 if triton is not None:
-    _ASM4 = tl.constexpr(_asm(4))
-    _ASM8 = tl.constexpr(_asm(8))
+    _ASM4 = tl.constexpr(_asm(4, False))
+    _ASM8 = tl.constexpr(_asm(8, False))
+    _ASM4Z = tl.constexpr(_asm(4, True))
+    _ASM8Z = tl.constexpr(_asm(8, True))
     _LOAD4 = tl.constexpr(_load_asm(4))
     _LOAD8 = tl.constexpr(_load_asm(8))
 
@@ -279,9 +301,31 @@ if triton is not None:
                                              dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
 
     @triton.jit
-    def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
+    def _tile(words, xs, sc, zq, acc, INT8: tl.constexpr, HAS_ZERO: tl.constexpr):
+        """``acc`` plus the tiles' products (the inline PTX of ``_asm``), a lane's 4 elements each."""
+        if INT8:
+            if HAS_ZERO:
+                out = tl.inline_asm_elementwise(_ASM8Z, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 12, [words, xs, sc, zq, acc],
+                                                dtype=tl.float32, is_pure=True, pack=4)
+            else:
+                out = tl.inline_asm_elementwise(_ASM8, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 8, [words, xs, sc, acc],
+                                                dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            if HAS_ZERO:
+                out = tl.inline_asm_elementwise(_ASM4Z, "=f,=f,=f,=f" + ",r" * 12 + ",f" * 12,
+                                                [words, xs[0], xs[1], sc, zq, acc], dtype=tl.float32, is_pure=True,
+                                                pack=4)
+            else:
+                out = tl.inline_asm_elementwise(_ASM4, "=f,=f,=f,=f" + ",r" * 12 + ",f" * 8,
+                                                [words, xs[0], xs[1], sc, acc], dtype=tl.float32, is_pure=True,
+                                                pack=4)
+        return out
+
+    @triton.jit
+    def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
                          INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
+                         HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                         SILU: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile
         program_id(0) (with SILU also those of tile program_id(0) + half_rows / 16, the up rows:
         PAIRS = 2) over input tiles [s * split_tiles, (s + 1) * split_tiles) of split s =
@@ -317,28 +361,29 @@ if triton is not None:
             x_at = xb + ((c_lo + wu) * KT + 4 * t).to(tl.int64) * 2
         # each step loads the next step's weights, scales and activations before it computes (one
         # step in flight ahead); tiles past the split load from its first tile (scales 0)
+        # offsets enter as -offset / kappa (``bias_of``: 136 for int4, 2304 for int8)
+        z_at = (z_ptr if HAS_ZERO else s_ptr) + tile * 32 + g * 4 + v
+        zk = -1.0 / 2304.0 if INT8 else -1.0 / 136.0
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
         sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+        zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
         xs = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
         acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
         for c0 in range(c_lo, c_hi, STEP):
             ok = c0 + STEP + wu < c_hi
             w_at += STEP * 128
             s_at += STEP * 32
+            z_at += STEP * 32
             x_at += x_step
             words_next = tl.load(w_at, mask=ok, other=0)
             sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+            zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
             xs_next = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
-            if INT8:
-                acc = tl.inline_asm_elementwise(_ASM8, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 8, [words, xs, sc, acc],
-                                                dtype=tl.float32, is_pure=True, pack=4)
-            else:
-                acc = tl.inline_asm_elementwise(_ASM4, "=f,=f,=f,=f" + ",r" * 12 + ",f" * 8,
-                                                [words, xs[0], xs[1], sc, acc], dtype=tl.float32, is_pure=True,
-                                                pack=4)
+            acc = _tile(words, xs, sc, zq, acc, INT8, HAS_ZERO)
             words = words_next
             sc = sc_next
+            zq = zq_next
             xs = xs_next
         sums = tl.sum(acc, axis=1)  # [PAIRS, 128]: per lane c0 c1 (row g), c2 c3 (row g + 8)
         e2 = tl.arange(0, 128)[None, :]
@@ -373,7 +418,8 @@ if triton is not None:
                 tl.store(out_ptr + tok * N + o, out.to(dtype), mask=ok)
 
     @triton.jit
-    def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, tiles_k, INT8: tl.constexpr, TILES: tl.constexpr):
+    def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, tiles_k, INT8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                           TILES: tl.constexpr):
         """out[n, k] = q[n, k] * scale in out's dtype for row tile program_id(0) and input tiles
         [program_id(1) * TILES, ...): the layout's index arithmetic, written out."""
         KT: tl.constexpr = 32 if INT8 else 64
@@ -388,19 +434,20 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         for j in tl.static_range(4):
             n = r * 16 + g + 8 * (j % 2)
-            sc = tl.load(s_ptr + ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2, mask=c_ok, other=0.0)
-            sc = sc.to(tl.float32)
+            at = ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2
+            sc = tl.load(s_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + at, mask=c_ok, other=0.0).to(tl.float32) if HAS_ZERO else 0.0
             lo = (words >> (4 * j)) & 15
             hi = (words >> (16 + 4 * j)) & 15
             if INT8:
                 k = c * KT + 8 * s + 2 * t + j // 2
                 ok = c_ok & (n < N) & (k < K)
-                tl.store(out_ptr + n * K + k, ((16 * hi + lo - 128).to(tl.float32) * sc).to(dtype), mask=ok)
+                tl.store(out_ptr + n * K + k, ((16 * hi + lo - 128).to(tl.float32) * sc + z).to(dtype), mask=ok)
             else:
                 k = c * KT + 16 * s + 4 * t + 2 * (j // 2)
                 ok = c_ok & (n < N) & (k < K)
-                tl.store(out_ptr + n * K + k, ((lo - 8).to(tl.float32) * sc).to(dtype), mask=ok)
-                tl.store(out_ptr + n * K + k + 1, ((hi - 8).to(tl.float32) * sc).to(dtype), mask=ok)
+                tl.store(out_ptr + n * K + k, ((lo - 8).to(tl.float32) * sc + z).to(dtype), mask=ok)
+                tl.store(out_ptr + n * K + k + 1, ((hi - 8).to(tl.float32) * sc + z).to(dtype), mask=ok)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -425,10 +472,11 @@ def config_for(n: int, k: int, bits: int, silu: bool) -> tuple[int, int, int]:
     return 4, 4, 1
 
 
-def gemv(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, silu: bool = False,
+def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: int, silu: bool = False,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [..., k] (bf16, at most MAX_ROWS rows) @ w.T (+ bias) -> [..., n] in bf16; silu: w is
-    gate and up stacked ([2 I, k], I a multiple of 16) and out is silu(gate) * up [..., I]."""
+    """x [..., k] (bf16, at most MAX_ROWS rows) @ w.T (+ bias) -> [..., n] in bf16, w given by
+    ``pack`` and ``pack_scales`` (zeros: the offsets, or None); silu: w is gate and up stacked
+    ([2 I, k], I a multiple of 16) and out is silu(gate) * up [..., I]."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
@@ -442,9 +490,10 @@ def gemv(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, sil
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     _mma_gemv_kernel[(-(-n_out // ROW_TILE), split)](
-        x2, x2.stride(0), words, scales, bias if bias is not None else scales, part, rows, n, tiles_k, per,
-        n_out if silu else 0, INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, SILU=silu, num_warps=warps)
+        x2, x2.stride(0), words, scales, zeros if zeros is not None else scales,
+        bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, INT8=bits == 8,
+        PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
+        PARTIAL=split > 1, SILU=silu, num_warps=warps)
     if split > 1:
         total = rows * n_out
         quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
@@ -453,30 +502,26 @@ def gemv(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, sil
     return out.view(*x.shape[:-1], n_out)
 
 
-def dequantize(words, scales, *, n: int, k: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(words, scales, zeros, *, n: int, k: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight [n, k] in ``dtype``, by ``_dequantize_kernel``."""
     out = torch.empty(n, k, dtype=dtype, device=words.device)
     tiles = 8
     _dequantize_kernel[(words.shape[0], triton.cdiv(words.shape[1], tiles))](
-        words, scales, out, n, k, words.shape[1], INT8=bits == 8, TILES=tiles, num_warps=4)
+        words, scales, zeros if zeros is not None else scales, out, n, k, words.shape[1], INT8=bits == 8,
+        HAS_ZERO=zeros is not None, TILES=tiles, num_warps=4)
     return out
 
 
-def _group_of(scales: torch.Tensor, bits: int, k: int) -> int:
-    """Any group size the packed scales are consistent with, for ``dequantize_reference``: the
-    half tile (every half holds one group's scale)."""
-    return tile_k(bits) // 2
-
-
-def matmul(x: torch.Tensor, words, scales, bias, *, n: int, k: int, bits: int, silu: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: int,
+           silu: bool = False) -> torch.Tensor:
     """x [..., k] @ w.T (+ bias), then with silu ``silu(gate) * up``: the GEMV for up to
     MAX_ROWS bf16 rows (silu in its epilogue where the halves are whole row tiles), else the
     weight dequantized into x's dtype and multiplied by cuBLAS."""
     if usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0):
-        return gemv(x, words, scales, bias, n=n, k=k, bits=bits, silu=silu)
+        return gemv(x, words, scales, zeros, bias, n=n, k=k, bits=bits, silu=silu)
     if kernels.ENABLED and triton is not None and (x.is_cuda or fused._INTERPRET):
-        w = dequantize(words, scales, n=n, k=k, bits=bits, dtype=x.dtype)
-    else:  # the reference path
-        w = dequantize_reference(words, scales, n=n, k=k, group=_group_of(scales, bits, k), bits=bits).to(x.dtype)
+        w = dequantize(words, scales, zeros, n=n, k=k, bits=bits, dtype=x.dtype)
+    else:  # the reference path (each half tile holds one group's scale and offset)
+        w = dequantize_reference(words, scales, zeros, n=n, k=k, group=tile_k(bits) // 2, bits=bits).to(x.dtype)
     out = F.linear(x, w, None if bias is None else bias.to(x.dtype))
     return fused.silu_mul(out) if silu else out

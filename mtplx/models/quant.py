@@ -21,11 +21,11 @@ Backends (``QuantLinear.forward``):
   int8 weight runs through it as two int4 planes, ``q = 16 * hi + lo`` (hi in [-8, 7], lo in
   [0, 15]), laid side by side along the input axis, which is exact and reads the same 1 byte
   per weight.
-- CUDA, symmetric int4 ("mma", sm_80+; ``MTPLX_CUDA_QUANT=cuda-cores`` opts out, ``=mma``
-  takes symmetric int8 too): kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16
-  token rows that costs about the same at 1 and at 8 rows, and a dequantizing kernel plus
-  cuBLAS for more rows or other dtypes.
-- CUDA, everything else ("triton": fp8, int8, int4/int8 with offsets such as GGUF's Q4_1):
+- CUDA, int4 ("mma", sm_80+; ``MTPLX_CUDA_QUANT=cuda-cores`` opts out, ``=mma`` takes int8
+  too): kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16 token rows that costs
+  about the same at 1 and at 8 rows, and a dequantizing kernel plus cuBLAS for more rows or
+  other dtypes.
+- CUDA, everything else ("triton": fp8, int8):
   kernels/quant_gemv.py, a GEMV for up to 8 token rows (CUDA cores up to 4 rows, tensor cores
   for 5-8), a dequantizing kernel plus cuBLAS for more (prefill).
   On both, a fused gate/up layer's SiLU * up is the GEMV's epilogue
@@ -160,13 +160,12 @@ class QuantLinear(nn.Module):
             self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
         elif self.backend == "mma":
             scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
-            if zero is not None:
-                raise ValueError("the 'mma' backend takes symmetric weights (no offsets)")
             n, k = qw.shape
             self.register_buffer("words", quant_mma.pack(qw.q.to(device), qw.bits), persistent=False)
             self.register_buffer("scale", quant_mma.pack_scales(scale, qw.bits, qw.group_size, n, k),
                                  persistent=False)
-            self.zero = None
+            self.register_buffer("zero", None if zero is None else quant_mma.pack_scales(
+                zero, qw.bits, qw.group_size, n, k), persistent=False)
         elif self.backend == "triton":
             quant_gemv.check_group(qw.group_size, qw.shape[1])
             scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
@@ -193,7 +192,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out] in x's dtype."""
         if self.backend == "mma":
-            return quant_mma.matmul(x, self.words, self.scale, self.bias, **self._mma_args())
+            return quant_mma.matmul(x, self.words, self.scale, self.zero, self.bias, **self._mma_args())
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, **self._kernel_args())
         if self.backend == "cpu":
@@ -214,7 +213,7 @@ class QuantLinear(nn.Module):
         projection): x [..., in] -> [..., out / 2] in x's dtype. On the kernels, one launch (the
         SiLU * up is the GEMV's epilogue), else the product then ``layers.silu_mul``."""
         if self.backend == "mma":
-            return quant_mma.matmul(x, self.words, self.scale, self.bias, silu=True, **self._mma_args())
+            return quant_mma.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._mma_args())
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
         return silu_mul(self(x))
@@ -249,7 +248,8 @@ class QuantLinear(nn.Module):
         if self.backend == "triton":
             return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
         if self.backend == "mma":
-            return quant_mma.dequantize_reference(self.words, self.scale, group=self.group_size, **self._mma_args())
+            return quant_mma.dequantize_reference(self.words, self.scale, self.zero, group=self.group_size,
+                                                  **self._mma_args())
         if self.backend == "dequantize":
             return QuantizedWeight(self.q, self.scale, self.zero, self.bits, self.group_size).dequantize()
         if self.backend == "cpu":  # (what a product of many rows multiplies by)
@@ -283,7 +283,7 @@ class QuantLinear(nn.Module):
 
 def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
     """For int4/int8 on the CPU kernels/cpu.py's kernel where it builds here, else
-    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for symmetric int4 (and int8 with
+    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for int4 (and int8 with
     ``MTPLX_CUDA_QUANT=mma``; ``cuda-cores`` keeps int4 off it), the other Triton kernels for the
     rest (where Triton is installed and the groups fit their layout); else dequantize-then-matmul.
     H200, 8B shape (docs/performance.md, session 12): int4 AR 370.8 tok/s on the tensor cores
@@ -299,7 +299,7 @@ def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
         raise ValueError(f"MTPLX_CUDA_QUANT={choice!r}: expected auto, mma or cuda-cores")
     wants_mma = choice == "mma" or (choice == "auto" and qw.bits == 4)
     if (device.type == "cuda" and wants_mma
-            and quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8, bool((qw.zero != 0).any()))
+            and quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8)
             and quant_mma.device_ok(device)):
         return "mma"
     if device.type == "cuda" and quant_gemv.triton is not None and (
