@@ -84,16 +84,22 @@ def _quantized(n: int, k: int, fmt: str, group: int, device, offsets: bool):
     return qw
 
 
+def _layer(n: int, k: int, fmt: str, group: int, device, offsets: bool, backend: str):
+    """(the layer, its weight bytes, its dequantized weight, copies of its buffers (words, scale,
+    zero) enough to stream from memory)."""
+    layer = QuantLinear(_quantized(n, k, fmt, group, device, offsets), device=device, backend=backend)
+    qbytes = layer.weight_bytes()
+    copies = max(2, -(-ROTATE_BYTES // qbytes))
+    bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
+            for _ in range(copies)]
+    return layer, qbytes, layer.dequantize(), bufs
+
+
 def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32,
               offsets: bool = False) -> dict:
     """The tensor-core GEMV on one weight [n, k] at each of ``rows_list``: its default config and
     (unless quick) MMA_SWEEP, each checked against the dequantized weight first."""
-    layer = QuantLinear(_quantized(n, k, fmt, group, device, offsets), device=device, backend="mma")
-    qbytes = layer.weight_bytes()
-    wq = layer.dequantize()
-    copies = max(2, -(-ROTATE_BYTES // qbytes))
-    bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
-            for _ in range(copies)]
+    layer, qbytes, wq, bufs = _layer(n, k, fmt, group, device, offsets, "mma")
     args = dict(n=n, k=k, bits=layer.bits)
     out = {}
     for rows in rows_list:
@@ -126,12 +132,7 @@ def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, de
                  offsets: bool = False) -> dict:
     """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``,
     on the CUDA-core kernel."""
-    layer = QuantLinear(_quantized(n, k, fmt, group, device, offsets), device=device, backend="triton")
-    qbytes = layer.weight_bytes()
-    wq = layer.dequantize()
-    copies = max(2, -(-ROTATE_BYTES // qbytes))
-    bufs = [(layer.words.clone(), layer.scale.clone(), None if layer.zero is None else layer.zero.clone())
-            for _ in range(copies)]
+    layer, qbytes, wq, bufs = _layer(n, k, fmt, group, device, offsets, "triton")
     w = wq.to(torch.bfloat16)  # the bf16 baseline: the same weight in bf16
     wb = [w.clone() for _ in range(max(2, -(-ROTATE_BYTES // (2 * n * k))))]
     out = {}
