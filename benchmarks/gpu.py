@@ -745,8 +745,9 @@ def check_quantized_logits(engine: Engine) -> dict:
 
 
 def quant_gemv_sweep(config: ModelConfig, device, fmt: str, group: int) -> dict:
-    """The quantized GEMV's default configuration on the shape's matrices (fused qkv, o, fused
-    gate/up, down, LM head) at 1 and 4 rows against bf16 cuBLAS, each timed in a CUDA graph over
+    """The format's default quantized GEMV (int4: the tensor-core one, timed alone; the others:
+    the CUDA-core one against bf16 cuBLAS) in its default configuration on the shape's matrices
+    (fused qkv, o, fused gate/up, down, LM head) at 1 and 4 rows, each timed in a CUDA graph over
     rotated copies of the weight (benchmarks/quant_gemv.py; it sweeps the configurations too)."""
     import sys
     from pathlib import Path
@@ -771,13 +772,15 @@ def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth
         # "int4/cuda-cores", "int8/mma": the format on the other CUDA kernel than its default
         # (MTPLX_CUDA_QUANT; kernels/quant_gemv.py's CUDA-core GEMV, kernels/quant_mma.py's tensor-core one)
         fmt, _, kernel = label.partition("/")
-        saved = os.environ.pop("MTPLX_CUDA_QUANT", None)
+        saved = os.environ.get("MTPLX_CUDA_QUANT")
         if kernel:
             os.environ["MTPLX_CUDA_QUANT"] = kernel
-        engine = random_engine(shape, device, quant=None if fmt == "bf16" else fmt, group=group)
-        os.environ.pop("MTPLX_CUDA_QUANT", None)
-        if saved is not None:
-            os.environ["MTPLX_CUDA_QUANT"] = saved
+        try:
+            engine = random_engine(shape, device, quant=None if fmt == "bf16" else fmt, group=group)
+        finally:
+            os.environ.pop("MTPLX_CUDA_QUANT", None)
+            if saved is not None:
+                os.environ["MTPLX_CUDA_QUANT"] = saved
         entry = {"weight_GB": weight_bytes(engine) / 1e9, "engine_build_s": engine.build_s}
         if fmt != "bf16":
             entry.update(check_quantized_layers(engine))

@@ -57,7 +57,7 @@ def test_emulated_kernel_matches_the_weight(bits, rows, n, k, group, offsets):
         w = w + zero.double().unsqueeze(-1)
     w = w.flatten(1)
     ref = x.double() @ w.T
-    got = quant_mma.emulate(x, words, scales, zeros, n=n, k=k, group=group, bits=bits).double()
+    got = quant_mma.emulate(x, words, scales, zeros, n=n, k=k, bits=bits).double()
     magnitude = x.double().abs() @ w.abs().T
     # float32 sums of exact products, less the constant's sum (128 + 8 or 2048 + 128 + 128 times
     # sum x), and the offset's term from that sum: a few float32 roundings of terms up to
@@ -111,7 +111,8 @@ class _Warp:
             if not line or line in "{}" or line.startswith(".reg"):
                 continue
             op, _, rest = line.partition(" ")
-            if op.startswith("mma.sync"):
+            if op.startswith("mma"):
+                assert op == "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", op
                 self.mma(rest)
                 continue
             for lane in range(32):
@@ -139,6 +140,7 @@ class _Warp:
         elif op == "shr.u32":
             out = (v[0] & 0xFFFFFFFF) >> v[1]
         elif op == "prmt.b32":  # bytes of {b, a} chosen by the selector's nibbles
+            assert not v[2] & 0x8888, "the simulator has no sign-replicating prmt selectors"
             pool = (v[0] & 0xFFFFFFFF) | ((v[1] & 0xFFFFFFFF) << 32)
             out = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "add.f32":
@@ -193,13 +195,15 @@ def test_inline_ptx_computes_a_tile(bits, offsets):
     load.run(quant_mma._load_asm(bits))
     xs = [[load.regs[lane][f"${i}"] for i in range(outs)] for lane in range(32)]
     kappa = quant_mma.bias_of(bits)
+    acc = np.float32(np.random.default_rng(7).normal(size=(16, 8)))
     operands = []
     for lane in range(32):
         g = lane // 4
         sc = [_bits(float(s)) for s in scales[g]]
         zq = [_bits(float(np.float32(float(z)) * np.float32(-1.0 / kappa))) for z in zeros[g]]
-        operands.append([0] * 4 + [u32(w) for w in words[lane]] + xs[lane] + sc + (zq if offsets else [])
-                        + [_bits(0.0)] * 4)
+        # the sums coming in: each lane's c0-c3 (rows g, g + 8; tokens 2 t, 2 t + 1)
+        acc_in = [_bits(float(acc[g + 8 * (j // 2), 2 * (lane % 4) + j % 2])) for j in range(4)]
+        operands.append([0] * 4 + [u32(w) for w in words[lane]] + xs[lane] + sc + (zq if offsets else []) + acc_in)
     tile = _Warp(operands, memory)
     tile.run(quant_mma._asm(bits, offsets))
     got = np.zeros((16, 8))
@@ -211,6 +215,50 @@ def test_inline_ptx_computes_a_tile(bits, offsets):
     if offsets:
         w = w + zero.double().unsqueeze(-1)
     w = w.flatten(1)
-    ref = (x.double() @ w.T).T.numpy()
-    magnitude = (x.double().abs() @ w.abs().T).T.numpy()
-    assert np.abs(got - ref).max() / magnitude.max() < 1e-5
+    ref = (x.double() @ w.T).T.numpy() + acc
+    magnitude = (x.double().abs() @ w.abs().T).T.numpy() + np.abs(acc)
+    assert (np.abs(got - ref) <= 1e-5 * magnitude).all()
+
+
+def test_mma_layer_checks_its_format_and_runs_off_the_gpu():
+    """A forced "mma" layer refuses what the layout cannot hold; where its GEMV cannot run (here:
+    the CPU, kernels on or off) forward and the SiLU path take the dequantized weight."""
+    from mtplx import kernels
+    from mtplx.models.quant import QuantizedWeight, QuantLinear
+
+    q, scale, zero = _weight(4, 32, 128, 32)
+    with pytest.raises(ValueError, match="'mma' backend"):
+        QuantLinear(QuantizedWeight(q[:, :96], scale[:, :3].float(), zero[:, :3].float(), 4, 32), backend="mma")
+    qw = QuantizedWeight(q, scale.float(), zero.float(), 4, 32)
+    layer = QuantLinear(qw, backend="mma")
+    w = QuantizedWeight(q, scale.float(), zero.float(), 4, 32).dequantize()
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    for enabled in (True, False):
+        kernels.ENABLED = enabled
+        try:
+            assert torch.allclose(layer(x), x @ w.T, atol=1e-4)
+            g, u = (x @ w.T).chunk(2, dim=-1)
+            assert torch.allclose(layer.silu_mul_forward(x), torch.nn.functional.silu(g) * u, atol=1e-4)
+        finally:
+            kernels.ENABLED = True
+
+
+def test_cuda_backend_choice():
+    """int4 takes the tensor-core GEMV only for bf16 activations (float16 and float32 keep the
+    CUDA-core kernel, which reads them as they are); MTPLX_CUDA_QUANT says otherwise or is refused."""
+    from mtplx.kernels import fused
+    from mtplx.models import quant
+
+    q, scale, zero = _weight(4, 32, 128, 32)
+    qw = quant.QuantizedWeight(q, scale.float(), zero.float(), 4, 32)
+    cuda = torch.device("cuda")
+    if fused.available():
+        assert quant._backend_for(qw, cuda, torch.float16) == "triton"
+        assert quant._backend_for(qw, cuda, torch.float32) == "triton"
+    import os
+    os.environ["MTPLX_CUDA_QUANT"] = "fast"
+    try:
+        with pytest.raises(ValueError, match="MTPLX_CUDA_QUANT"):
+            quant._backend_for(qw, cuda, torch.bfloat16)
+    finally:
+        del os.environ["MTPLX_CUDA_QUANT"]

@@ -172,6 +172,14 @@ if triton is not None:
         return v
 
     @triton.jit
+    def silu_mul_rounded(g, u, dtype: tl.constexpr):
+        """silu(g) * u in ``dtype`` from float32 sums g and u, each rounded to ``dtype`` first (as a
+        product's output would be before ``fused.silu_mul``): the SiLU epilogue of the GEMVs."""
+        g = g.to(dtype).to(tl.float32)
+        u = u.to(dtype).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(dtype)
+
+    @triton.jit
     def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
         """The weight rows [BLOCK_N] of program pid_n: BLOCK_N consecutive ones, or with SILU
         (N = 2 * I rows, gate then up) gate row o and up row I + o for each of its BLOCK_N // 2
@@ -198,11 +206,8 @@ if triton is not None:
                 sums += tl.load(b_ptr + nw, mask=nw < N, other=0.0).to(tl.float32)
             if SILU:
                 g, u = tl.split(tl.reshape(sums, [sums.shape[0], BLOCK_N // 2, 2]))
-                g = g.to(dtype).to(tl.float32)
-                u = u.to(dtype).to(tl.float32)
                 o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)[None, :]
-                tl.store(out_ptr + mo * (N // 2) + o, (g / (1.0 + tl.exp(-g)) * u).to(dtype),
-                         mask=(mo < rows) & (o < N // 2))
+                tl.store(out_ptr + mo * (N // 2) + o, silu_mul_rounded(g, u, dtype), mask=(mo < rows) & (o < N // 2))
             else:
                 tl.store(out_ptr + mo * N + nw, sums.to(dtype), mask=ok)
 
@@ -343,10 +348,7 @@ if triton is not None:
             at = (i // half) * N + i % half
             g = _split_sum(part_ptr, b_ptr, at, at % N, ok, total * 2, SPLIT, HAS_BIAS)
             u = _split_sum(part_ptr, b_ptr, at + half, at % N + half, ok, total * 2, SPLIT, HAS_BIAS)
-            dtype = out_ptr.dtype.element_ty
-            g = g.to(dtype).to(tl.float32)
-            u = u.to(dtype).to(tl.float32)
-            tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(dtype), mask=ok)
+            tl.store(out_ptr + i, silu_mul_rounded(g, u, out_ptr.dtype.element_ty), mask=ok)
         else:
             acc = _split_sum(part_ptr, b_ptr, i, i % N, ok, total, SPLIT, HAS_BIAS)
             tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)

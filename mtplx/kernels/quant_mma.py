@@ -126,7 +126,7 @@ def pack_scales(scale: torch.Tensor, bits: int, group: int, n: int, k: int) -> t
     """scale [n, k // group] -> [ceil(n / 16), ceil(k / KT), 8, 4] in scale's dtype: for row
     tile r, input tile c and lane group g, the scales of (row g, first half of the tile's inputs),
     (row g + 8, first half), (row g, second half), (row g + 8, second half): one 8-byte load
-    per lane (0 for padding rows)."""
+    per lane for float16 scales, 16 for float32 (0 for padding rows). Offsets take the same layout."""
     kt = tile_k(bits)
     r, c = -(-n // ROW_TILE), -(-k // kt)
     g = torch.arange(8, device=scale.device).view(1, 1, 8, 1)
@@ -171,7 +171,7 @@ def dequantize_reference(words, scales, zeros=None, *, n: int, k: int, group: in
     return w.flatten(1)
 
 
-def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits: int) -> torch.Tensor:
     """What the kernel computes, in PyTorch (float32), from the PTX definitions: each lane's A
     registers decoded from its word as the inline PTX does (128 + u; int8: 128 + ul and
     2048 + 16 uh), its B registers loaded from x as the kernel loads them, both placed in the
@@ -182,7 +182,7 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, group
     rows = x.shape[0]
     kt = tile_k(bits)
     r_tiles, c_tiles = words.shape[:2]
-    xp = torch.zeros(MAX_ROWS, c_tiles * kt + 8)
+    xp = torch.zeros(MAX_ROWS, c_tiles * kt)
     xp[:rows, :k] = x.float()
     lane = torch.arange(LANES)
     g, t = lane // 4, lane % 4
@@ -229,7 +229,7 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, group
 
 def _load_asm(bits: int) -> str:
     """Inline PTX loading one lane's activations for a tile's 4 mma steps from the address of
-    step 0's ($4; $5-$7 are copies): int4, 8 bytes a step (the lane's 4 activations), 32 bytes
+    step 0's (int4: $8, after the 8 outputs, $9-$11 copies; int8: $4, $5-$7 copies): int4, 8 bytes a step (the lane's 4 activations), 32 bytes
     apart, as the B registers $0-$3 (activations 0-1 of steps 0-3) and $4-$7 (2-3); int8, 4
     bytes (a pair), 16 bytes apart, as $0-$3. The loads are written in PTX, not Triton, so that
     Triton keeps every operand in the words' layout instead of moving the words through shared
@@ -282,6 +282,8 @@ def _asm(bits: int, offsets: bool) -> str:
 
 
 if triton is not None:
+    from mtplx.kernels.quant_gemv import silu_mul_rounded
+
     _ASM4 = tl.constexpr(_asm(4, False))
     _ASM8 = tl.constexpr(_asm(8, False))
     _ASM4Z = tl.constexpr(_asm(4, True))
@@ -323,7 +325,7 @@ if triton is not None:
 
     @triton.jit
     def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
-                         INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
+                         zk, INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
                          HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                          SILU: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile
@@ -352,7 +354,7 @@ if triton is not None:
         w_at = w_ptr + tile * 128 + e
         s_at = s_ptr + tile * 32 + g * 4 + v
         # B columns past the rows read row rows - 1 (their sums are not stored), tiles past the
-        # split read its last tile (their scales load as 0): no activation load needs a mask
+        # split read its first tile (their scales load as 0): no activation load needs a mask
         xb = (tl.minimum(g, rows - 1) * sx).to(tl.int64) * 2 + x_ptr.to(tl.int64)  # bytes
         x_step = (KT * STEP) * 2  # bytes
         if INT8:  # step 0's pair of activations (the load adds 16 bytes a step)
@@ -361,9 +363,8 @@ if triton is not None:
             x_at = xb + ((c_lo + wu) * KT + 4 * t).to(tl.int64) * 2
         # each step loads the next step's weights, scales and activations before it computes (one
         # step in flight ahead); tiles past the split load from its first tile (scales 0)
-        # offsets enter as -offset / kappa (``bias_of``: 136 for int4, 2304 for int8)
+        # offsets enter as offset * zk, zk = -1 / kappa (``bias_of``)
         z_at = (z_ptr if HAS_ZERO else s_ptr) + tile * 32 + g * 4 + v
-        zk = -1.0 / 2304.0 if INT8 else -1.0 / 136.0
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
         sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
@@ -403,9 +404,7 @@ if triton is not None:
                 if HAS_BIAS:
                     gate += tl.load(b_ptr + o, mask=o < half_rows, other=0.0).to(tl.float32)
                     up += tl.load(b_ptr + half_rows + o, mask=o < half_rows, other=0.0).to(tl.float32)
-                gate = gate.to(dtype).to(tl.float32)
-                up = up.to(dtype).to(tl.float32)
-                tl.store(out_ptr + tok * half_rows + o, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype),
+                tl.store(out_ptr + tok * half_rows + o, silu_mul_rounded(gate, up, dtype),
                          mask=(tok < rows) & (o < half_rows))
         else:
             out = tl.sum(sums, axis=0)[None, :]
@@ -420,7 +419,7 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, tiles_k, INT8: tl.constexpr, HAS_ZERO: tl.constexpr,
                            TILES: tl.constexpr):
-        """out[n, k] = q[n, k] * scale in out's dtype for row tile program_id(0) and input tiles
+        """out[n, k] = q[n, k] * scale (+ zero) in out's dtype for row tile program_id(0) and input tiles
         [program_id(1) * TILES, ...): the layout's index arithmetic, written out."""
         KT: tl.constexpr = 32 if INT8 else 64
         r = tl.program_id(0)
@@ -433,7 +432,7 @@ if triton is not None:
         words = tl.load(w_ptr + ((r * tiles_k + c) * 32 + lane) * 4 + s, mask=c_ok, other=0)
         dtype = out_ptr.dtype.element_ty
         for j in tl.static_range(4):
-            n = r * 16 + g + 8 * (j % 2)
+            n = (r * 16 + g + 8 * (j % 2)).to(tl.int64)  # n * K passes 2^31 in large matrices
             at = ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2
             sc = tl.load(s_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + at, mask=c_ok, other=0.0).to(tl.float32) if HAS_ZERO else 0.0
@@ -456,18 +455,24 @@ def usable(x: torch.Tensor) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
-def config_for(n: int, k: int, bits: int, silu: bool) -> tuple[int, int, int]:
+def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:
+    """Whether ``gemv`` takes x for a weight [n, k]: ``usable``, at most MAX_ROWS rows, and with
+    silu halves of whole row tiles."""
+    return usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0)
+
+
+def config_for(n: int, k: int) -> tuple[int, int, int]:
     """(WARPS, UNITS, SPLIT) for a weight [n, k], from benchmarks/quant_gemv.py's sweep on the
     H200 (benchmarks/results/gpu_h200_s12_quant_gemv.json; the 8B shape's matrices, int4 and
     int8, 1 and 4 rows): four warps; for the few row tiles of q/k/v and o, four tiles per warp
-    per loop step; for long rows (down), splits of the inputs instead; for many row tiles
-    (fused gate/up: two, LM head: one) fewer tiles per step."""
+    per loop step; for long rows (down, 12,288 inputs), four splits of the inputs instead; for
+    many row tiles (fused gate/up: two, LM head: one) fewer tiles per step."""
     row_tiles = -(-n // ROW_TILE)
     if row_tiles >= 4096:
         return 4, 1, 1
     if row_tiles >= 1024:
         return 4, 2, 1
-    if k // tile_k(bits) >= 128:
+    if k >= 8192:
         return 4, 1, 4
     return 4, 4, 1
 
@@ -478,20 +483,24 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
     ``pack`` and ``pack_scales`` (zeros: the offsets, or None); silu: w is gate and up stacked
     ([2 I, k], I a multiple of 16) and out is silu(gate) * up [..., I]."""
     x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    n_out = n // 2 if silu else n
+    if rows > MAX_ROWS or (silu and n_out % ROW_TILE):
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows (got {rows}), with silu halves of whole "
+                         f"{ROW_TILE}-row tiles (got {n_out})")
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], n_out)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
-    rows = x2.shape[0]
-    warps, units, split = config or config_for(n, k, bits, silu)
+    warps, units, split = config or config_for(n, k)
     tiles_k = words.shape[1]
-    step = warps * units
-    per = -(-(-(-tiles_k // split)) // step) * step  # whole loop steps per split
-    split = -(-tiles_k // per)
-    n_out = n // 2 if silu else n
+    per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)  # whole loop steps per split
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     _mma_gemv_kernel[(-(-n_out // ROW_TILE), split)](
         x2, x2.stride(0), words, scales, zeros if zeros is not None else scales,
-        bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, INT8=bits == 8,
+        bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, -1.0 / bias_of(bits),
+        INT8=bits == 8,
         PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
         PARTIAL=split > 1, SILU=silu, num_warps=warps)
     if split > 1:
@@ -512,16 +521,14 @@ def dequantize(words, scales, zeros, *, n: int, k: int, bits: int, dtype: torch.
     return out
 
 
-def matmul(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: int,
-           silu: bool = False) -> torch.Tensor:
-    """x [..., k] @ w.T (+ bias), then with silu ``silu(gate) * up``: the GEMV for up to
-    MAX_ROWS bf16 rows (silu in its epilogue where the halves are whole row tiles), else the
-    weight dequantized into x's dtype and multiplied by cuBLAS."""
-    if usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0):
-        return gemv(x, words, scales, zeros, bias, n=n, k=k, bits=bits, silu=silu)
+def matmul(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: int) -> torch.Tensor:
+    """x [..., k] @ w.T (+ bias): the GEMV where it ``fits``, else the weight dequantized into x's
+    dtype (by ``dequantize`` where the kernels run, else in PyTorch) and multiplied by cuBLAS.
+    (The SiLU epilogue is ``gemv(silu=True)``'s; QuantLinear.silu_mul_forward decides.)"""
+    if fits(x, n, k):
+        return gemv(x, words, scales, zeros, bias, n=n, k=k, bits=bits)
     if kernels.ENABLED and triton is not None and (x.is_cuda or fused._INTERPRET):
         w = dequantize(words, scales, zeros, n=n, k=k, bits=bits, dtype=x.dtype)
     else:  # the reference path (each half tile holds one group's scale and offset)
         w = dequantize_reference(words, scales, zeros, n=n, k=k, group=tile_k(bits) // 2, bits=bits).to(x.dtype)
-    out = F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    return fused.silu_mul(out) if silu else out
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -100,7 +100,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
         head = attach_head(model, head_weights, device, dtype, shard, config)
         if isinstance(output, QuantizedWeight) and output.bits == 8:
             # drafts read the output matrix once more per drafted token: half the bytes in int4
-            model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device)
+            model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device,
+                                              dtype=dtype)
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
     return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info,

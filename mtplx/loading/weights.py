@@ -70,7 +70,7 @@ def materialize(module: nn.Module, state: dict, device, dtype, *, tied: bool,
     for name, (qw, bias) in quantized.items():
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent), child,
-                QuantLinear(qw, None if bias is None else bias.to(dtype), device=device))
+                QuantLinear(qw, None if bias is None else bias.to(dtype), device=device, dtype=dtype))
     if isinstance(module, CausalLM):
         if tied and "lm_head" not in quantized:
             module.lm_head.weight = module.model.embed_tokens.weight

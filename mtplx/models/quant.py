@@ -25,7 +25,8 @@ Backends (``QuantLinear.forward``):
   too): kernels/quant_mma.py, a GEMV on the tensor cores for up to 8 bf16 token rows that costs
   about the same at 1 and at 8 rows, and a dequantizing kernel plus cuBLAS for more rows or
   other dtypes.
-- CUDA, everything else ("triton": fp8, int8):
+- CUDA, everything else ("triton": fp8, int8; int4 with other activation dtypes, with
+  ``MTPLX_CUDA_QUANT=cuda-cores``, or in shapes the tensor-core layout cannot hold):
   kernels/quant_gemv.py, a GEMV for up to 8 token rows (CUDA cores up to 4 rows, tensor cores
   for 5-8), a dequantizing kernel plus cuBLAS for more (prefill).
   On both, a fused gate/up layer's SiLU * up is the GEMV's epilogue
@@ -140,12 +141,13 @@ class QuantLinear(nn.Module):
     for ``device``; ``dequantize()`` gives the float weight."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, device=None,
-                 backend: str | None = None):
+                 backend: str | None = None, dtype: torch.dtype | None = None):
+        """dtype: the activations' dtype where known (the CUDA tensor-core GEMV takes bf16 ones)."""
         super().__init__()
         device = torch.device(device or "cpu")
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.source, self.fp8 = qw.bits, qw.group_size, qw.source, qw.fp8
-        self.backend = backend or _backend_for(qw, device)
+        self.backend = backend or _backend_for(qw, device, dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
         if self.backend == "cpu":
             words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, qw.bits, qw.group_size)
@@ -159,6 +161,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
         elif self.backend == "mma":
+            if not quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8):
+                raise ValueError(f"the 'mma' backend takes int4/int8 in groups of a multiple of 32 and rows of whole "
+                                 f"{quant_mma.tile_k(qw.bits)}-input tiles, not {self.format} with {qw.shape[1]} inputs")
             scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
             n, k = qw.shape
             self.register_buffer("words", quant_mma.pack(qw.q.to(device), qw.bits), persistent=False)
@@ -212,8 +217,8 @@ class QuantLinear(nn.Module):
         """silu(gate) * up of this layer's output [..., 2 I] (gate first, a fused gate/up
         projection): x [..., in] -> [..., out / 2] in x's dtype. On the kernels, one launch (the
         SiLU * up is the GEMV's epilogue), else the product then ``layers.silu_mul``."""
-        if self.backend == "mma":
-            return quant_mma.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._mma_args())
+        if self.backend == "mma" and quant_mma.fits(x, self.out_features, self.in_features, silu=True):
+            return quant_mma.gemv(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._mma_args())
         if self.backend == "triton" and quant_gemv.usable(x):
             return quant_gemv.matmul(x, self.words, self.scale, self.zero, self.bias, silu=True, **self._kernel_args())
         return silu_mul(self(x))
@@ -244,7 +249,8 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the kernel computes with (bf16-rounded scales on the CPU,
-        float16-rounded ones for the Triton kernels where ``quant_gemv.compact_scales`` chose so)."""
+        float16-rounded ones for the CUDA kernels, "triton" and "mma", where
+        ``quant_gemv.compact_scales`` chose so)."""
         if self.backend == "triton":
             return quant_gemv.dequantize_reference(self.words, self.scale, self.zero, **self._kernel_args())
         if self.backend == "mma":
@@ -281,9 +287,10 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, {self.backend}"
 
 
-def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
+def _backend_for(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """For int4/int8 on the CPU kernels/cpu.py's kernel where it builds here, else
-    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for int4 (and int8 with
+    PyTorch's packed int4 kernel; on CUDA the tensor-core GEMV for int4 with bf16 activations
+    (``dtype``: None counts as bf16, CUDA's default) (and int8 with
     ``MTPLX_CUDA_QUANT=mma``; ``cuda-cores`` keeps int4 off it), the other Triton kernels for the
     rest (where Triton is installed and the groups fit their layout); else dequantize-then-matmul.
     H200, 8B shape (docs/performance.md, session 12): int4 AR 370.8 tok/s on the tensor cores
@@ -297,7 +304,7 @@ def _backend_for(qw: QuantizedWeight, device: torch.device) -> str:
     choice = os.environ.get("MTPLX_CUDA_QUANT", "auto")
     if choice not in ("auto", "mma", "cuda-cores"):
         raise ValueError(f"MTPLX_CUDA_QUANT={choice!r}: expected auto, mma or cuda-cores")
-    wants_mma = choice == "mma" or (choice == "auto" and qw.bits == 4)
+    wants_mma = choice == "mma" or (choice == "auto" and qw.bits == 4 and dtype in (None, torch.bfloat16))
     if (device.type == "cuda" and wants_mma
             and quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8)
             and quant_mma.device_ok(device)):
@@ -347,9 +354,10 @@ def quantize_linears(module: nn.Module, fmt: str, group_size: int = 32) -> int:
     one matrix each as loading does. Returns the count of QuantLinears made."""
     quantized = {name: (quantize(sub.weight, fmt, group_size), sub.bias)
                  for name, sub in module.named_modules() if type(sub) is nn.Linear}
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)  # the activations'
     for name, (qw, bias) in fuse_quantized(module, quantized).items():
         parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent), child, QuantLinear(qw, bias, device=qw.q.device))
+        setattr(module.get_submodule(parent), child, QuantLinear(qw, bias, device=qw.q.device, dtype=dtype))
     return len(quantized)
 
 
