@@ -8,10 +8,13 @@ and multiplying (docs/performance.md, session 9): at one row it issues instructi
 fast as memory delivers the weights, and a verify of 4 rows costs it 2x a step because every
 row is a separate multiply. Here a warp decodes its weights straight into the A operand of
 ``mma.sync.m16n8k16`` (bf16 in, float32 sums) and the token rows are the B operand's 8
-columns, so 1 to 8 rows cost the same instructions: about two per int4 weight, and the
-multiplies run on the tensor cores.
+columns, so 1 to 8 rows cost the same instructions (about three per int4 weight and lane in
+Triton 3.6's sm_90 build) and the multiplies run on the tensor cores. Measured on the H200
+(docs/performance.md, session 12): at 4 rows 1.4-2.5x faster than the CUDA-core kernel, at 1
+row 5-25% slower (it waits on memory more than it issues), so an int4 verify of 1 + 3 tokens
+costs 1.04x an AR step where it cost 2.0x.
 
-Decoding (inline PTX, ``_MMA_INT4`` / ``_MMA_INT8``): one ``lop3`` puts two 4-bit fields u, at
+Decoding (inline PTX, ``_asm``): one ``lop3`` puts two 4-bit fields u, at
 bits 0 and 16 of a word (after a shift of 0, 4, 8 or 12), into the mantissas of two bf16 128.0,
 giving 128 + u exactly, which is the A register pair. The offset (the 128, and the 8 of
 offset-binary: q = u - 8) is taken off with two more mma per group half whose A is the constant
@@ -21,7 +24,9 @@ are then multiplied by its scale (one FFMA per output), which is exactly what th
 kernel computes, up to the order of the float32 sums. int8 weights are two planes of 4 bits,
 u = 16 uh + ul: the high field is decoded into bf16 2048.0's mantissa, whose unit is 16, so
 2048 + 16 uh, and the low one into 128 + ul; each pair of B elements repeats one activation
-(``prmt``), and the constant A is (-128, -2176).
+(``prmt``), and the constant A is (-128, -2176). A group offset z (GGUF's Q4_1 and Q4_K
+minima) adds z * (the half's activation sum), which is the constant chain's sum times
+-z / kappa (``bias_of``): one more FFMA per output and half.
 
 Layout (``pack``): rows in tiles of 16, inputs in tiles of KT (64 int4 or 32 int8); a tile is
 32 lanes x 4 int32 words (512 bytes, one 16-byte load per lane), word s of lane l = 4 g + t
