@@ -31,8 +31,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
     quantize: the trunk's linear weights: None (default, auto): a GGUF file's own 4/8-bit blocks
     on the CPU in float32 where its C++ kernels build (several times faster than float, the same
-    greedy output on the prompts measured), else float; "none" float; "gguf" runs a GGUF
-    file's own 4/8-bit blocks (fast on the CPU); "int4" / "int8" quantize on load
+    greedy output on the prompts measured), and on a GPU whose free memory the float weights
+    would fill past 80%, else float; "none" float; "gguf" runs a GGUF file's own 4/8-bit blocks
+    (on the CPU's kernels, or CUDA's: int4 on the tensor cores); "int4" / "int8" quantize on load
     (round-to-nearest, a scale per 32 inputs); "fp8" quantizes to float8 e4m3 with a scale per
     output row (Triton kernels on CUDA; on the CPU dequantized per forward: slow, for quality
     checks). The MTP head always stays in ``dtype``.

@@ -386,3 +386,22 @@ def test_int4_model_gives_the_round_to_nearest_models_logits(tmp_path):
 def test_unknown_quantize_value_is_refused():
     with pytest.raises(InvalidParameter, match="quantize"):
         mtplx.load(device="cpu", quantize="int3")
+
+
+def test_auto_quantize_keeps_a_gguf_in_its_blocks_where_the_float_weights_would_not_fit(default_gguf, monkeypatch):
+    """quantize auto on CUDA: float weights while they take at most GPU_FLOAT_SHARE of the free
+    memory, the file's own blocks past that (the GPU's free memory stands in a monkeypatch: no
+    GPU here); float32 on the CPU keeps taking the blocks, a directory of float weights never."""
+    from pathlib import Path
+
+    from mtplx.loading import checkpoint
+
+    path = Path(default_gguf)
+    float_bytes = checkpoint.gguf_float_bytes(path, torch.bfloat16)
+    assert float_bytes == 2 * sum(v.numel() for v in load_gguf(path, dtype=torch.float32)[1].values())
+    cuda = torch.device("cuda")
+    for free, want in ((10 * float_bytes, None), (float_bytes, "gguf")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
+        assert checkpoint.resolve_quantize(None, path, cuda, torch.bfloat16) == want
+    assert checkpoint.resolve_quantize("none", path, cuda, torch.bfloat16) == "none"
+    assert checkpoint.resolve_quantize(None, path.parent, cuda, torch.bfloat16) is None

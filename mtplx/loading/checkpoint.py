@@ -43,7 +43,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
     quantize: the trunk's linear weights (the MTP head's stay in ``dtype``): None (auto): a GGUF
     file's own blocks where they run fastest and as exactly as the float model (float32 on a CPU
-    with kernels/cpu.py's kernels: ``resolve_quantize``), else float; "none": float; "gguf": a
+    with kernels/cpu.py's kernels), or where the float weights would not fit on the GPU
+    (``resolve_quantize``), else float; "none": float; "gguf": a
     GGUF file's own quantized blocks (models/quant.py; fast on the CPU only);
     "int4" / "int8": round-to-nearest with groups of 32 inputs; "fp8": float8 e4m3 with one
     scale per output row (fast on CUDA; on the CPU dequantized per forward, for quality checks).
@@ -128,19 +129,38 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+GPU_FLOAT_SHARE = 0.8  # of a GPU's free memory the float weights may take; the rest: KV cache, activations
+
+
 def resolve_quantize(quantize: str | None, path: Path, device: torch.device, dtype: torch.dtype) -> str | None:
     """``quantize`` as asked, or for None (auto) "gguf" for a GGUF file loaded as float32 on a CPU
     where kernels/cpu.py's kernels run (float32 activations: greedy output equal to the float
     model's on 8 of 8 prompts for 64 tokens, several times its decode speed: docs/performance.md),
-    else None (float: on CUDA the bf16 path is the tuned one)."""
+    or on a GPU whose free memory the file's weights in ``dtype`` would fill past
+    GPU_FLOAT_SHARE (its own blocks then run on the quantized kernels: a 4-bit model in about a
+    quarter of bf16's bytes); else None (float: on CUDA the bf16 path is the tuned one, and for a
+    model as small as the default one faster than its 4-bit blocks: docs/performance.md, session 12)."""
     if quantize is not None:
         return quantize
     from mtplx.kernels import cpu as cpu_kernels
 
-    if (path.is_file() and path.suffix == ".gguf" and torch.device(device).type == "cpu"
-            and dtype == torch.float32 and cpu_kernels.available()):
+    device = torch.device(device)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
+        return "gguf"
+    if device.type == "cuda" and gguf_float_bytes(path, dtype) > GPU_FLOAT_SHARE * torch.cuda.mem_get_info(device)[0]:
         return "gguf"
     return None
+
+
+def gguf_float_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The bytes a GGUF file's tensors take dequantized to ``dtype``."""
+    from math import prod
+
+    from mtplx.loading.gguf_file import read_gguf_header
+
+    return sum(prod(t.shape) for t in read_gguf_header(path).tensors) * torch.empty((), dtype=dtype).element_size()
 
 
 def quantize_state(state: dict, config: ModelConfig, fmt: str) -> dict:
