@@ -1,9 +1,9 @@
 """The quantized GEMVs on the 8B shape's matrices against bf16 cuBLAS: the CUDA-core kernel
 (mtplx/kernels/quant_gemv.py, "gemv") and the tensor-core one for int4/int8
-(mtplx/kernels/quant_mma.py, "mma"; bf16 cuBLAS is timed with "gemv"); per matrix, format, token rows and kernel configuration,
-the time of one product in a CUDA graph (weights rotated over enough copies that they stream
-from memory, not L2) and the weight bytes read per second. Each configuration's output is first
-checked against the dequantized weight's float32 product.
+(mtplx/kernels/quant_mma.py, "mma"; bf16 cuBLAS is timed with "gemv"); per matrix, format,
+token rows and kernel configuration, the time of one product in a CUDA graph (weights rotated
+over enough copies that they stream from memory, not L2) and the weight bytes read per second.
+Each configuration's output is first checked against the dequantized weight's float32 product.
 
     PYTHONPATH=. python3 benchmarks/quant_gemv.py --out r.json [--formats int4,int8] [--quick]
         [--kernels gemv,mma] [--offsets]
@@ -71,7 +71,8 @@ def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tupl
     return block_n, warps, quant_gemv.split_ranges(chunks, split, dot_c or 32 * warps)[1], dot_c
 
 
-MMA_SWEEP = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 1, 1), (8, 2, 1), (4, 1, 2), (4, 2, 2), (8, 1, 2), (4, 1, 4), (4, 2, 4)]  # (WARPS, UNITS, SPLIT)
+MMA_SWEEP = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 1, 1), (8, 2, 1),  # (WARPS, UNITS, SPLIT)
+             (4, 1, 2), (4, 2, 2), (8, 1, 2), (4, 1, 4), (4, 2, 4)]
 
 
 def _quantized(n: int, k: int, fmt: str, group: int, device, offsets: bool):
@@ -96,7 +97,8 @@ def _layer(n: int, k: int, fmt: str, group: int, device, offsets: bool, backend:
 
 
 def mma_effective(cfg: tuple[int, int, int], tiles_k: int) -> tuple[int, int, int]:
-    """The (WARPS, UNITS, SPLIT) the tensor-core gemv runs for ``cfg``: SPLIT as split_ranges rounds it."""
+    """The (WARPS, UNITS, SPLIT) the tensor-core gemv runs for ``cfg``: SPLIT as split_ranges
+    rounds it."""
     warps, units, split = cfg
     return warps, units, quant_gemv.split_ranges(tiles_k, split, warps * units)[1]
 

@@ -218,7 +218,7 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits:
                     if bits == 4:  # x[g][base + 4 t + 2 b + e]
                         at = c * kt + 16 * s + 4 * t.view(-1, 1, 1) + 2 * b + eb
                     else:  # x[g][base + 2 t + b], both elements
-                        at = (c * kt + 8 * s + 2 * t.view(-1, 1, 1) + b + 0 * eb)
+                        at = c * kt + 8 * s + 2 * t.view(-1, 1, 1) + b
                     bm = torch.zeros(16, MAX_ROWS)
                     bm[b_row, b_col] = xp[g.view(-1, 1, 1).expand(LANES, 2, 2), at.expand(LANES, 2, 2)]
                     d += a @ bm
@@ -234,9 +234,10 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits:
 
 def _load_asm(bits: int) -> str:
     """Inline PTX loading one lane's activations for a tile's 4 mma steps from the address of
-    step 0's (int4: $8, after the 8 outputs, $9-$11 copies; int8: $4, $5-$7 copies): int4, 8 bytes a step (the lane's 4 activations), 32 bytes
-    apart, as the B registers $0-$3 (activations 0-1 of steps 0-3) and $4-$7 (2-3); int8, 4
-    bytes (a pair), 16 bytes apart, as $0-$3. The loads are written in PTX, not Triton, so that
+    step 0's (int4: $8, after the 8 outputs, $9-$11 copies; int8: $4, $5-$7 copies): int4, 8
+    bytes a step (the lane's 4 activations), 32 bytes apart, as the B registers $0-$3
+    (activations 0-1 of steps 0-3) and $4-$7 (2-3); int8, 4 bytes (a pair), 16 bytes apart, as
+    $0-$3. The loads are written in PTX, not Triton, so that
     Triton keeps every operand in the words' layout instead of moving the words through shared
     memory into the activations' (these addresses are not contiguous across a warp's lanes)."""
     if bits == 4:
@@ -274,7 +275,8 @@ def _asm(bits: int, offsets: bool) -> str:
         dh, eh = ", ".join(f"d{4 * h + i}" for i in range(4)), ", ".join(f"e{4 * h + i}" for i in range(4))
         for n, s in enumerate((2 * h, 2 * h + 1)):
             regs, bregs = ", ".join(f"a{4 * s + j}" for j in range(4)), f"b{2 * s}, b{2 * s + 1}"
-            lines += [mma % (dh, regs, bregs, zero if n == 0 else dh), mma % (eh, "c, c, c, c", bregs, zero if n == 0 else eh)]
+            lines += [mma % (dh, regs, bregs, zero if n == 0 else dh),
+                      mma % (eh, "c, c, c, c", bregs, zero if n == 0 else eh)]
     for h in range(2):
         for i in range(4):
             prev = f"${acc + i}" if h == 0 else f"f{i}"
@@ -362,19 +364,20 @@ if triton is not None:
         # split read its first tile (their scales load as 0): no activation load needs a mask
         xb = (tl.minimum(g, rows - 1) * sx).to(tl.int64) * 2 + x_ptr.to(tl.int64)  # bytes
         x_step = (KT * STEP) * 2  # bytes
+        x_first = xb + c_lo * KT * 2  # what tiles past the split read (their scales load as 0)
         if INT8:  # step 0's pair of activations (the load adds 16 bytes a step)
             x_at = xb + ((c_lo + wu) * KT + 2 * t).to(tl.int64) * 2
         else:  # step 0's four activations (the load adds 32 bytes a step)
             x_at = xb + ((c_lo + wu) * KT + 4 * t).to(tl.int64) * 2
-        # each step loads the next step's weights, scales and activations before it computes (one
-        # step in flight ahead); tiles past the split load from its first tile (scales 0)
         # offsets enter as offset * zk, zk = -1 / kappa (``bias_of``)
         z_at = (z_ptr if HAS_ZERO else s_ptr) + tile * 32 + g * 4 + v
+        # each step loads the next step's weights, scales and activations before it computes (one
+        # step in flight ahead)
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
         sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
         zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
-        xs = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
+        xs = _load_x(tl.where(ok, x_at, x_first), INT8)
         acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
         for c0 in range(c_lo, c_hi, STEP):
             ok = c0 + STEP + wu < c_hi
@@ -385,7 +388,7 @@ if triton is not None:
             words_next = tl.load(w_at, mask=ok, other=0)
             sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
             zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
-            xs_next = _load_x(tl.where(ok, x_at, xb + (c_lo * KT * 2)), INT8)
+            xs_next = _load_x(tl.where(ok, x_at, x_first), INT8)
             acc = _tile(words, xs, sc, zq, acc, INT8, HAS_ZERO)
             words = words_next
             sc = sc_next
@@ -455,9 +458,9 @@ if triton is not None:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the GEMV runs for activations like x: bf16 on CUDA, kernels on, no autograd."""
-    return (kernels.ENABLED and triton is not None and x.is_cuda and x.dtype == torch.bfloat16
-            and not (x.requires_grad and torch.is_grad_enabled()))
+    """Whether the GEMV runs for activations like x: ``quant_gemv.usable``'s rule (kernels on, no
+    autograd), on CUDA only (inline PTX: no interpreter) and for bf16 activations."""
+    return quant_gemv.usable(x) and x.is_cuda and x.dtype == torch.bfloat16
 
 
 def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:

@@ -160,7 +160,7 @@ def gguf_float_bytes(path: Path, dtype: torch.dtype) -> int:
 
     from mtplx.loading.gguf_file import read_gguf_header
 
-    return sum(prod(t.shape) for t in read_gguf_header(path).tensors) * torch.empty((), dtype=dtype).element_size()
+    return sum(prod(t.shape) for t in read_gguf_header(path).tensors) * dtype.itemsize
 
 
 def quantize_state(state: dict, config: ModelConfig, fmt: str) -> dict:

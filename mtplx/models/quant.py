@@ -162,8 +162,9 @@ class QuantLinear(nn.Module):
             self._kernel_k = qw.shape[1] * (2 if qw.bits == 8 else 1)
         elif self.backend == "mma":
             if not quant_mma.supports(qw.bits, qw.group_size, qw.shape[1], qw.fp8):
-                raise ValueError(f"the 'mma' backend takes int4/int8 in groups of a multiple of 32 and rows of whole "
-                                 f"{quant_mma.tile_k(qw.bits)}-input tiles, not {self.format} with {qw.shape[1]} inputs")
+                raise ValueError(f"the 'mma' backend takes int4/int8 in groups of a multiple of 32 and rows of "
+                                 f"whole {quant_mma.tile_k(qw.bits)}-input tiles, not {self.format} with "
+                                 f"{qw.shape[1]} inputs")
             scale, zero = quant_gemv.compact_scales(qw.scale.to(device), qw.zero.to(device))
             n, k = qw.shape
             self.register_buffer("words", quant_mma.pack(qw.q.to(device), qw.bits), persistent=False)
