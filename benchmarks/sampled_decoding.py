@@ -5,7 +5,7 @@ through mtp_batch vs serial, with sampling.
 
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
         [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
-        [--scheduler-rounds N]
+        [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -53,7 +53,7 @@ def check_held_out() -> None:
         raise SystemExit(f"held-out prompts used elsewhere: {clash}")
 
 
-def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str]) -> dict:
+def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str], repeats: int = 1) -> dict:
     from mtplx.benchmarking import measure, render_table
 
     out = {}
@@ -61,7 +61,7 @@ def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str]) -> di
         sampling = REGIMES[name]
         policies = ("greedy",) if not sampling else ("greedy", "mirror")
         t0 = time.perf_counter()
-        out[name] = measure(engine, depths=depths, prompts=prompts, max_tokens=max_tokens,
+        out[name] = measure(engine, depths=depths, prompts=prompts, max_tokens=max_tokens, repeats=repeats,
                             draft_policies=policies, **sampling)
         out[name]["wall_s"] = time.perf_counter() - t0
         for r in out[name]["configs"].values():
@@ -70,17 +70,19 @@ def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str]) -> di
     return out
 
 
-def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], rounds: int = 1) -> dict:
+def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], rounds: int = 1,
+              draft_policy: str = "auto") -> dict:
     """mtp_batch and ar_batch at 1, 4 and 8 streams (best of ``rounds``), hyper vs serial, and
     one stream of the same seeded requests through mtp_batch vs serial (each submitted when the
     last finished: a lone client's view, byte-identical outputs expected), with each request's
-    default draft policy (``draft_policy="auto"``)."""
+    ``draft_policy`` (default "auto": each request's default)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_jobs, run_stream
 
     def requests(n: int, mode: str | None, sampling: dict, seed0: int = 0) -> list:
         return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
                                     depth=depth if mode == "mtp" else None, max_tokens=max_tokens, ignore_eos=True,
+                                    draft_policy=draft_policy,
                                     **{**sampling, **({"seed": seed0 + i} if "seed" in sampling else {})})
                 for i in range(n)]
 
@@ -130,10 +132,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
     ap.add_argument("--depths", default="1,2,3,auto")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, configurations interleaved")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
     ap.add_argument("--no-scheduler", action="store_true")
     ap.add_argument("--scheduler-only", action="store_true", help="skip the engine.generate part")
     ap.add_argument("--scheduler-rounds", type=int, default=1, help="mtp_batch / ar_batch runs per width (best of)")
+    ap.add_argument("--scheduler-draft-policy", default="auto", help="the scheduler requests' draft policy")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -157,10 +161,10 @@ def main() -> None:
     if not args.scheduler_only:
         with torch.inference_mode():
             report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),
-                                          regimes)
+                                          regimes, args.repeats)
     if not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
-                                        regimes, args.scheduler_rounds)
+                                        regimes, args.scheduler_rounds, args.scheduler_draft_policy)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from mtplx.engine.sampling import SamplerBatch, SamplingParams, logits_to_probs, make_generator, sample
+from mtplx.engine.sampling import (DRAFT_SHARPENING, SamplerBatch, SamplingParams, draft_params, logits_to_probs,
+                                   make_generator, sample)
 from tests.test_mtp_chained import PROMPTS, start
 from tests.test_mtp_chained import chained_engine as repeat_head_engine
 from tests.tiny_models import tiny_engine
@@ -138,6 +139,32 @@ def test_the_batched_sampler_processes_each_row_as_the_per_row_reference():
         assert torch.equal(got[r] > 0, ref > 0), r  # the same support: filters cut the same tokens
         assert torch.allclose(got[r], ref, atol=1e-6), r
     assert torch.allclose(batch.probs(logits[:, 0]), got[:, 0])
+
+
+def test_mirror_drafts_come_from_the_sharpened_head_distribution_without_filters_on_both_paths():
+    """A mirror row's q: softmax(z / (T * DRAFT_SHARPENING)), no top-k / top-p / min-p (exact
+    for any q; sampling.draft_params), the same on the host path (``SamplerBatch.draft_probs``)
+    and in the chained cycle (``CycleSampling.draft``, its PyTorch path here)."""
+    from mtplx.engine.runner import CycleSampling
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(len(ROW_PARAMS), 64, generator=g) * 3
+    for params in ROW_PARAMS:
+        assert draft_params(params) == (params if params.greedy else
+                                         SamplingParams(temperature=params.temperature * DRAFT_SHARPENING))
+    host = SamplerBatch(ROW_PARAMS, [make_generator(i) for i in range(len(ROW_PARAMS))],
+                        torch.device("cpu")).draft_probs(logits)
+    cycle = CycleSampling(len(ROW_PARAMS), 1, 64, "mirror_filters", torch.device("cpu"))
+    cycle.write_params(ROW_PARAMS, [not p.greedy for p in ROW_PARAMS])
+    cycle.draft_race.exponential_(generator=g)
+    picks, q = cycle.draft(logits, 0)
+    for r, params in enumerate(ROW_PARAMS):
+        want = torch.softmax(logits[r] / (params.temperature * DRAFT_SHARPENING), dim=-1) if not params.greedy \
+            else logits_to_probs(logits[r:r + 1], params)[0]
+        assert bool((want > 0).all()) or params.greedy, r  # no filter cut a token
+        torch.testing.assert_close(host[r], want, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(q[r], want, rtol=1e-5, atol=1e-7)
+        race_pick = int(torch.argmax(want / cycle.draft_race[r, 0])) if not params.greedy else int(logits[r].argmax())
+        assert int(picks[r]) == race_pick, r
 
 
 def test_the_batched_sampler_draws_what_each_row_draws_alone():

@@ -183,9 +183,7 @@ def test_mirror_draft_over_a_pruned_vocabulary_is_the_whole_rows_draft():
     kept = (torch.randn(len(params), ids.numel(), generator=g) * 3).to(DEVICE)
     whole = torch.full((len(params), VOCAB), PRUNED_LOGIT, device=DEVICE).scatter_(1, ids.expand(len(params), -1), kept)
     c = CycleSampling(len(params), 2, VOCAB, "mirror", torch.device(DEVICE))
-    c.sampler.write(params)
-    c.mirror_rows.copy_(torch.tensor([[True], [True], [True], [False]]))
-    torch.logical_not(c.mirror_rows, out=c.onehot_rows)
+    c.write_params(params, [True, True, True, False])
     c.draft_race.exponential_(generator=None)
     for j in range(2):
         with torch.inference_mode():  # (the kernels run outside autograd)

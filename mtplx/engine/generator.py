@@ -330,9 +330,10 @@ class Generator:
     def _draft(self, seqs: list[Sequence], depth: int, faults: dict[int, BaseException]
                ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
         """Catch the head up on committed tokens, then draft ``depth`` tokens per row: argmax
-        (one-hot q) or, under the mirror policy, a sample from the head's distribution under the
-        row's sampler (q kept for acceptance). A row whose draft choice raises is recorded in
-        ``faults`` and drafts the argmax from then on. One host sync per depth, for all rows."""
+        (one-hot q) or, under the mirror policy, a sample from the head's distribution
+        (``sampling.draft_params``; q kept for acceptance). A row whose draft choice raises is
+        recorded in ``faults`` and drafts the argmax from then on. One host sync per depth, for
+        all rows."""
         h = self._head_catch_up(seqs)
         sampler = self._sampler_for(seqs)
         mirror = [not s.params.greedy and s.draft_policy != "greedy" for s in seqs]
@@ -342,7 +343,7 @@ class Generator:
             logits = self._penalised_rows(seqs, self.runner.draft_logits(h), drafts)
             if any(s.constraint is not None for s in seqs):  # each position drafted under its grammar mask
                 logits = torch.cat([constraints.mask_draft(s, logits[r:r + 1], drafts[r]) for r, s in enumerate(seqs)])
-            q = sampler.probs(logits) if any(mirror) else None
+            q = sampler.draft_probs(logits) if any(mirror) else None
             picks = []
             for r, seq in enumerate(seqs):
                 pick = None

@@ -15,7 +15,7 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.sampling import SamplerTensors, process_logits
+from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, process_logits
 from mtplx.kernels import sampling as sampling_kernels
 from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
@@ -34,9 +34,9 @@ DEFAULT_STATE_COMMIT = "capture"
 
 # the kinds of chained cycle (each its own graph): every row greedy; rows may sample, their
 # drafts the head's argmax ("sample") or, for rows of the mirror draft policy, sampled from the
-# head's distribution under the row's sampler ("mirror"); "_filters": some row asks for top-k or
-# min-p (the graph sorts the vocabulary for top-k and applies min-p; the plain variants process
-# temperature and top-p alone, what most requests send)
+# head's distribution (``sampling.draft_params``: "mirror"); "_filters": some row asks for top-k or
+# min-p (the graph sorts the vocabulary for top-k and applies min-p to the verify; the plain
+# variants process temperature and top-p alone, what most requests send)
 CYCLE_VARIANTS = ("greedy", "sample", "sample_filters", "mirror", "mirror_filters")
 
 
@@ -398,7 +398,8 @@ class ModelRunner:
         that may sample, their settings and noise (``CycleSampling``): the verify's logits are
         processed per row and the drafts accepted by exact rejection sampling from that noise
         (greedy rows' one-hot distributions give the greedy outcome); mirror rows draft from the
-        head's processed distribution q, kept for their acceptance. None: greedy acceptance."""
+        head's distribution q (``sampling.draft_params``), kept for their acceptance. None:
+        greedy acceptance."""
         tokens, draft_probs = [], []
         if depth:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
@@ -445,6 +446,7 @@ class CycleSampling:
     def __init__(self, rows: int, depth: int, vocab: int, variant: str, device: torch.device):
         self.depth, self.filters, self.mirror = depth, variant.endswith("_filters"), variant.startswith("mirror")
         self.sampler = SamplerTensors(rows, device)
+        self.draft_sampler = SamplerTensors(rows, device) if self.mirror else None  # mirror drafts' q
         self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=device)
         self.race = torch.ones(rows, vocab, dtype=torch.float32, device=device)
         if self.mirror:
@@ -454,9 +456,15 @@ class CycleSampling:
 
     def write(self, seqs: list[Sequence]) -> None:
         """These rows' settings (a bucket's padding rows are greedy)."""
-        self.sampler.write([s.params for s in seqs])
+        self.write_params([s.params for s in seqs], [_mirrors(s) for s in seqs])
+
+    def write_params(self, params: list[SamplingParams], mirrors: list[bool]) -> None:
+        """Rows' sampler settings, and in a mirror cycle which rows draft from the head's
+        distribution (the others draft its argmax)."""
+        self.sampler.write(params)
         if self.mirror:
-            rows = [[_mirrors(s)] for s in seqs] + [[False]] * (self.mirror_rows.shape[0] - len(seqs))
+            self.draft_sampler.write([draft_params(p) for p in params])
+            rows = [[m] for m in mirrors] + [[False]] * (self.mirror_rows.shape[0] - len(mirrors))
             self.mirror_rows.copy_(torch.tensor(rows), non_blocking=True)
             torch.logical_not(self.mirror_rows, out=self.onehot_rows)
 
@@ -475,13 +483,14 @@ class CycleSampling:
     def draft(self, head_logits: torch.Tensor, j: int, ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft j for every row from the head's logits [R, V]: a mirror row samples from its
-        processed distribution q (an exponential race); every other row keeps the argmax, its q
-        a one-hot (exactly what a one-hot draft's acceptance computes). Returns (drafts [R], q [R, V]).
+        draft distribution q (``sampling.draft_params``, by an exponential race); every other
+        row keeps the argmax, its q a one-hot (exactly what a one-hot draft's acceptance
+        computes). Returns (drafts [R], q [R, V]).
         ids [N]: head_logits [R, N] are a pruned draft vocabulary's. The kernel makes q over
         those N tokens (zero elsewhere, as over the whole row) and the race reads the same noise
         entries, so the draft is the one the whole row gives; the PyTorch path reads whole rows."""
         if sampling_kernels.usable(head_logits):  # one launch: q (one-hot where not mirror) and the race
-            s = self.sampler
+            s = self.draft_sampler  # no filters: the kernel's pass without a threshold search
             race = self.draft_race[:, j: j + 1]
             q, picks = sampling_kernels.process(head_logits[:, None], self.onehot_rows, s.temperature, s.top_k,
                                                 s.top_p, s.min_p, race=race if ids is None else race[..., ids])
@@ -491,7 +500,7 @@ class CycleSampling:
             return ids[picks[:, 0]], full.scatter_(1, ids.expand(q.shape[0], -1), q[:, 0])
         if ids is not None:
             head_logits = whole_vocabulary(head_logits, ids, self.race.shape[1])
-        q = process_logits(head_logits[:, None], self.sampler, top_k=self.filters, min_p=self.filters)[:, 0]
+        q = process_logits(head_logits[:, None], self.draft_sampler, top_k=False, top_p=False, min_p=False)[:, 0]
         sampled = torch.argmax(q / self.draft_race[:, j], dim=-1)
         picks = torch.where(self.mirror_rows[:, 0], sampled, head_logits.argmax(-1))
         hot = torch.zeros_like(q).scatter_(1, picks[:, None], 1.0)

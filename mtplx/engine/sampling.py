@@ -14,8 +14,11 @@ then ``logits_to_probs``):
 Every step keeps the most probable token, so no filter can leave a row empty. Everything is
 vectorised over rows and stays on the tensors' device: no host syncs.
 
-Speculative decoding is exact only if the target and the draft distributions go through the
-same processing, so the engine calls ``logits_to_probs`` with the same params for both.
+Speculative decoding is exact for any draft distribution q, as long as the draft is sampled
+from q and q is what its acceptance reads (u < p(x) / q(x), then the residual max(0, p - q)).
+Argmax drafts are q one-hot. Mirror drafts (``draft_params``) are sampled from the head's logits
+at a sharpened temperature without the request's filters: they accept as often as the head
+processed exactly like the target, and need no top-p threshold search on every draft.
 """
 
 from __future__ import annotations
@@ -180,6 +183,26 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+# A mirror row's draft distribution q: softmax of the head's logits (penalties and grammar masks
+# applied) at DRAFT_SHARPENING times the request's temperature, no top-k / top-p / min-p.
+# Expected depth-1 acceptance sum_x min(p(x), q(x)) of the default model's shipped head,
+# teacher-forced on the trunk's own continuations (benchmarks/draft_distribution.py, 24 prompts x 128
+# tokens): the scale was chosen on 24 training prompts (T 0.7, top-p 0.95: 0.6662 at 0.7, 0.6668
+# at 0.8, 0.6639 at 0.9; T 1.0: 0.5486 at 0.8, 0.5504 at 0.9); on 24 held-out prompts q processed
+# as the target (the request's own sampler) accepts 0.5423 at T 0.7 / 0.4681 at T 1.0, this
+# one 0.5442 / 0.4745 (argmax drafts: 0.4861 / 0.3092), and top-p's threshold search cost the
+# H200 about 45 us per draft against 17-19 us for a row without filters (kernels/sampling.py).
+DRAFT_SHARPENING = 0.8
+
+
+def draft_params(params: SamplingParams) -> SamplingParams:
+    """The settings a mirror row's drafts are sampled with (``DRAFT_SHARPENING``); greedy rows
+    keep theirs (an argmax). Penalties are applied to the logits by the caller, as for the target."""
+    if params.greedy:
+        return params
+    return SamplingParams(temperature=params.temperature * DRAFT_SHARPENING)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row: probs [rows, V] (non-negative, need not sum to 1) -> [rows] long.
 
@@ -283,6 +306,7 @@ class SamplerBatch:
         self.params, self.generators = params, generators
         self.tensors = SamplerTensors(len(params), device)
         self.tensors.write(params)
+        self._draft_tensors: SamplerTensors | None = None  # ``draft_probs``'s, built on first use
         self.greedy_rows = [p.greedy for p in params]
         self.all_greedy, self.any_greedy = all(self.greedy_rows), any(self.greedy_rows)
         sampled = [p for p in params if not p.greedy]
@@ -298,6 +322,16 @@ class SamplerBatch:
         probs = one_hot_argmax(logits.float()) if self.all_greedy else process_logits(logits, self.tensors,
                                                                                        **self.filters)
         return probs[:, 0] if squeeze else probs
+
+    def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mirror drafts' distributions: the head's logits [rows, V] (penalties already applied)
+        -> float32 q [rows, V], each row under ``draft_params`` of its settings (greedy rows a
+        one-hot of the argmax)."""
+        if self._draft_tensors is None:
+            self._draft_tensors = SamplerTensors(len(self.params), logits.device)
+            self._draft_tensors.write([draft_params(p) for p in self.params])
+        return process_logits(logits[:, None], self._draft_tensors, top_k=False, top_p=False, min_p=False,
+                              greedy=self.any_greedy)[:, 0]
 
     def sample(self, probs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """One token per row from probs [rows, V] -> [rows] long on the device (no host sync):
