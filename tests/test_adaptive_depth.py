@@ -5,7 +5,7 @@ rows keep the AR distribution (test_mtp_sampling_exact.py)."""
 
 import pytest
 
-from mtplx.engine.adaptive_depth import AutoDepth, DepthCosts, DepthPlan
+from mtplx.engine.adaptive_depth import HYSTERESIS, AutoDepth, DepthCosts, DepthPlan
 from mtplx.errors import InvalidParameter
 from tests.tiny_models import repeat_head, tiny_engine
 
@@ -53,10 +53,12 @@ def test_hysteresis_keeps_the_depth_on_a_small_gain():
     costs = DepthCosts((1.0, 1.0), 0.1)
     p = DepthPlan(2, costs, (0.5, 0.0))
     assert p.choose(incumbent=1) == 1  # depth 2 promises nothing more
-    p.alpha[1] = 0.05  # depth 2: 2.5% more tokens at the same cost, under the 3% threshold
+    # depth 2 yields 1.5 + 0.5 * alpha[1] tokens against depth 1's 1.5, at the same cost
+    p.alpha[1] = 3 * HYSTERESIS * 0.8  # a gain of 0.8 times the threshold
     assert p.choose(incumbent=1) == 1
-    p.alpha[1] = 0.2
+    p.alpha[1] = 3 * HYSTERESIS * 1.2
     assert p.choose(incumbent=1) == 2
+    assert p.choose(incumbent=None) == 2  # a row's first choice has no incumbent
 
 
 def test_costs_from_a_side_by_side_measurement():
@@ -73,7 +75,7 @@ def switching_engine():
     """A tiny engine whose head is often right, with costs under which rows switch depths."""
     engine, _ = tiny_engine("qwen3")
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
-    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.05, 1.10), 0.05))
+    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.1, 1.15), 0.05))
     return engine
 
 

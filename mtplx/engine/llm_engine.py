@@ -22,12 +22,13 @@ from mtplx.models.layers import fuse_projections
 MAX_DEPTH = 8
 DEFAULT_DEPTH = 1  # the shipped head's fastest depth on a 2-core CPU; `mtplx tune` finds yours
 DRAFT_POLICIES = ("auto", "greedy", "mirror")
-# draft_policy="auto" (the default): drafts sampled from the head's distribution ("mirror") from
-# this temperature up, argmax drafts ("greedy") below. H200, 12 held-out chat prompts, depth 1
-# (benchmarks/results/gpu_h200_s9_sampled.json): at temperature 1.0 mirror 1.17x AR against
-# argmax 1.03x (acceptance 0.44 vs 0.23); at 0.7 with top-p 0.95 mirror 1.18x against 1.22x
-# (0.47 vs 0.44: a flatter target makes its argmax a worse guess than a sample of the head)
-MIRROR_FROM_TEMPERATURE = 0.85
+# draft_policy="auto" (the default): every sampled request drafts from the head's distribution
+# ("mirror", sampling.draft_params), greedy requests the argmax. H200, 12 held-out chat prompts,
+# depth 1, side by side (benchmarks/results/gpu_h200_s13_mirror_new.json): at temperature 0.7
+# with top-p 0.95 mirror 1.25x AR against argmax 1.24x (acceptance 0.54 vs 0.48), at 1.0 1.18x
+# against 1.06x (0.46 vs 0.27); the 2-core CPU at 0.7: 1.05x against 1.04x (0.48 vs 0.40). Until
+# session 13 mirror drafts were processed like the target (top-p included) and lost at 0.7, so
+# they started at temperature 0.85.
 
 
 @dataclass
@@ -195,7 +196,7 @@ class Engine:
         if draft_policy not in DRAFT_POLICIES:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
         if draft_policy == "auto":
-            draft_policy = "mirror" if params.temperature >= MIRROR_FROM_TEMPERATURE else "greedy"
+            draft_policy = "greedy" if params.greedy else "mirror"
         depth = self._check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
