@@ -22,13 +22,15 @@ from mtplx.models.layers import fuse_projections
 MAX_DEPTH = 8
 DEFAULT_DEPTH = 1  # the shipped head's fastest depth on a 2-core CPU; `mtplx tune` finds yours
 DRAFT_POLICIES = ("auto", "greedy", "mirror")
-# draft_policy="auto" (the default): every sampled request drafts from the head's distribution
-# ("mirror", sampling.draft_params), greedy requests the argmax. H200, 12 held-out chat prompts,
-# depth 1, side by side (benchmarks/results/gpu_h200_s13_mirror_new.json): at temperature 0.7
-# with top-p 0.95 mirror 1.25x AR against argmax 1.24x (acceptance 0.54 vs 0.48), at 1.0 1.18x
-# against 1.06x (0.46 vs 0.27); the 2-core CPU at 0.7: 1.05x against 1.04x (0.48 vs 0.40). Until
-# session 13 mirror drafts were processed like the target (top-p included) and lost at 0.7, so
-# they started at temperature 0.85.
+# draft_policy="auto" (the default): drafts sampled from the head's distribution ("mirror",
+# sampling.draft_params) from this temperature up, argmax drafts ("greedy") below. H200, 12
+# held-out chat prompts, depth 1, session 13 (benchmarks/results/gpu_h200_s13_*.json): through
+# engine.generate mirror and argmax run even at temperature 0.7 with top-p 0.95 (1.27x vs 1.25x
+# AR, acceptance 0.54 vs 0.48) and mirror wins at 1.0 (1.19x vs 1.07x); through the scheduler
+# at 0.7 argmax wins (mtp_batch at 1 / 4 / 8 streams 1,581 / 4,619 / 8,380 tok/s against mirror's
+# 1,526 / 4,405 / 7,797; one client's requests in turn 1,647 vs 1,598), at 0.9 with top-p 0.95
+# mirror does (1,513 / 4,300 / 8,018 against 1,498 / 4,262 / 7,853; 1,601 vs 1,511).
+MIRROR_FROM_TEMPERATURE = 0.85
 
 
 @dataclass
@@ -196,7 +198,7 @@ class Engine:
         if draft_policy not in DRAFT_POLICIES:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
         if draft_policy == "auto":
-            draft_policy = "greedy" if params.greedy else "mirror"
+            draft_policy = "mirror" if params.temperature >= MIRROR_FROM_TEMPERATURE else "greedy"
         depth = self._check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
