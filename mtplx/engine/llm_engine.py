@@ -28,8 +28,8 @@ DRAFT_POLICIES = ("auto", "greedy", "mirror")
 # engine.generate mirror and argmax run even at temperature 0.7 with top-p 0.95 (1.27x vs 1.25x
 # AR, acceptance 0.54 vs 0.48) and mirror wins at 1.0 (1.19x vs 1.07x); through the scheduler
 # at 0.7 argmax wins (mtp_batch at 1 / 4 / 8 streams 1,581 / 4,619 / 8,380 tok/s against mirror's
-# 1,526 / 4,405 / 7,797; one client's requests in turn 1,647 vs 1,598), at 0.9 with top-p 0.95
-# mirror does (1,513 / 4,300 / 8,018 against 1,498 / 4,262 / 7,853; 1,601 vs 1,511).
+# 1,526 / 4,405 / 7,797; one client's 12 requests in turn 1,643 vs 1,598), at 0.9 with top-p
+# 0.95 mirror does (1,513 / 4,300 / 8,018 against 1,498 / 4,262 / 7,853; 1,599 vs 1,511).
 MIRROR_FROM_TEMPERATURE = 0.85
 
 
