@@ -541,7 +541,6 @@ class CycleBuffers:
         self.tables = torch.full((rows, table_width), runner.cache.scratch_block, dtype=torch.long, device=dev)
         self.backlog = torch.zeros(rows, C, runner.trunk_width, dtype=runner.dtype, device=dev)
         self.inputs = CycleInputs.from_fields(self.fields, self.tables)
-        self.sampling = None
         self.sampling = None  # rows that may sample: their settings and noise (CycleSampling)
         if variant != "greedy":
             self.sampling = CycleSampling(rows, depth, runner.model.config.vocab_size, variant, dev)

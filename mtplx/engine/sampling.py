@@ -159,7 +159,7 @@ def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most probable tokens whose mass is >= top_p, then renormalise."""
     # A token is needed while the mass strictly before it is still short of top_p; the first
     # token has 0 before it, so at least one is always kept.
-    threshold = _nucleus_threshold(probs, torch.tensor(top_p, dtype=probs.dtype, device=probs.device))
+    threshold = _nucleus_threshold(probs, probs.new_full((), top_p))  # a fill: no copy from the host
     return _renormalise(probs.masked_fill(probs < threshold, 0.0))
 
 

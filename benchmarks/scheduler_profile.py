@@ -1,0 +1,154 @@
+"""Where a batched cycle's time goes (issue 15): mtp_batch against ar_batch at several widths,
+each run once plainly (wall time, steps, tokens) and once under the CUDA profiler (kernel time
+per step, launches per step, the costliest kernels). A low busy share (kernel time over wall
+time) means the host, not the GPU, sets the pace.
+
+    PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
+        [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
+        [--cprofile]
+
+Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu import run_jobs  # noqa: E402
+from gpu_profile import kernel_rows  # noqa: E402
+from sampled_decoding import HELD_OUT_CHAT, REGIMES  # noqa: E402
+
+
+class StepCounter:
+    """Counts ``Engine.step`` calls (one per scheduler cycle) and the host seconds inside them."""
+
+    def __init__(self, engine):
+        self.engine, self.inner = engine, engine.step
+        self.calls, self.seconds = 0, 0.0
+
+    def __enter__(self):
+        def step(seqs):
+            t0 = time.perf_counter()
+            try:
+                return self.inner(seqs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - t0
+        self.engine.step = step
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.step = self.inner
+
+
+def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30) -> list[dict]:
+    """The model-owner thread under cProfile for one run: the functions with the most own time,
+    in microseconds per step (cProfile's overhead inflates them all; compare shares)."""
+    import cProfile
+    import pstats
+
+    from mtplx.batching.scheduler import Scheduler
+
+    prof, inner = cProfile.Profile(), Scheduler._run
+
+    def run(self):
+        prof.enable()
+        try:
+            inner(self)
+        finally:
+            prof.disable()
+
+    Scheduler._run = run
+    try:
+        run_jobs(engine, mode, requests)
+    finally:
+        Scheduler._run = inner
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((f"{Path(f).name}:{line} {fn}", calls, tt, ct) for (f, line, fn), (_, calls, tt, ct, _) in
+                   stats.items()), key=lambda r: -r[2])
+    return [{"function": name, "calls_per_step": round(calls / steps, 2), "own_us": round(tt * 1e6 / steps, 1),
+             "cumulative_us": round(ct * 1e6 / steps, 1)} for name, calls, tt, ct in rows[:lines]]
+
+
+def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, cprofile: bool = False,
+        draft_policy: str = "auto") -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen_mode = "mtp" if mode == "mtp_batch" else "ar"
+
+    def requests():
+        return [engine.make_request([{"role": "user", "content": HELD_OUT_CHAT[i % len(HELD_OUT_CHAT)]}], chat=True,
+                                    mode=gen_mode, depth=depth if gen_mode == "mtp" else None, max_tokens=max_tokens,
+                                    ignore_eos=True, draft_policy=draft_policy, **{**sampling, **({"seed": 7 + i} if "seed" in sampling else {})})
+                for i in range(width)]
+
+    run_jobs(engine, mode, requests())  # warm-up
+    with StepCounter(engine) as plain:
+        elapsed, results = run_jobs(engine, mode, requests())
+    tokens = sum(r.completion_tokens for r in results)
+    with StepCounter(engine) as profiled, profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        run_jobs(engine, mode, requests())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = kernel_rows(prof, profiled.calls, name_chars=80)
+    kernel_us = sum(r[2] for r in rows)
+    wall_us = elapsed * 1e6 / plain.calls
+    extra = {"host_profile": host_profile(engine, mode, requests(), plain.calls)} if cprofile else {}
+    return {**extra, "tok_s": tokens / elapsed, "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
+            "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
+            "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
+            "busy_share": kernel_us / wall_us,
+            "top": [{"name": n, "count": round(c, 2), "us": round(us, 2)} for n, c, us in rows[:20]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (no kernel times)")
+    ap.add_argument("--widths", default="4,8")
+    ap.add_argument("--regimes", default="t0.7")
+    ap.add_argument("--depth", default="1")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft-policy", default="auto", help="the MTP requests' draft policy")
+    ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+
+    import mtplx
+    from mtplx.commands.common import parse_depth
+
+    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
+    depth = parse_depth(args.depth)
+    report = {"gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu", "torch": torch.__version__, "depth": args.depth,
+              "max_tokens": args.max_tokens, "runs": {}}
+    for regime in args.regimes.split(","):
+        for width in (int(w) for w in args.widths.split(",")):
+            for mode in ("mtp_batch", "ar_batch"):
+                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(engine, mode, width, REGIMES[regime], depth,
+                                                                     args.max_tokens, args.cprofile, args.draft_policy)
+                print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
+                      f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
+                      f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
+                      f"busy {r['busy_share']:.2f}", flush=True)
+                for k in r["top"][:8]:
+                    print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
+                for f in r.get("host_profile", [])[:25]:
+                    print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum {f['calls_per_step']:6.1f}x"
+                          f"  {f['function']}")
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
