@@ -5,7 +5,7 @@ through mtp_batch vs serial, with sampling.
 
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
         [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
-        [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0]
+        [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0] [--scheduler-depths 1,2,3,auto]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -122,6 +122,44 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
     return out
 
 
+def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
+                     draft_policy: str = "auto") -> dict:
+    """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams, the configurations
+    alternating within each round (best of ``rounds``): which depth pays at which width."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import run_jobs
+
+    out = {}
+    for name in regimes:
+        sampling = REGIMES[name]
+
+        def requests(n: int, depth) -> list:
+            mode = "mtp" if depth is not None else "ar"
+            return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True,
+                                        mode=mode, depth=depth, max_tokens=max_tokens, ignore_eos=True,
+                                        **({"draft_policy": draft_policy} if mode == "mtp" else {}),
+                                        **{**sampling, **({"seed": i} if "seed" in sampling else {})})
+                    for i in range(n)]
+
+        configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
+        for mode, depth in configs:
+            run_jobs(engine, mode, requests(1, depth))  # warm-up
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for streams in (1, 4, 8):
+                for mode, depth in configs:
+                    elapsed, results = run_jobs(engine, mode, requests(streams, depth))
+                    key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
+                    best[key] = max(best.get(key, 0.0), sum(r.completion_tokens for r in results) / elapsed)
+        for streams in (1, 4, 8):
+            ar = best[f"ar_batch_tok_s_x{streams}"]
+            for depth in depths:
+                best[f"mtp_d{depth}_over_ar_x{streams}"] = best[f"mtp_batch_d{depth}_tok_s_x{streams}"] / ar
+        out[name] = best
+        print(name, json.dumps({k: round(v, 3) for k, v in best.items() if "_over_" in k}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the default model)")
@@ -134,6 +172,9 @@ def main() -> None:
     ap.add_argument("--depths", default="1,2,3,auto")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, configurations interleaved")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
+    ap.add_argument("--scheduler-depths", default=None,
+                    help="instead of the full scheduler run: mtp_batch at these depths (e.g. 1,2,3,auto) and "
+                         "ar_batch at 1/4/8 streams, alternating")
     ap.add_argument("--no-scheduler", action="store_true")
     ap.add_argument("--scheduler-only", action="store_true", help="skip the engine.generate part")
     ap.add_argument("--scheduler-rounds", type=int, default=1, help="mtp_batch / ar_batch runs per width (best of)")
@@ -162,7 +203,11 @@ def main() -> None:
         with torch.inference_mode():
             report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),
                                           regimes, args.repeats)
-    if not args.no_scheduler:
+    if args.scheduler_depths:
+        report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens,
+                                                      [parse_depth(d) for d in args.scheduler_depths.split(",")],
+                                                      regimes, args.scheduler_rounds, args.scheduler_draft_policy)
+    elif not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
                                         regimes, args.scheduler_rounds, args.scheduler_draft_policy)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
