@@ -6,6 +6,7 @@ through mtp_batch vs serial, with sampling.
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
         [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
         [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0] [--scheduler-depths 1,2,3,auto]
+        [--ignore-eos]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -53,13 +54,14 @@ def check_held_out() -> None:
         raise SystemExit(f"held-out prompts used elsewhere: {clash}")
 
 
-def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str], repeats: int = 1) -> dict:
+def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str], repeats: int = 1,
+             ignore_eos: bool = False) -> dict:
     from mtplx.benchmarking import measure, render_table
 
     out = {}
     for name in regimes:
-        sampling = REGIMES[name]
-        policies = ("greedy",) if not sampling else ("greedy", "mirror")
+        sampling = {**REGIMES[name], **({"ignore_eos": True} if ignore_eos else {})}
+        policies = ("greedy",) if not REGIMES[name] else ("greedy", "mirror")
         t0 = time.perf_counter()
         out[name] = measure(engine, depths=depths, prompts=prompts, max_tokens=max_tokens, repeats=repeats,
                             draft_policies=policies, **sampling)
@@ -171,6 +173,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
     ap.add_argument("--depths", default="1,2,3,auto")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, configurations interleaved")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="engine.generate's requests run to --max-tokens past EOS (as the scheduler runs' do)")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")
     ap.add_argument("--scheduler-depths", default=None,
                     help="instead of the full scheduler run: mtp_batch at these depths (e.g. 1,2,3,auto) and "
@@ -202,7 +206,7 @@ def main() -> None:
     if not args.scheduler_only:
         with torch.inference_mode():
             report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),
-                                          regimes, args.repeats)
+                                          regimes, args.repeats, args.ignore_eos)
     if args.scheduler_depths:
         report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens,
                                                       [parse_depth(d) for d in args.scheduler_depths.split(",")],
