@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.scheduler_depths and args.no_scheduler:
+        raise SystemExit("--scheduler-depths is a scheduler run: drop --no-scheduler")
     check_held_out()
     regimes = args.regimes.split(",")
     if unknown := [r for r in regimes if r not in REGIMES]:
@@ -209,7 +211,7 @@ def main() -> None:
                                           regimes, args.repeats, args.ignore_eos)
     if args.scheduler_depths:
         report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens,
-                                                      [parse_depth(d) for d in args.scheduler_depths.split(",")],
+                                                      [parse_depth(d.strip()) for d in args.scheduler_depths.split(",")],
                                                       regimes, args.scheduler_rounds, args.scheduler_draft_policy)
     elif not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),

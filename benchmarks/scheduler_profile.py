@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
+        raise SystemExit(f"unknown regimes {unknown}; known: {', '.join(REGIMES)}")
 
     import torch
 
