@@ -72,6 +72,17 @@ def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str], repea
     return out
 
 
+def chat_requests(engine, prompts, n: int, mode: str | None, depth, max_tokens: int, sampling: dict,
+                  draft_policy: str = "auto", seed0: int = 0) -> list:
+    """n chat requests over ``prompts`` in turn, each run to ``max_tokens`` past EOS (the
+    scheduler runs' requests); in a seeded regime request i gets seed ``seed0 + i``."""
+    return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
+                                depth=depth if mode == "mtp" else None, max_tokens=max_tokens, ignore_eos=True,
+                                draft_policy=draft_policy,
+                                **{**sampling, **({"seed": seed0 + i} if "seed" in sampling else {})})
+            for i in range(n)]
+
+
 def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], rounds: int = 1,
               draft_policy: str = "auto") -> dict:
     """mtp_batch and ar_batch at 1, 4 and 8 streams (best of ``rounds``), hyper vs serial, and
@@ -82,11 +93,7 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
     from gpu import run_jobs, run_stream
 
     def requests(n: int, mode: str | None, sampling: dict, seed0: int = 0) -> list:
-        return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
-                                    depth=depth if mode == "mtp" else None, max_tokens=max_tokens, ignore_eos=True,
-                                    draft_policy=draft_policy,
-                                    **{**sampling, **({"seed": seed0 + i} if "seed" in sampling else {})})
-                for i in range(n)]
+        return chat_requests(engine, prompts, n, mode, depth, max_tokens, sampling, draft_policy, seed0)
 
     out = {}
     for name in regimes:
@@ -136,12 +143,8 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         sampling = REGIMES[name]
 
         def requests(n: int, depth) -> list:
-            mode = "mtp" if depth is not None else "ar"
-            return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True,
-                                        mode=mode, depth=depth, max_tokens=max_tokens, ignore_eos=True,
-                                        **({"draft_policy": draft_policy} if mode == "mtp" else {}),
-                                        **{**sampling, **({"seed": i} if "seed" in sampling else {})})
-                    for i in range(n)]
+            return chat_requests(engine, prompts, n, "ar" if depth is None else "mtp", depth, max_tokens, sampling,
+                                 draft_policy)
 
         configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
         for mode, depth in configs:
@@ -210,9 +213,9 @@ def main() -> None:
             report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),
                                           regimes, args.repeats, args.ignore_eos)
     if args.scheduler_depths:
-        report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens,
-                                                      [parse_depth(d.strip()) for d in args.scheduler_depths.split(",")],
-                                                      regimes, args.scheduler_rounds, args.scheduler_draft_policy)
+        depths = [parse_depth(d.strip()) for d in args.scheduler_depths.split(",")]
+        report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens, depths, regimes,
+                                                      args.scheduler_rounds, args.scheduler_draft_policy)
     elif not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
                                         regimes, args.scheduler_rounds, args.scheduler_draft_policy)

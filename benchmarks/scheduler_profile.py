@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gpu import run_jobs  # noqa: E402
 from gpu_profile import kernel_rows  # noqa: E402
-from sampled_decoding import HELD_OUT_CHAT, REGIMES  # noqa: E402
+from sampled_decoding import HELD_OUT_CHAT, REGIMES, chat_requests  # noqa: E402
 
 
 class StepCounter:
@@ -84,16 +84,14 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
     gen_mode = "mtp" if mode == "mtp_batch" else "ar"
 
     def requests():
-        return [engine.make_request([{"role": "user", "content": HELD_OUT_CHAT[i % len(HELD_OUT_CHAT)]}], chat=True,
-                                    mode=gen_mode, depth=depth if gen_mode == "mtp" else None, max_tokens=max_tokens,
-                                    ignore_eos=True, draft_policy=draft_policy, **{**sampling, **({"seed": 7 + i} if "seed" in sampling else {})})
-                for i in range(width)]
+        return chat_requests(engine, HELD_OUT_CHAT, width, gen_mode, depth, max_tokens, sampling, draft_policy, 7)
 
     run_jobs(engine, mode, requests())  # warm-up
     with StepCounter(engine) as plain:
         elapsed, results = run_jobs(engine, mode, requests())
     tokens = sum(r.completion_tokens for r in results)
-    with StepCounter(engine) as profiled, profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with StepCounter(engine) as profiled, profile(activities=[activity]) as prof:
         run_jobs(engine, mode, requests())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -132,7 +130,8 @@ def main() -> None:
 
     engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
     depth = parse_depth(args.depth)
-    report = {"gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu", "torch": torch.__version__, "depth": args.depth,
+    gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
+    report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
               "max_tokens": args.max_tokens, "runs": {}}
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
@@ -146,7 +145,8 @@ def main() -> None:
                 for k in r["top"][:8]:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
                 for f in r.get("host_profile", [])[:25]:
-                    print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum {f['calls_per_step']:6.1f}x"
+                    print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum "
+                          f"{f['calls_per_step']:6.1f}x"
                           f"  {f['function']}")
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
