@@ -7,11 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 
 from mtplx.engine.sampling import (
     SamplingParams,
     apply_penalties,
+    exponential_,
     logits_to_probs,
     make_generator,
     sample,
@@ -202,6 +203,20 @@ def test_sample_accepts_unnormalised_weights():
     counts = torch.bincount(sample(weights, make_generator(3)), minlength=3).numpy()
     assert counts[2] == 0
     assert chisquare(counts[:2], np.array([0.75, 0.25]) * 40_000).pvalue > 0.001
+
+
+def test_race_noise_is_exponential_never_zero_and_fixed_by_the_seed():
+    """The CPU draws -log(U) from float64 uniforms: Exp(1) by a Kolmogorov-Smirnov test
+    against scipy's exponential, no draw of 0 (it would hand the race to any token), the same
+    draws for the same seed, filled in place (a view of a larger buffer too)."""
+    draws = exponential_(torch.empty(400_000), make_generator(5))
+    assert kstest(draws.double().numpy(), "expon").pvalue > 0.001
+    assert float(draws.min()) > 0 and bool(torch.isfinite(draws).all())
+    buffer = torch.zeros(3, 1000)
+    out = exponential_(buffer[1], make_generator(9))
+    assert out.data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(buffer[1], exponential_(torch.empty(1000), make_generator(9)))
+    assert bool((buffer[0] == 0).all() and (buffer[2] == 0).all())
 
 
 # --- on the GPU -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, process_logits
+from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, exponential_, process_logits
 from mtplx.kernels import sampling as sampling_kernels
 from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
@@ -477,7 +477,7 @@ class CycleSampling:
             n = min(seq.depth, self.depth)
             if self.mirror and _mirrors(seq):
                 for j in range(n):
-                    self.draft_race[r, j].exponential_(generator=seq.generator)
+                    exponential_(self.draft_race[r, j], seq.generator)
             draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
 
     def draft(self, head_logits: torch.Tensor, j: int, ids: torch.Tensor | None = None

@@ -203,6 +203,21 @@ def draft_params(params: SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=params.temperature * DRAFT_SHARPENING)
 
 
+def exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` in place with i.i.d. Exp(1) draws from ``generator`` (on out's device) and
+    return it: the noise of every exponential race. CUDA: torch's ``exponential_``. CPU:
+    -log(U) with U uniform on [0, 1) drawn in float64, the same distribution in half the time or
+    less (49,152 draws, one thread: 0.41 ms against torch's CPU ``exponential_``'s 0.83 ms on an
+    AMD EPYC VM, 0.44 against 1.9 ms on an Intel Xeon one; torch computes each draw in a scalar
+    loop, and a sampled token's race took up to a tenth of a CPU decode step). float64 so that no draw is 0 (U = 1 cannot occur; the smallest draw is about 1e-16),
+    which would hand the race to any token with p > 0; U = 0 (probability 2**-53) gives an
+    infinite draw, a token that cannot win that race."""
+    if out.device.type != "cpu":
+        return out.exponential_(generator=generator)
+    uniforms = torch.empty(out.shape, dtype=torch.float64).uniform_(generator=generator)
+    return out.copy_(uniforms.log_().neg_())
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row: probs [rows, V] (non-negative, need not sum to 1) -> [rows] long.
 
@@ -210,11 +225,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     p_v / sum(p) exactly (E_v / p_v ~ Exp(p_v), and the smallest of independent exponentials
     is the one with rate p_v with probability proportional to p_v). Tokens with p_v = 0 never
     win. It needs no host sync, unlike a CPU-side draw. E is drawn with ``generator`` on the
-    probs' device. E = 0 would hand the win to any token with p_v > 0; torch's exponential_
-    excludes 0 on CUDA and derives it from a finer-than-float32 uniform on CPU (1e8 draws gave
-    no zero and values below 2**-24), so that event is negligible.
+    probs' device (``exponential_``, which never draws 0: E = 0 would hand the win to any
+    token with p_v > 0).
     """
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    race = exponential_(torch.empty_like(probs), generator)
     return torch.argmax(probs / race, dim=-1)
 
 

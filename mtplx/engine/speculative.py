@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from mtplx.engine.sampling import exponential_
 from mtplx.kernels import sampling as sampling_kernels
 
 
@@ -134,7 +135,7 @@ def draw_noise(k: int, vocab: int, generator: torch.Generator, device: torch.dev
                                                   torch.empty(vocab, device=device, dtype=dtype))
     if k:
         uniforms[:k].uniform_(0, 1, generator=generator)
-    race.exponential_(generator=generator)
+    exponential_(race, generator)
     return uniforms, race
 
 
