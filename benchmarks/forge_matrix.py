@@ -31,7 +31,7 @@ import torch
 from mtplx.forge import ForgeError
 from mtplx.forge import prompts as prompt_set
 from mtplx.forge.artifact import head_state, write_head
-from mtplx.forge.build import (BuildSettings, draft_vocabulary, encode_prompts, head_engine, load_corpus, load_trunk,
+from mtplx.forge.build import (BuildSettings, draft_vocabulary, encode_prompts, head_engine, load_corpora, load_trunk,
                                mtp_layers, provenance_of, train_head, training_batches)
 from mtplx.forge.measure import acceptance_by_temperature, acceptance_line, step_costs
 from mtplx.forge.train import TrainSettings
@@ -58,7 +58,8 @@ def parse_variant(name: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="the trunk (default: the default model)")
-    p.add_argument("--corpus", required=True, help="a stored corpus (forge build --corpus-only)")
+    p.add_argument("--corpus", action="append", required=True,
+                   help="a stored corpus (forge build --corpus-only); repeat it to train on several as one")
     p.add_argument("--variants", default="final,prenorm,fuse3,final+2layers,fuse3+2layers,final+vocab16384")
     p.add_argument("--max-seconds-each", type=float, required=True, help="training time per variant")
     p.add_argument("--out", required=True, help="JSON results")
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(f"matrix: {line}", file=sys.stderr, flush=True)  # noqa: E731
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
     loaded = trunk.loaded
-    corpus = load_corpus(Path(args.corpus), trunk)
+    corpus_files = [Path(c) for c in args.corpus]
+    corpus = load_corpora(corpus_files, trunk)
     log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens")
     ts = TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
                        seed=args.seed, eval_every=100, checkpoint_every=10**9)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                           for i in mtp_layers(BuildSettings(features=v["features"]).head_config(loaded), loaded)}))
     batches = training_batches(loaded, corpus, ts, union, log)
     device = loaded.model.lm_head.weight.device
-    results = {"model": trunk.name, "trunk_sha256": trunk.sha256, "corpus": str(args.corpus),
+    results = {"model": trunk.name, "trunk_sha256": trunk.sha256, "corpus": ", ".join(args.corpus),
                "corpus_sequences": len(corpus.samples), "corpus_generated_tokens": corpus.generated_tokens,
                "corpus_description": corpus.description, "max_seconds_each": args.max_seconds_each,
                "train": vars(ts), "device": str(device), "dtype": args.dtype,
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.heads_dir:
             provenance = provenance_of(trunk, trainer, corpus, measured, settings, mtp, vocab, [], None, [],
                                        prompt_set.PROMPT_SET_VERSION, f"{command} (variant {name})",
-                                       Path(args.corpus), time.monotonic() - t0)
+                                       corpus_files, time.monotonic() - t0)
             write_head(Path(args.heads_dir) / name.replace("+", "_"), weights, provenance)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # after each variant: a crash keeps the rest
     return 0

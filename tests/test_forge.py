@@ -251,35 +251,46 @@ def test_validation_split_keeps_every_sample_of_a_prompt_on_one_side():
                for v in val_prompts)  # each held-out prompt with all three of its samples
 
 
-def test_a_stored_corpus_trains_heads_of_every_kind_that_load_and_decode_exactly(forged, tmp_path):
-    """--corpus-only stores the corpus; --corpus trains on it without generating; a fused
-    two-layer head with a pruned draft vocabulary records its choices, loads through
-    mtplx.load with them, and decodes as AR does."""
+def test_stored_corpora_train_heads_of_every_kind_that_load_and_decode_exactly(forged, tmp_path):
+    """--corpus-only stores a corpus; --corpus, given twice, trains on two as one without
+    generating (every sample of both, the parts recorded); a fused two-layer head with a pruned
+    draft vocabulary records its choices, loads through mtplx.load with them, and decodes as AR
+    does."""
     from mtplx.cli import main
 
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(_token_prompts(12, 9)))
     common = ["--model", str(forged.trunk), "--prompts", str(prompts_file), "--device", "cpu"]
-    work = tmp_path / "work"
-    assert main(["forge", "build", *common, "--work", str(work), "--corpus-only", "--tokens", "150",
-                 "--max-new-tokens", "10", "--gen-rows", "8"]) == 0
-    corpus = Corpus.load(work / "corpus.pt")
-    assert corpus.generated_tokens >= 150 and corpus.description["temperatures"] == [0.0, 0.7, 1.0]
-    assert not (work / "train.pt").exists()
+    corpora = []
+    for seed, temperatures in ((0, "0,0.7,1.0"), (1, "0.7")):
+        work = tmp_path / f"work{seed}"
+        assert main(["forge", "build", *common, "--work", str(work), "--corpus-only", "--tokens", "150",
+                     "--max-new-tokens", "10", "--gen-rows", "8", "--seed", str(seed),
+                     "--temperatures", temperatures]) == 0
+        assert not (work / "train.pt").exists()
+        corpora.append(Corpus.load(work / "corpus.pt"))
+    assert corpora[0].generated_tokens >= 150 and corpora[0].description["temperatures"] == [0.0, 0.7, 1.0]
+    assert corpora[0].samples[0].tokens != corpora[1].samples[0].tokens  # another seed, other samples
     monkey = build_module.build_corpus
     build_module.build_corpus = lambda *a, **k: pytest.fail("a stored corpus is not generated again")
     try:
         out = tmp_path / "head"
-        assert main(["forge", "build", *common, "--out", str(out), "--corpus", str(work / "corpus.pt"),
+        assert main(["forge", "build", *common, "--out", str(out), "--corpus", str(tmp_path / "work0" / "corpus.pt"),
+                     "--corpus", str(tmp_path / "work1" / "corpus.pt"),
                      "--features", "fuse3", "--head-layers", "2", "--draft-vocab", "48", "--epochs", "2",
                      "--batch-tokens", "128", "--measure-max-tokens", "8"]) == 0
     finally:
         build_module.build_corpus = monkey
     p = json.loads((out / "mtplx_forge.json").read_text())
     assert p["head"]["features"] == "fuse3" and p["head"]["num_layers"] == 2 and p["head"]["feature_layers"] == [0, 1, 1]
+    generated = sum(c.generated_tokens for c in corpora)
     vocab = p["head"]["draft_vocab"]
-    assert vocab["size"] == 48 and vocab["corpus_tokens"] == corpus.generated_tokens and 0.5 <= vocab["coverage"] <= 1
-    assert set(p["measured"]["held_out_sampled"]) == {"0.7", "1"} and p["data"]["corpus_file"]
+    assert vocab["size"] == 48 and vocab["corpus_tokens"] == generated and 0.5 <= vocab["coverage"] <= 1
+    assert set(p["measured"]["held_out_sampled"]) == {"0.7", "1"}
+    data = p["data"]
+    assert data["generated_tokens"] == generated and data["sequences"] == sum(len(c.samples) for c in corpora)
+    assert data["temperatures"] == [0.0, 0.7, 1.0] and data["corpus_file"].count("corpus.pt") == 2
+    assert [part["seed"] for part in data["corpus_parts"]] == [0, 1]
     engine = mtplx.load(str(forged.trunk), head=str(out), device="cpu")
     head = engine.runner.head
     assert (head.mtp.features, len(head.layers), head.draft_vocab.numel()) == ("fuse3", 2, 48)

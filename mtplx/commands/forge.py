@@ -44,8 +44,9 @@ def _add_build(actions) -> None:
                         "needs a chat template; one measured run did not improve acceptance, see docs/forge.md)")
     g.add_argument("--self-prompt-temperature", type=float, default=0.9,
                    help="sampling temperature of the self-generated prompts (default 0.9)")
-    g.add_argument("--corpus", default=None,
-                   help="train on this stored corpus (an earlier build's corpus.pt) instead of generating one")
+    g.add_argument("--corpus", action="append", default=[],
+                   help="train on this stored corpus (an earlier build's corpus.pt) instead of generating one; "
+                        "repeat it to train on several as one")
     g.add_argument("--corpus-only", action="store_true",
                    help="generate the corpus into the work folder (WORK/corpus.pt: token ids, int32) and stop")
     g = p.add_argument_group("head")
@@ -142,7 +143,7 @@ def run_build(args) -> int:
                        held_out_prompts=held_out, settings=settings, work_dir=Path(args.work) if args.work else None,
                        resume=args.resume, text_files=[Path(t) for t in args.text],
                        prompt_source=args.prompts or prompts.PROMPT_SET_VERSION, command=command,
-                       corpus_file=Path(args.corpus) if args.corpus else None, corpus_only=args.corpus_only)
+                       corpus_files=[Path(c) for c in args.corpus], corpus_only=args.corpus_only)
     if args.corpus_only:
         print(f"corpus: {Path(args.work) / 'corpus.pt'}")
         return 0

@@ -14,7 +14,7 @@ Phases (each resumable from ``work_dir``):
 
 ``--corpus FILE`` takes phase 1's output from an earlier build (``--corpus-only`` stops after
 it) instead of generating one, so one stored corpus serves many trainings (benchmarks/
-forge_matrix.py trains several head variants on one).
+forge_matrix.py trains several head variants on one); repeated, it trains on several as one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -242,6 +242,26 @@ def load_corpus(path: Path, trunk: TrunkInfo) -> Corpus:
     return corpus
 
 
+def load_corpora(paths: list[Path], trunk: TrunkInfo) -> Corpus:
+    """Stored corpora trained on as one (each checked as ``load_corpus`` checks it; e.g. one
+    generated on a GPU and one on a CPU, from other seeds): their samples in order. One file
+    loads as it is; several get a description of the whole (the temperatures of any part, the
+    generation seconds summed) with each part's own under ``parts``. The validation split is
+    by prompt, so a prompt found in two parts falls on one side with all its samples."""
+    parts = [load_corpus(Path(p), trunk) for p in paths]
+    if len(parts) == 1:
+        return parts[0]
+    described = [{"file": str(p), "sequences": len(c.samples), "generated_tokens": c.generated_tokens,
+                  **c.description} for p, c in zip(paths, parts)]
+    temperatures = sorted({t for d in described for t in d.get("temperatures") or ()})
+    seconds = [d.get("generation_seconds") for d in described]
+    description = {"trunk_sha256": trunk.sha256, "temperatures": temperatures,
+                   "max_new_tokens": max((d.get("max_new_tokens") or 0) for d in described) or None,
+                   "rounds": None, "generation_seconds": round(sum(seconds), 1) if None not in seconds else None,
+                   "self_prompts": [d.get("self_prompts") for d in described], "parts": described}
+    return Corpus([s for c in parts for s in c.samples], all(c.complete for c in parts), description)
+
+
 def training_batches(loaded: LoadedModel, corpus: Corpus, ts: TrainSettings, layers: tuple[int, ...],
                      log: Callable[[str], None]) -> tuple[list, list]:
     """(train, validation) batches of the corpus, split by prompt, with the trunk's hidden states
@@ -334,18 +354,18 @@ def measure_head(loaded: LoadedModel, head_weights: dict[str, torch.Tensor], mtp
 def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_out_prompts: list,
           settings: BuildSettings, work_dir: Path | None = None, resume: bool = False,
           text_files: list[Path] = (), prompt_source: str = prompt_set.PROMPT_SET_VERSION, command: str = "",
-          corpus_file: Path | None = None, corpus_only: bool = False,
+          corpus_files: Sequence[Path] = (), corpus_only: bool = False,
           log: Callable[[str], None] | None = None) -> dict:
     """Forge a head for ``trunk`` into ``out_dir``; returns the provenance written beside it.
-    corpus_file: train on this stored corpus (no prompts, no generation); corpus_only: stop
-    after the corpus (``work_dir/corpus.pt``; returns its description)."""
+    corpus_files: train on these stored corpora, as one (no prompts, no generation);
+    corpus_only: stop after the corpus (``work_dir/corpus.pt``; returns its description)."""
     log = log or (lambda line: print(f"forge: {line}", file=sys.stderr))
     loaded = trunk.loaded
     needs_tokenizer = any(isinstance(p, str) for p in list(train_prompts) + list(held_out_prompts)) or bool(text_files)
     check_trunk(loaded, needs_tokenizer)
     if not train_prompts or not held_out_prompts:
         raise ForgeError("forge needs at least one training prompt and one held-out prompt")
-    if corpus_file is not None and (corpus_only or settings.self_prompts or text_files):
+    if corpus_files and (corpus_only or settings.self_prompts or text_files):
         raise ForgeError("--corpus trains on a stored corpus: it takes no --corpus-only, --self-prompts or --text")
     mtp = settings.head_config(loaded)
     feature_layers(mtp.features, loaded.config.num_hidden_layers)  # an unknown choice fails before any work
@@ -355,15 +375,16 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
     if work_dir is None and out_dir is None:
         raise ForgeError("give a work folder (--work) for the corpus")
     work_dir = Path(work_dir or Path(out_dir) / "forge-work")
-    _prepare_work_dir(work_dir, resume, stored_corpus=corpus_file is not None)
+    _prepare_work_dir(work_dir, resume, stored_corpus=bool(corpus_files))
     start = time.monotonic()
     deadline = (lambda share: start + share * settings.max_seconds) if settings.max_seconds else (lambda share: None)
 
     self_prompts = None
     train_ids: list[list[int]] = []
-    if corpus_file is not None:
-        corpus = load_corpus(corpus_file, trunk)
-        log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens from {corpus_file}")
+    if corpus_files:
+        corpus = load_corpora(list(corpus_files), trunk)
+        log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens from "
+            f"{', '.join(map(str, corpus_files))}")
     else:
         if settings.self_prompts:
             exclude = [p for p in list(held_out_prompts) + list(train_prompts) if isinstance(p, str)]
@@ -397,7 +418,7 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
     measured = measure_head(loaded, weights, mtp, held_ids, settings)
     log("held-out acceptance by depth " + acceptance_line(measured) + f" at depth {settings.measure_depth}")
     provenance = provenance_of(trunk, trainer, corpus, measured, settings, mtp, vocab, train_ids, self_prompts,
-                             text_files, prompt_source, command, corpus_file, time.monotonic() - start)
+                             text_files, prompt_source, command, corpus_files, time.monotonic() - start)
     write_head(Path(out_dir), weights, provenance)
     log(f"wrote {Path(out_dir) / 'mtp.safetensors'} and mtplx_forge.json")
     return provenance
@@ -421,7 +442,8 @@ def _prepare_work_dir(work_dir: Path, resume: bool, stored_corpus: bool = False)
 
 def provenance_of(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: dict, settings: BuildSettings,
                 mtp: MTPConfig, vocab: dict | None, train_ids: list[list[int]], self_prompts: SelfPrompts | None,
-                text_files, prompt_source: str, command: str, corpus_file: Path | None, seconds: float) -> dict:
+                text_files, prompt_source: str, command: str, corpus_files: Sequence[Path],
+                seconds: float) -> dict:
     cfg = trunk.loaded.config
     st = trainer.state
     device = trunk.loaded.model.lm_head.weight.device
@@ -435,7 +457,9 @@ def provenance_of(trunk: TrunkInfo, trainer: Trainer, corpus: Corpus, measured: 
             "rounds": described.get("rounds", settings.rounds),
             "generation_seconds": described.get("generation_seconds"),
             "text_files": [Path(f).name for f in text_files], "text_tokens": text_tokens,
-            "validation_split": "by prompt", "corpus_file": str(corpus_file) if corpus_file else None}
+            "validation_split": "by prompt",
+            "corpus_file": ", ".join(map(str, corpus_files)) if corpus_files else None,
+            "corpus_parts": described.get("parts")}
     return {
         "trunk_sha256": trunk.sha256,
         "trunk": {"name": trunk.name, "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
