@@ -338,6 +338,15 @@ def test_a_narrower_second_mlp_starts_as_the_full_width_head_and_loads_by_its_sh
     assert sidecar_config({}, None, config).second_mlp == 0
 
 
+def test_self_prompt_share_outside_zero_to_one_is_refused(forged, tmp_path, capsys):
+    from mtplx.cli import main
+
+    for share in ("0", "1.5"):
+        assert main(["forge", "build", "--model", str(forged.trunk), "--work", str(tmp_path / "w"),
+                     "--corpus-only", "--self-prompt-share", share]) != 0
+        assert "self-prompt-share" in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
 def test_second_mlp_needs_a_two_layer_head(forged, tmp_path, capsys):
     from benchmarks.forge_matrix import parse_variant
     from mtplx.cli import main
@@ -476,10 +485,13 @@ def chat_trunk(tmp_path_factory, default_trunk):
 
 @pytest.mark.slow
 def test_build_mixes_in_self_prompts_records_them_and_reuses_them_on_resume(chat_trunk, tmp_path, monkeypatch):
-    """A random trunk seldom ends a turn, so the trunk's writing is stood in for; the rest is real."""
+    """A random trunk seldom ends a turn, so the trunk's writing is stood in for; the rest is real.
+    The self prompts' phase ends at its share of the time budget."""
     written = ["Plan a picnic for six people.", "What is a koan, and where do they come from?"]
+    deadlines = []
 
     def trunk_writes(engine, store, **kwargs):
+        deadlines.append(kwargs["deadline"] - time.monotonic())
         store.prompts, store.attempts, store.done = list(written), 5, True
         kwargs["save"](store)
         return store
@@ -487,7 +499,8 @@ def test_build_mixes_in_self_prompts_records_them_and_reuses_them_on_resume(chat
     monkeypatch.setattr(build_module, "generate_self_prompts", trunk_writes)
     built_in = ["Tell me about owls.", "Write a haiku about rain.", "How do magnets work?", "Name three rivers."]
     settings = BuildSettings(tokens=10_000, max_new_tokens=6, gen_rows=8, rounds=1, self_prompts=3,
-                             self_prompt_temperature=0.8, measure_max_tokens=4, measure_rows=2,
+                             self_prompt_temperature=0.8, self_prompt_share=0.4, max_seconds=1000,
+                             measure_max_tokens=4, measure_rows=2,
                              train=TrainSettings(epochs=1, batch_tokens=256, eval_every=1000))
 
     def run(resume):
@@ -497,6 +510,7 @@ def test_build_mixes_in_self_prompts_records_them_and_reuses_them_on_resume(chat
     provenance = run(resume=False)
     data = provenance["data"]
     assert data["training_prompts"] == 6
+    assert len(deadlines) == 1 and 380 < deadlines[0] <= 400  # 0.4 of the 1,000 s, less the trunk's loading
     recorded = data["self_prompts"]
     assert (recorded["requested"], recorded["kept"], recorded["attempts"]) == (3, 2, 5)
     assert recorded["temperature"] == 0.8 and recorded["prefix"].endswith("<|im_start|>user\n")

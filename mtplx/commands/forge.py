@@ -41,9 +41,11 @@ def _add_build(actions) -> None:
     g.add_argument("--text", action="append", default=[], help="plain-text file to add (repeatable)")
     g.add_argument("--self-prompts", type=int, default=0,
                    help="user messages the trunk writes itself, added to the prompts (default 0: none; "
-                        "needs a chat template; one measured run did not improve acceptance, see docs/forge.md)")
+                        "needs a chat template; the shipped head's corpus used them, see docs/forge.md)")
     g.add_argument("--self-prompt-temperature", type=float, default=0.9,
                    help="sampling temperature of the self-generated prompts (default 0.9)")
+    g.add_argument("--self-prompt-share", type=float, default=0.15,
+                   help="the share of --max-seconds after which self-prompt generation stops (default 0.15)")
     g.add_argument("--corpus", action="append", default=[],
                    help="train on this stored corpus (an earlier build's corpus.pt) instead of generating one; "
                         "repeat it to train on several as one")
@@ -122,10 +124,13 @@ def run_build(args) -> int:
         raise InvalidParameter("self-prompts", f"must be >= 0 (0: none), got {args.self_prompts}")
     if not args.self_prompt_temperature > 0:
         raise InvalidParameter("self-prompt-temperature", f"must be > 0, got {args.self_prompt_temperature}")
+    if not 0 < args.self_prompt_share < 1:
+        raise InvalidParameter("self-prompt-share", f"must lie between 0 and 1, got {args.self_prompt_share}")
     train_prompts = load_prompts_file(Path(args.prompts)) if args.prompts else prompts.training_prompts(args.seed)
     settings = BuildSettings(
         tokens=args.tokens, max_new_tokens=args.max_new_tokens, temperatures=temperatures, rounds=args.rounds,
         gen_rows=args.gen_rows, seed=args.seed, self_prompt_temperature=args.self_prompt_temperature,
+        self_prompt_share=args.self_prompt_share,
         max_seconds=args.max_seconds, measure_depth=args.measure_depth,
         measure_max_tokens=args.measure_max_tokens, measure_temperatures=measure_temperatures,
         features=args.features, head_layers=args.head_layers, draft_vocab=args.draft_vocab,

@@ -47,7 +47,8 @@ from mtplx.models.config import MTPConfig, feature_layers
 
 # Trunks whose every layer is full attention over the paged KV cache (the training forward's shape).
 FORGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# Shares of --max-seconds by which self-prompt generation, completion generation and training stop.
+# Shares of --max-seconds by which self-prompt generation (default; ``self_prompt_share``),
+# completion generation and training stop.
 PROMPT_PHASE, GEN_PHASE, TRAIN_PHASE = 0.15, 0.45, 0.90
 _BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 15.0  # seconds; a log file gets a line now and then
 
@@ -63,6 +64,7 @@ class BuildSettings:
     self_prompts: int = 0  # user messages the trunk writes itself, added to the prompt set (0: none)
     self_prompt_temperature: float = 0.9  # 1.0 writes more garbled messages, hardly more varied ones
     self_prompt_max_new_tokens: int = 96
+    self_prompt_share: float = PROMPT_PHASE  # of max_seconds, by which self-prompt generation stops
     max_seconds: float | None = None  # wall-clock budget for the whole build
     features: str = "final"  # what the head reads of the trunk (models/config.py HEAD_FEATURES)
     head_layers: int = 1
@@ -389,7 +391,7 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
         if settings.self_prompts:
             exclude = [p for p in list(held_out_prompts) + list(train_prompts) if isinstance(p, str)]
             self_prompts = build_self_prompts(loaded, prefix, settings, work_dir, resume, exclude,
-                                              deadline(PROMPT_PHASE), log)
+                                              deadline(settings.self_prompt_share), log)
         elif resume and (work_dir / "prompts.json").is_file():
             raise ForgeError(f"{work_dir} holds a build with self-generated prompts (prompts.json); "
                              "resume it with the --self-prompts it was started with")

@@ -252,7 +252,8 @@ def exact_bf16_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     copy (half the bytes; the same products, summed in another order), kept until the weight
     changes."""
     rows = x.numel() // x.shape[-1]
-    if linear.bias is not None or rows > ROW_EXACT_QUERIES or not cpu_kernels.usable(x):
+    if type(linear) is not nn.Linear or linear.bias is not None or rows > ROW_EXACT_QUERIES \
+            or not cpu_kernels.usable(x):  # a quantized head's QuantLinear runs its own kernel
         return linear(x)
     weight = linear.weight
     cached = linear.__dict__.get("_exact_bf16")  # (weight's id, its version, the copy or None)
