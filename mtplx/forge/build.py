@@ -201,9 +201,11 @@ def build_corpus(loaded: LoadedModel, prompt_ids: list[list[int]], settings: Bui
                  trunk_sha256: str = "") -> Corpus:
     path = work_dir / "corpus.pt"
     corpus = Corpus.load(path) if resume and path.is_file() else Corpus(samples=list(extra))
+    weight = loaded.model.lm_head.weight
     corpus.description.update(trunk_sha256=trunk_sha256, temperatures=list(settings.temperatures),
                               max_new_tokens=settings.max_new_tokens, rounds=settings.rounds,
-                              training_prompts=len(prompt_ids), seed=settings.seed)
+                              training_prompts=len(prompt_ids), seed=settings.seed,
+                              generated_on=f"{weight.device.type} {str(weight.dtype).replace('torch.', '')}")
     if corpus.complete:
         log(f"corpus: resumed, complete ({len(corpus.samples)} sequences, {corpus.generated_tokens} tokens)")
         return corpus
