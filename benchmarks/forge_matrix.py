@@ -32,7 +32,7 @@ from mtplx.forge import ForgeError
 from mtplx.forge import prompts as prompt_set
 from mtplx.forge.artifact import head_state, write_head
 from mtplx.forge.build import (BuildSettings, draft_vocabulary, encode_prompts, head_engine, load_corpora, load_trunk,
-                               mtp_layers, provenance_of, train_head, training_batches)
+                               mtp_layers, provenance_of, start_head, train_head, training_batches)
 from mtplx.forge.measure import acceptance_by_temperature, acceptance_line, step_costs
 from mtplx.forge.train import TrainSettings
 
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=float, default=8.0, help="at most (the time budget usually stops first)")
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--start-from", default="", help="continue training this forged head (every variant: its form)")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measure-max-tokens", type=int, default=128)
@@ -88,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     corpus = load_corpora(corpus_files, trunk)
     log(f"corpus: {len(corpus.samples)} sequences, {corpus.generated_tokens} generated tokens")
     ts = TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
-                       seed=args.seed, eval_every=100, checkpoint_every=10**9)
+                       seed=args.seed, eval_every=100, checkpoint_every=10**9, start_from=args.start_from)
     base = BuildSettings(seed=args.seed, measure_max_tokens=args.measure_max_tokens, measure_depth=args.depth,
                          measure_temperatures=temperatures, train=ts)
     held_ids = encode_prompts(loaded, list(prompt_set.HELD_OUT_PROMPTS[: args.held_out_prompts]))
     union = tuple(sorted({i for v in variants.values()
                           for i in mtp_layers(BuildSettings(features=v["features"]).head_config(loaded), loaded)}))
+    starts = {name: start_head(ts, trunk, BuildSettings(**{**vars(base), **choice}).head_config(loaded))
+              for name, choice in variants.items()}  # a head of another form fails before the trunk's pass
     batches = training_batches(loaded, corpus, ts, union, log)
     device = loaded.model.lm_head.weight.device
     results = {"model": trunk.name, "trunk_sha256": trunk.sha256, "corpus": ", ".join(args.corpus),
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = BuildSettings(**{**vars(base), **choice})
         mtp = settings.head_config(loaded)
         trainer = train_head(loaded, batches, mtp, ts, None, False, time.monotonic() + args.max_seconds_each,
-                             lambda line: None)
+                             lambda line: None, starts[name])
         weights = head_state(trainer.head, torch.bfloat16)
         vocab = None
         if mtp.draft_vocab:

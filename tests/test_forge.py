@@ -338,6 +338,40 @@ def test_a_narrower_second_mlp_starts_as_the_full_width_head_and_loads_by_its_sh
     assert sidecar_config({}, None, config).second_mlp == 0
 
 
+def test_training_continues_from_a_forged_head_of_the_same_trunk_and_form(forged, tmp_path):
+    """--start-from: the new head starts from the given head's weights (at a learning rate of
+    1e-9 it ends where that head is, far from a fresh start), records which head it continued,
+    and refuses a head of another form or of another trunk before any work."""
+    from safetensors.torch import load_file
+
+    from mtplx.forge.artifact import head_state, read_provenance
+
+    def settings(**head):
+        return BuildSettings(tokens=200, max_new_tokens=10, gen_rows=8, rounds=1, measure_max_tokens=4,
+                             measure_rows=2, **head, train=TrainSettings(epochs=1, batch_tokens=128, lr=1e-9,
+                                                                         eval_every=1000,
+                                                                         start_from=str(forged.head)))
+
+    trunk = load_trunk(forged.trunk, device="cpu")
+    p = build(trunk, tmp_path / "next", train_prompts=_token_prompts(8, 3), held_out_prompts=_token_prompts(2, 1),
+              settings=settings(), log=lambda line: None)
+    before, after = load_file(forged.head / "mtp.safetensors"), load_file(tmp_path / "next" / "mtp.safetensors")
+    fresh = head_state(init_head(trunk.loaded.model, "cpu"))
+    assert before.keys() == after.keys() == fresh.keys()
+    assert all(torch.allclose(before[k].float(), after[k].float(), rtol=1e-2, atol=1e-3) for k in before)
+    assert not torch.allclose(before["mtp.fc.weight"].float(), fresh["mtp.fc.weight"].float(), atol=1e-2)
+    assert p["training"]["start_from"] == str(forged.head)
+    assert p["training"]["start_sha256"] == read_provenance(forged.head)["weights_sha256"]
+    with pytest.raises(ForgeError, match="its own form"):
+        build(trunk, tmp_path / "fused", train_prompts=_token_prompts(8, 3), held_out_prompts=_token_prompts(2, 1),
+              settings=settings(features="fuse3"), log=lambda line: None)
+    other = load_trunk(_save_trunk(tmp_path / "other", seed=5), device="cpu")
+    with pytest.raises(ModelLoadError, match="trained against trunk"):
+        build(other, tmp_path / "other_head", train_prompts=_token_prompts(8, 3),
+              held_out_prompts=_token_prompts(2, 1), settings=settings(), log=lambda line: None)
+    assert not (tmp_path / "fused").exists() and not (tmp_path / "other_head").exists()
+
+
 def test_self_prompt_share_outside_zero_to_one_is_refused(forged, tmp_path, capsys):
     from mtplx.cli import main
 

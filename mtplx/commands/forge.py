@@ -67,6 +67,9 @@ def _add_build(actions) -> None:
     g.add_argument("--epochs", type=float, default=3.0)
     g.add_argument("--batch-tokens", type=int, default=8192, help="tokens per training batch")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine decay)")
+    g.add_argument("--start-from", default="",
+                   help="continue training this forged head (same trunk, same form) instead of starting "
+                        "from the trunk's last layer; its draft vocabulary is chosen again")
     g.add_argument("--max-seconds", type=float, default=None,
                    help="wall-clock budget: self prompts stop at 15%% of it, completions at 45%%, "
                         "training at 90%%")
@@ -136,7 +139,7 @@ def run_build(args) -> int:
         features=args.features, head_layers=args.head_layers, draft_vocab=args.draft_vocab,
         second_mlp=args.second_mlp,
         train=TrainSettings(depth=args.depth, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
-                            seed=args.seed))
+                            seed=args.seed, start_from=args.start_from))
     trunk = load_trunk(args.model, device=args.device, dtype=args.dtype)
     settings.self_prompts = args.self_prompts
     held_out = list(prompts.HELD_OUT_PROMPTS)

@@ -41,7 +41,7 @@ from mtplx.forge.measure import acceptance_by_temperature, acceptance_line
 from mtplx.forge.self_prompts import SelfPrompts, generate_self_prompts, interleave, user_turn_prefix
 from mtplx.forge.train import Trainer, TrainSettings, init_head, make_batches, prepare_batch, split_samples
 from mtplx.loading.checkpoint import LoadedModel
-from mtplx.loading.mtp_weights import ZERO_CENTERED_FAMILIES, HeadWeights
+from mtplx.loading.mtp_weights import ZERO_CENTERED_FAMILIES, HeadWeights, load_sidecar
 from mtplx.loading.weights import attach_head
 from mtplx.models.config import MTPConfig, feature_layers
 
@@ -283,13 +283,45 @@ def training_batches(loaded: LoadedModel, corpus: Corpus, ts: TrainSettings, lay
     return train, val
 
 
+def load_start_head(head_dir: Path, trunk: TrunkInfo, mtp: MTPConfig) -> HeadWeights:
+    """A forged head to continue training from (``--start-from``): it must have been trained
+    against this trunk (the sidecar's recorded sha256) and have the form asked for (features,
+    layers, MLP widths; its draft vocabulary is chosen again from the corpus)."""
+    start = load_sidecar(Path(head_dir), trunk.loaded.config, trunk.sha256)
+    asked, found = (mtp.features, mtp.head_layers, mtp.second_mlp), (start.mtp.features, start.mtp.head_layers,
+                                                                     start.mtp.second_mlp)
+    if asked != found:
+        raise ForgeError(f"the head in {head_dir} has features {found[0]!r}, {found[1]} layer(s), second MLP "
+                         f"width {found[2] or 'full'}; this build asks for {asked[0]!r}, {asked[1]}, "
+                         f"{asked[2] or 'full'}: continue it with its own form")
+    return start
+
+
+def start_head(ts: TrainSettings, trunk: TrunkInfo, mtp: MTPConfig) -> HeadWeights | None:
+    """``ts.start_from``'s head (None where training starts afresh), its weights' sha256
+    recorded in ``ts.start_sha256`` for the provenance."""
+    if not ts.start_from:
+        return None
+    start = load_start_head(Path(ts.start_from), trunk, mtp)
+    ts.start_sha256 = (start.provenance or {}).get("weights_sha256") or ""
+    return start
+
+
 def train_head(loaded: LoadedModel, batches: tuple[list, list], mtp: MTPConfig, ts: TrainSettings,
-               checkpoint: Path | None, resume: bool, deadline: float | None, log: Callable[[str], None]) -> Trainer:
-    """Train a head of config ``mtp`` on (train, validation) batches until the epochs or ``deadline``."""
+               checkpoint: Path | None, resume: bool, deadline: float | None, log: Callable[[str], None],
+               start: HeadWeights | None = None) -> Trainer:
+    """Train a head of config ``mtp`` on (train, validation) batches until the epochs or ``deadline``,
+    from the trunk's own next-token predictor (``init_head``) or from ``start``'s weights."""
     torch.manual_seed(ts.seed)
     model = loaded.model
     train, val = batches
     head = init_head(model, model.lm_head.weight.device, mtp)
+    if start is not None:
+        weights = {k: v for k, v in start.state_dict.items() if k != "draft_vocab"}
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ForgeError(f"the head in {start.source} does not fit this form: missing {missing}, "
+                             f"unexpected {unexpected}")
     trainer = Trainer(head, model, train, val, ts, checkpoint=checkpoint)
     if resume and trainer.resume():
         log(f"training: resumed at step {trainer.state.step} of {trainer.state.total_steps}")
@@ -376,6 +408,7 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
     if mtp.second_mlp and mtp.head_layers < 2:
         raise ForgeError("a second layer's MLP width (--second-mlp) needs a head of two layers (--head-layers 2)")
     prefix = user_turn_prefix(loaded.tokenizer) if settings.self_prompts else None  # fails before any work
+    continued = start_head(settings.train, trunk, mtp)  # likewise
     if work_dir is None and out_dir is None:
         raise ForgeError("give a work folder (--work) for the corpus")
     work_dir = Path(work_dir or Path(out_dir) / "forge-work")
@@ -411,7 +444,7 @@ def build(trunk: TrunkInfo, out_dir: Path | None, *, train_prompts: list, held_o
     held_ids = encode_prompts(loaded, held_out_prompts)
     batches = training_batches(loaded, corpus, settings.train, mtp_layers(mtp, loaded), log)
     trainer = train_head(loaded, batches, mtp, settings.train, work_dir / "train.pt", resume, deadline(TRAIN_PHASE),
-                         log)
+                         log, continued)
     weights = head_state(trainer.head, torch.bfloat16)
     vocab = None
     if mtp.draft_vocab:

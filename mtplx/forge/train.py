@@ -42,6 +42,8 @@ class TrainSettings:
     seed: int = 0
     eval_every: int = 50
     checkpoint_every: int = 100
+    start_from: str = ""  # a forged head's folder to continue training from ("": the trunk's last layer)
+    start_sha256: str = ""  # that head's weights' sha256, recorded in the provenance
 
 
 @dataclass
