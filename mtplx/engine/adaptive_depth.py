@@ -35,9 +35,11 @@ HYSTERESIS = 0.10
 RATE = 0.15  # weight of the newest cycle in the running acceptance (about the last 6-7 cycles)
 DEFAULT_MAX_DEPTH = 3
 
-# Conditional acceptance by position before a row has committed anything. Greedy: the shipped
-# SmolLM2 head's (session 15) on forge's 24 held-out prompts at depth 3 (docs/forge.md), 0.575 /
-# 0.332 / 0.193 by position, i.e. 0.58 / 0.58 / 0.58 conditional. Sampled: the session-10 head's
+# Conditional acceptance by position before a row has committed anything. Greedy: the session-15
+# SmolLM2 head's on forge's 24 held-out prompts at depth 3 (docs/forge.md), 0.575 / 0.332 / 0.193
+# by position, i.e. 0.58 / 0.58 / 0.58 conditional; kept for the session-16 head (0.585 / 0.334 /
+# 0.206, i.e. 0.59 / 0.57 / 0.62), with which auto decoded greedy 1.63x AR on the H200 against depth
+# 3's 1.62x (benchmarks/results/gpu_h200_s16_sampled_newhead.json). Sampled: the session-10 head's
 # (about 0.44 at depth 1, temperature 0.7), kept: with it and the sampled cycle costs below, auto
 # on the H200 with the session-15 head decoded T 0.7 mirror 1.338x AR against the best fixed
 # depth's 1.343x and T 1.0 1.195x against 1.203x; with this head's own rates (0.52 / 0.52 / 0.51)
