@@ -52,25 +52,24 @@ def main() -> None:
     depth = "auto" if args.depth == "auto" else int(args.depth)
     engines = [mtplx.load(args.model, head=h, device=args.device, dtype=args.dtype) for h in heads]
     prompts = [[{"role": "user", "content": p}] for p in HELD_OUT_CHAT[: args.prompts]]
-    runs = [("ar", engines[0], Config("ar"))] + [(f"head{i}", e, Config("mtp", depth, "auto"))
-                                                  for i, e in enumerate(engines)]
+    runs = [("ar", engines[0], Config("ar"), None)] + [(f"head{i}", e, Config("mtp", depth, "auto"), h)
+                                                        for i, (e, h) in enumerate(zip(engines, heads))]
     report = {"machine": machine_info(engines[0]), "threads": torch.get_num_threads(), "heads": heads,
               "depth": depth, "max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats,
               "regimes": {}}
     for regime in regimes:
         sampling = REGIMES[regime]
-        for _, engine, config in runs:  # warm-up
+        for _, engine, config, _ in runs:  # warm-up
             run_once(engine, prompts[0], config, 8, **sampling)
-        results = {name: [] for name, _, _ in runs}
+        results = {name: [] for name, *_ in runs}
         t0 = time.perf_counter()
         for _ in range(args.repeats):
             for prompt in prompts:
-                for name, engine, config in runs:
+                for name, engine, config, _ in runs:
                     results[name].append(run_once(engine, prompt, config, args.max_tokens, **sampling))
-        entry = {name: summarize(results[name], config) for name, _, config in runs}
-        for name in entry:
-            entry[name]["speedup_vs_ar"] = entry[name]["tok_s"] / entry["ar"]["tok_s"]
-            entry[name]["head"] = None if name == "ar" else heads[int(name[4:])]
+        entry = {name: {**summarize(results[name], config), "head": head} for name, _, config, head in runs}
+        for e in entry.values():
+            e["speedup_vs_ar"] = e["tok_s"] / entry["ar"]["tok_s"]
         report["regimes"][regime] = {"sampling": sampling, "wall_s": time.perf_counter() - t0, "configs": entry}
         line = ", ".join(f"{name} {e['tok_s']:.1f} tok/s ({e['speedup_vs_ar']:.3f}x"
                          + (f", d1 acceptance {e['acceptance_by_depth'][0]:.3f})" if name != "ar" else ")")

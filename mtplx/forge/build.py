@@ -283,26 +283,20 @@ def training_batches(loaded: LoadedModel, corpus: Corpus, ts: TrainSettings, lay
     return train, val
 
 
-def load_start_head(head_dir: Path, trunk: TrunkInfo, mtp: MTPConfig) -> HeadWeights:
-    """A forged head to continue training from (``--start-from``): it must have been trained
-    against this trunk (the sidecar's recorded sha256) and have the form asked for (features,
-    layers, MLP widths; its draft vocabulary is chosen again from the corpus)."""
-    start = load_sidecar(Path(head_dir), trunk.loaded.config, trunk.sha256)
+def start_head(ts: TrainSettings, trunk: TrunkInfo, mtp: MTPConfig) -> HeadWeights | None:
+    """The forged head ``ts.start_from`` names, to continue training from (None where training
+    starts afresh): it must have been trained against this trunk (the sidecar's recorded sha256)
+    and have the form asked for (features, layers, MLP widths; its draft vocabulary is chosen
+    again from the corpus). Its weights' sha256 goes to ``ts.start_sha256`` for the provenance."""
+    if not ts.start_from:
+        return None
+    start = load_sidecar(Path(ts.start_from), trunk.loaded.config, trunk.sha256)
     asked, found = (mtp.features, mtp.head_layers, mtp.second_mlp), (start.mtp.features, start.mtp.head_layers,
                                                                      start.mtp.second_mlp)
     if asked != found:
-        raise ForgeError(f"the head in {head_dir} has features {found[0]!r}, {found[1]} layer(s), second MLP "
+        raise ForgeError(f"the head in {ts.start_from} has features {found[0]!r}, {found[1]} layer(s), second MLP "
                          f"width {found[2] or 'full'}; this build asks for {asked[0]!r}, {asked[1]}, "
                          f"{asked[2] or 'full'}: continue it with its own form")
-    return start
-
-
-def start_head(ts: TrainSettings, trunk: TrunkInfo, mtp: MTPConfig) -> HeadWeights | None:
-    """``ts.start_from``'s head (None where training starts afresh), its weights' sha256
-    recorded in ``ts.start_sha256`` for the provenance."""
-    if not ts.start_from:
-        return None
-    start = load_start_head(Path(ts.start_from), trunk, mtp)
     ts.start_sha256 = (start.provenance or {}).get("weights_sha256") or ""
     return start
 
