@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare, kstest
 
 from mtplx.engine.sampling import (
+    SamplerBatch,
     SamplingParams,
     apply_penalties,
     exponential_,
@@ -276,3 +277,20 @@ def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temper
     for row in range(2):
         single = logits_to_probs(logits[row], SamplingParams(temperature=temperature, top_p=top_p))
         assert torch.equal(single, expected[row])
+
+
+def test_a_batch_draws_each_row_as_that_row_alone_and_greedy_rows_take_the_argmax():
+    """SamplerBatch.sample races every row at once, each row's noise from its own generator:
+    the tokens ``sample`` gives each row alone from a copy of that generator, step after step."""
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 0.0, 1.3)]
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(len(params))]
+    alone = [torch.Generator().manual_seed(100 + r) for r in range(len(params))]
+    batch = SamplerBatch(params, gens, torch.device("cpu"))
+    logits = torch.randn(len(params), 300, generator=torch.Generator().manual_seed(5))
+    for _ in range(20):
+        probs = batch.probs(logits)
+        picks = batch.sample(probs).tolist()
+        for r, p in enumerate(params):
+            want = probs[r].argmax().item() if p.greedy else sample(probs[r:r + 1], alone[r]).item()
+            assert picks[r] == want
+    assert len({tuple(batch.sample(batch.probs(logits)).tolist()) for _ in range(5)}) > 1

@@ -40,7 +40,7 @@ from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
-from mtplx.engine.sampling import SamplerBatch, apply_penalties
+from mtplx.engine.sampling import SamplerBatch, apply_penalties, race_winners
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import CycleOutcome, greedy_outcome, sampled_outcome
 from mtplx.engine.stats import DecodeStats
@@ -488,18 +488,17 @@ class Generator:
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
                                  [1] * len(seqs))[:, 0]
         probs = sampler.probs(logits)
-        picks, failed = [], set()
-        for r, s in enumerate(seqs):
+        race, failed = torch.ones_like(probs), set()
+        for r, s in enumerate(seqs):  # each row's noise from its own generator; the races run at once
             try:
                 self._stage("sample", s)
-                picks.append(sampler.sample(probs[r:r + 1], [r]))
+                sampler.draw_race(race[r], r)
             except Exception as exc:
                 if faults is None:
                     raise
                 faults[s.seq_id] = exc
                 failed.add(r)
-                picks.append(probs[r:r + 1].argmax(-1))
-        tokens = torch.cat(picks).tolist()  # the step's one host sync
+        tokens = race_winners(probs, race).tolist()  # the step's one host sync
         return [None if r in failed else t for r, t in enumerate(tokens)]
 
     # -- commit --------------------------------------------------------------------------

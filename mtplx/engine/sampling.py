@@ -228,7 +228,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     probs' device (``exponential_``, which never draws 0: E = 0 would hand the win to any
     token with p_v > 0).
     """
-    race = exponential_(torch.empty_like(probs), generator)
+    return race_winners(probs, exponential_(torch.empty_like(probs), generator))
+
+
+def race_winners(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """argmax_v probs / race per row: every row's exponential race in one pass (``sample``);
+    a row whose race is all ones takes its argmax."""
     return torch.argmax(probs / race, dim=-1)
 
 
@@ -354,6 +359,14 @@ class SamplerBatch:
         rows = list(range(len(self.params))) if rows is None else rows
         if all(self.greedy_rows[r] for r in rows):
             return probs.argmax(dim=-1)
-        picks = [probs[i:i + 1].argmax(dim=-1) if self.greedy_rows[r] else sample(probs[i:i + 1], self.generators[r])
-                 for i, r in enumerate(rows)]
-        return picks[0] if len(picks) == 1 else torch.cat(picks)
+        race = torch.ones_like(probs)
+        for i, r in enumerate(rows):
+            self.draw_race(race[i], r)
+        return race_winners(probs, race)
+
+    def draw_race(self, out: torch.Tensor, r: int) -> None:
+        """Row r's noise for one token's exponential race, into ``out`` [V] (which holds 1.0):
+        Exp(1) draws from its own generator, the draws ``sample`` makes for that row alone;
+        a greedy row draws nothing (its race of ones leaves the argmax)."""
+        if not self.greedy_rows[r]:
+            exponential_(out, self.generators[r])
