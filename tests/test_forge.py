@@ -134,7 +134,7 @@ def test_forge_build_and_verify_commands_run_end_to_end(forged, tmp_path):
     assert verdict["verdict"].startswith(("depth", "no MTP depth beat AR"))
 
 
-def test_verify_against_refuses_a_head_that_accepts_less_and_replace_installs_one_that_does_not(forged, tmp_path):
+def test_verify_against_refuses_a_head_that_measures_worse_and_replace_installs_one_that_does_not(forged, tmp_path):
     from mtplx.cli import main
     from mtplx.forge.artifact import head_state, write_head
     from tests.tiny_models import random_head
@@ -149,6 +149,28 @@ def test_verify_against_refuses_a_head_that_accepts_less_and_replace_installs_on
     assert (forged.head / "mtp.safetensors").read_bytes() == strong_weights  # refused: nothing copied
     assert main([*run, "--head", str(forged.head), "--against", str(weak), "--replace"]) == 0
     assert (weak / "mtp.safetensors").read_bytes() == strong_weights
+
+
+def _report(by_depth):
+    return {"acceptance_by_depth": list(by_depth), "mean_acceptance_length": 1 + sum(by_depth)}
+
+
+def test_a_head_measures_worse_where_its_mean_acceptance_length_is_lower_at_any_temperature(capsys):
+    from mtplx.commands.forge import measures_worse
+
+    # session 17's CPU measurement: the new head a little lower at depth 1 greedy, higher in
+    # mean length at every temperature -> not worse; the other way round -> worse at all three
+    new = {"greedy": _report((0.574, 0.325, 0.211)),
+           "sampled": {"0.7": _report((0.564, 0.306, 0.171)), "1": _report((0.509, 0.273, 0.138))}}
+    old = {"greedy": _report((0.581, 0.320, 0.200)),
+           "sampled": {"0.7": _report((0.540, 0.296, 0.176)), "1": _report((0.490, 0.244, 0.125))}}
+    assert measures_worse(new, old) == []
+    assert [w.split(" (")[0] for w in measures_worse(old, new)] == ["greedy", "T 0.7", "T 1"]
+    # better greedy, worse at one sampled temperature: worse
+    mixed = {"greedy": _report((0.70, 0.40, 0.25)), "sampled": {"0.7": _report((0.60, 0.3, 0.2)),
+                                                                 "1": _report((0.48, 0.24, 0.12))}}
+    assert [w.split(" (")[0] for w in measures_worse(mixed, old)] == ["T 1"]
+    assert "depth 1: 0.574 vs 0.581" in capsys.readouterr().out
 
 
 def test_build_fails_before_training_without_a_tokenizer(forged, tmp_path):

@@ -96,7 +96,7 @@ def _add_verify(actions) -> None:
     g.add_argument("--acceptance-max-tokens", type=int, default=128)
     g.add_argument("--against", default=None,
                    help="a head folder (e.g. the shipped one) to measure the same way; exits non-zero if "
-                        "--head accepts less at depth 1, greedy")
+                        "--head's mean acceptance length is lower at any measured temperature")
     g.add_argument("--replace", action="store_true",
                    help="with --against: copy --head over it, only if --head measures at least as well")
     p.set_defaults(func=run_verify)
@@ -237,8 +237,9 @@ def held_out_acceptance(engine, args, temperatures) -> dict:
 
 
 def compare_heads(args, held: dict, temperatures) -> int:
-    """Measure the --against head as --head was; refuse (non-zero) where --head accepts less at
-    depth 1, greedy; with --replace copy --head over --against where it does not."""
+    """Measure the --against head as --head was; refuse (non-zero) where --head measures worse:
+    a lower mean acceptance length (at ``--acceptance-depth``) at any measured temperature, greedy
+    or sampled. With --replace copy --head over --against where it does not."""
     import shutil
     from argparse import Namespace
 
@@ -248,18 +249,34 @@ def compare_heads(args, held: dict, temperatures) -> int:
     other = load_engine(Namespace(**{**vars(args), "head": args.against}))
     theirs = held_out_acceptance(other, args, temperatures)
     print(f"held-out acceptance by depth (mean acceptance length), {args.against}: " + acceptance_line(theirs))
-    if "greedy" not in held:
-        print("forge verify: --against compares depth-1 greedy acceptance; include 0 in --acceptance-temperatures",
-              file=sys.stderr)
-        return 2
-    new, old = held["greedy"]["acceptance_by_depth"][0], theirs["greedy"]["acceptance_by_depth"][0]
-    if new < old:
-        print(f"forge verify: {args.head} accepts less than {args.against} at depth 1, greedy "
-              f"({new:.3f} < {old:.3f}); keeping {args.against}", file=sys.stderr)
+    worse = measures_worse(held, theirs)
+    if worse:
+        print(f"forge verify: {args.head} accepts less than {args.against} at {', '.join(worse)}; "
+              f"keeping {args.against}", file=sys.stderr)
         return 3
-    print(f"{args.head} accepts at least as much as {args.against} at depth 1, greedy ({new:.3f} >= {old:.3f})")
+    print(f"{args.head} accepts at least as much as {args.against} at every temperature measured")
     if args.replace:
         for name in (SIDECAR_WEIGHTS, SIDECAR_PROVENANCE):
             shutil.copyfile(Path(args.head) / name, Path(args.against) / name)
         print(f"replaced the head in {args.against} with {args.head}")
     return 0
+
+
+def measures_worse(ours: dict, theirs: dict) -> list[str]:
+    """The regimes (each temperature both heads were measured at, ``held_out_acceptance``'s
+    results) where ours has the lower mean acceptance length, e.g. ``["T 1 (1.850 < 1.860)"]``;
+    prints each comparison, with depth 1's acceptance beside it."""
+    from mtplx.errors import InvalidParameter
+
+    pairs = [("greedy", ours["greedy"], theirs["greedy"])] if ours.get("greedy") and theirs.get("greedy") else []
+    pairs += [(f"T {t}", r, theirs["sampled"][t]) for t, r in ours["sampled"].items() if t in theirs["sampled"]]
+    if not pairs:
+        raise InvalidParameter("against", "the two heads share no measured temperature")
+    worse = []
+    for regime, new, old in pairs:
+        a, b = new["mean_acceptance_length"] or 0.0, old["mean_acceptance_length"] or 0.0
+        print(f"  {regime}: mean acceptance length {a:.3f} vs {b:.3f} "
+              f"(depth 1: {new['acceptance_by_depth'][0]:.3f} vs {old['acceptance_by_depth'][0]:.3f})")
+        if a < b:
+            worse.append(f"{regime} ({a:.3f} < {b:.3f})")
+    return worse
