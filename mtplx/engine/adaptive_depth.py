@@ -39,7 +39,8 @@ DEFAULT_MAX_DEPTH = 3
 # SmolLM2 head's on forge's 24 held-out prompts at depth 3 (docs/forge.md), 0.575 / 0.332 / 0.193
 # by position, i.e. 0.58 / 0.58 / 0.58 conditional; kept for the session-16 head (0.585 / 0.334 /
 # 0.206, i.e. 0.59 / 0.57 / 0.62), with which auto decoded greedy 1.63x AR on the H200 against depth
-# 3's 1.62x (benchmarks/results/gpu_h200_s16_sampled_newhead.json). Sampled: the session-10 head's
+# 3's 1.62x (benchmarks/results/gpu_h200_s16_sampled_newhead.json), and for the session-17 head
+# (0.605 / 0.350 / 0.220: 0.61 / 0.58 / 0.63), 1.64x against 1.61x (gpu_h200_s17_sampled_newhead.json). Sampled: the session-10 head's
 # (about 0.44 at depth 1, temperature 0.7), kept: with it and the sampled cycle costs below, auto
 # on the H200 with the session-15 head decoded T 0.7 mirror 1.338x AR against the best fixed
 # depth's 1.343x and T 1.0 1.195x against 1.203x; with this head's own rates (0.52 / 0.52 / 0.51)
