@@ -175,7 +175,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
     ap.add_argument("--depths", default="1,2,3,auto")
-    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, configurations interleaved")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over the prompts, configurations interleaved (sampled regimes: a new seed each)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="engine.generate's requests run to --max-tokens past EOS (as the scheduler runs' do)")
     ap.add_argument("--scheduler-depth", default="1", help="the MTP depth of the scheduler runs (or auto)")

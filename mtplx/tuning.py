@@ -99,14 +99,15 @@ def _costs(saved):
     return DepthCosts(cycles, per_draft) if cycles and all(c > 0 for c in cycles) and per_draft > 0 else None
 
 
-def depth_costs(report: dict):
+def depth_costs(report: dict, draft_policy: str = "greedy"):
     """The cycle costs (DepthCosts) implied by a ``benchmarking.measure`` report of AR and fixed
-    depths 1..n side by side, or None where depth 1 is missing."""
+    depths 1..n side by side (their cycles drafting under ``draft_policy``), or None where
+    depth 1 is missing."""
     from mtplx.engine.adaptive_depth import DepthCosts
 
     configs = report["configs"]
     fixed = {e["depth"]: e for e in configs.values() if e["mode"] == "mtp" and isinstance(e["depth"], int)
-             and e.get("draft_policy", "greedy") == "greedy"}
+             and e.get("draft_policy", "greedy") == draft_policy}
     depths = [d for d in range(1, len(fixed) + 1) if d in fixed]
     return DepthCosts.from_measurement(configs["ar"]["tok_s"], {d: fixed[d]["tok_s"] for d in depths},
                                        {d: fixed[d]["acceptance_by_depth"] for d in depths})

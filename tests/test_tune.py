@@ -256,3 +256,30 @@ def test_a_verdict_measured_on_float_weights_is_not_the_quantized_models():
     report = _report(40.0, {1: (30.0, 0.5)})
     tuning.save_choice(*quantized, tuning.pick_depth(report), report)
     assert tuning.tuned(*quantized) == {"mode": "ar"} and tuning.tuned(*floating) == {"depth": 2}
+
+
+def test_each_pass_of_a_seeded_measurement_samples_a_new_seed():
+    """One seed fixes one trajectory per prompt: a second pass over the same seed adds no draw."""
+    from mtplx.benchmarking import measure
+
+    engine, _ = tiny_engine("llama")
+    seeds, generate = [], engine.generate
+
+    def recording(*args, **kwargs):
+        seeds.append(kwargs.get("seed"))
+        return generate(*args, **kwargs)
+
+    engine.generate = recording
+    measure(engine, depths=(1,), prompts=([5, 6, 7],), max_tokens=4, repeats=3, temperature=0.8, seed=40)
+    assert seeds[0] == 40 and seeds[1:] == [40] * 2 + [41] * 2 + [42] * 2  # warm-up, then AR and d1 per pass
+    seeds.clear()
+    measure(engine, depths=(1,), prompts=([5, 6, 7],), max_tokens=4, repeats=2)
+    assert set(seeds) == {None}  # greedy: nothing to vary
+
+
+def test_cycle_costs_come_from_the_runs_of_the_named_draft_policy():
+    report = _report(100.0, {1: (120.0, 0.5)})
+    report["configs"]["mtp_d1_mirror"] = {"mode": "mtp", "depth": 1, "tok_s": 150.0, "acceptance_rate": 0.5,
+                                          "acceptance_by_depth": [0.5], "draft_policy": "mirror"}
+    assert tuning.depth_costs(report).cycles == pytest.approx((1.5 * 100 / 120,))
+    assert tuning.depth_costs(report, draft_policy="mirror").cycles == pytest.approx((1.5 * 100 / 150,))

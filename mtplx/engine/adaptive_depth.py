@@ -54,14 +54,17 @@ SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 class DepthCosts:
     """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
     the table cost ``per_draft`` more each. Defaults (``default``: greedy cycles,
-    ``default_sampled``: sampled ones), measured in session 11 (docs/performance.md): on the
-    2-core CPU (AVX-512 kernels, one thread, `benchmarks/cpu_step_breakdown.py`) greedy cycles
-    of 14.60 / 17.45 / 21.96 ms against AR's 10.32 give 1.41, 1.69 and 2.13 AR steps, and auto
-    with them decoded 101.9 tok/s greedy against 92.3 with session 10's table (1.22, 1.48, 2.03);
-    but sampled rows then drafted deeper than pays (76.4 against 88.7 tok/s at T 1.0, and on
-    the H200 1.13x against 1.17x AR with mirror drafts for the greedy costs 1.21, 1.45, 1.55
-    measured there), so sampled cycles keep session 10's tables (H200: 1.20, 1.48, 1.75, from
-    greedy AR 1,369 tok/s, depth 1 1.27x, 2 1.17x at acceptance 0.53 / 0.20). The H200's greedy
+    ``default_sampled``: sampled ones). The CPU's, since session 18, as `mtplx tune` measures
+    them (`benchmarks/auto_depth.py`: the tune prompts, AR and depths 1-3 side by side, two
+    threads, the shipped head; `cpu_s18_auto_depth_measured.json`): greedy 1.30 / 1.84 / 2.17
+    AR steps, sampled (T 0.7 argmax and T 1.0 mirror drafts, averaged) 1.34 / 1.82 / 2.05. The
+    table before them (session 11, one thread: 1.41 / 1.69 / 2.13) priced depth 2 so low that
+    greedy auto drafted depth 2 in 970 of 1,004 cycles at 1.17x AR against depth 1's 1.22x;
+    with the measured one, 1.22x (depth 1 in 1,180 of 1,204). The H200's sampled cycles keep
+    session 10's table (1.20, 1.48, 1.75, from greedy AR 1,369 tok/s, depth 1 1.27x, 2 1.17x at
+    acceptance 0.53 / 0.20): over four seeds auto with it decodes within 0.3% of the best fixed
+    depth, and the costs measured in session 18 (1.21 / 1.48 / 1.59) do no better
+    (`gpu_h200_s18_auto_depth_seeds.json`). The H200's greedy
     table is the measured one since session 15 (1.21, 1.45, 1.56: sessions 13 and 15, either
     head, 12 held-out chat prompts): with the session-15 head, whose deeper drafts accept more,
     auto decoded greedy 1.62x AR against depth 3's 1.57x, where session 10's table held it at
@@ -79,13 +82,13 @@ class DepthCosts:
     def default(cls, device_type: str) -> DepthCosts:
         if device_type == "cuda":
             return cls((1.21, 1.45, 1.56), 0.11)
-        return cls((1.41, 1.69, 2.13), 0.44)
+        return cls((1.30, 1.84, 2.17), 0.33)
 
     @classmethod
     def default_sampled(cls, device_type: str) -> DepthCosts:
         if device_type == "cuda":
             return cls((1.20, 1.48, 1.75), 0.27)
-        return cls((1.22, 1.48, 2.03), 0.55)
+        return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
     def from_measurement(cls, ar_tok_s: float, tok_s: dict[int, float],
