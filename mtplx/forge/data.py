@@ -57,6 +57,9 @@ class Corpus:
     samples: list[Sample] = field(default_factory=list)
     complete: bool = False
     description: dict = field(default_factory=dict)
+    # (samples counted, their completion tokens): samples are only appended, so the count goes on
+    # from there (summing them all at every finished row cost ~3% of a GPU corpus's time)
+    _counted: tuple[int, int] = field(default=(0, 0), init=False, repr=False, compare=False)
 
     @property
     def done_keys(self) -> set[str]:
@@ -64,7 +67,10 @@ class Corpus:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(s.completion_tokens for s in self.samples)
+        counted, total = self._counted if self._counted[0] <= len(self.samples) else (0, 0)
+        total += sum(self.samples[i].completion_tokens for i in range(counted, len(self.samples)))
+        self._counted = (len(self.samples), total)
+        return total
 
     def save(self, path: Path) -> None:
         """Atomic write (a temporary file renamed into place); tokens as one flat int32 tensor."""
@@ -130,7 +136,7 @@ def generate_corpus(engine: Engine, jobs: list[Job], *, max_new_tokens: int, row
             since_save += 1
             if progress:
                 progress(corpus)
-            if save and since_save >= save_every:
+            if save and since_save >= max(save_every, len(corpus.samples) // 8):  # O(n) a save: spaced out
                 save(corpus)
                 since_save = 0
     corpus.complete = not out_of_time
