@@ -121,20 +121,24 @@ class BlockManager:
         seq.table.extend(self._take_block() for _ in range(need))
         return max(0, need)
 
-    def commit(self, seq_id: SeqId, token_ids: list[int]) -> None:
-        """token_ids: every token of the sequence whose KV is written (prompt + generated).
+    def commit(self, seq_id: SeqId, token_ids: list[int], length: int | None = None) -> None:
+        """token_ids: the sequence's tokens (prompt + generated); the first ``length`` of them
+        (default: all) have their KV written.
 
-        Sets length to len(token_ids) and registers each newly full block in the prefix cache.
+        Sets length and registers each newly full block in the prefix cache.
         """
         seq, bs = self._seq(seq_id), self.block_size
-        if len(token_ids) > len(seq.table) * bs:
-            raise ValueError(f"cannot commit {len(token_ids)} tokens to {seq_id!r}: only "
+        n = len(token_ids) if length is None else length
+        if not 0 <= n <= len(token_ids):
+            raise ValueError(f"cannot commit {n} of {len(token_ids)} tokens to {seq_id!r}")
+        if n > len(seq.table) * bs:
+            raise ValueError(f"cannot commit {n} tokens to {seq_id!r}: only "
                              f"{len(seq.table) * bs} slots are allocated (call ensure_capacity first)")
-        if len(token_ids) < seq.num_hashed * bs:
-            raise ValueError(f"cannot commit {len(token_ids)} tokens to {seq_id!r}: its first "
+        if n < seq.num_hashed * bs:
+            raise ValueError(f"cannot commit {n} tokens to {seq_id!r}: its first "
                              f"{seq.num_hashed * bs} tokens are in the prefix cache")
-        seq.length = len(token_ids)
-        while seq.num_hashed < len(token_ids) // bs and self._register(seq, token_ids):
+        seq.length = n
+        while seq.num_hashed < n // bs and self._register(seq, token_ids):
             seq.num_hashed += 1
 
     def rollback(self, seq_id: SeqId, length: int) -> None:

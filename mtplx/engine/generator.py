@@ -505,24 +505,28 @@ class Generator:
     def _append(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Append tokens up to the first stop (EOS or max_tokens); register full blocks."""
         self._stage("commit", seq)
-        committed = len(seq.tokens)
+        tokens = seq.tokens
+        committed, limit = len(tokens), len(seq.prompt_ids) + seq.max_tokens  # the length max_tokens ends at
+        eos = () if seq.ignore_eos else self.eos_token_ids
         for token in new_tokens:
-            if token in self.eos_token_ids and not seq.ignore_eos:
+            if token in eos:
                 seq.finish_reason = "stop"
                 break
-            seq.tokens.append(token)
+            tokens.append(token)
             if seq.counts is not None:
                 seq.counts[token] += 1
-            if seq.num_generated >= seq.max_tokens:
+            if len(tokens) >= limit:
                 seq.finish_reason = "length"
                 break
-        constraints.advance(seq, seq.tokens[committed:])
-        logprobs.commit(seq, seq.tokens[committed:])
-        seq.stats.generated_tokens = seq.num_generated
+        if seq.host_path:
+            constraints.advance(seq, tokens[committed:])
+            logprobs.commit(seq, tokens[committed:])
+        seq.stats.generated_tokens = len(tokens) - len(seq.prompt_ids)
         seq.stats.decode_s = time.perf_counter() - seq.t_first
         valid = min(seq.trunk_len, seq.head_len) if seq.mode == "mtp" else seq.trunk_len
-        self.kv.commit(seq, seq.tokens[:valid])
-        self._notify("commit", [seq])
+        self.kv.commit(seq, tokens, valid)  # no copy of the whole sequence per row and step
+        if self.observers:
+            self._notify("commit", [seq])
 
     def _notify(self, event: str, seqs: list[Sequence]) -> None:
         for observer in self.observers:

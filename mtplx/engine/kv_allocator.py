@@ -50,9 +50,10 @@ class KVAllocator:
         """The valid KV length is ``length``: give back the blocks past it (no copy)."""
         self.blocks.rollback(seq.seq_id, length)
 
-    def commit(self, seq: Sequence, tokens: list[int]) -> None:
-        """``tokens`` have KV written: register each newly full block in the prefix cache."""
-        self.blocks.commit(seq.seq_id, tokens)
+    def commit(self, seq: Sequence, tokens: list[int], length: int | None = None) -> None:
+        """The first ``length`` of ``tokens`` (default: all) have KV written: register each newly
+        full block in the prefix cache."""
+        self.blocks.commit(seq.seq_id, tokens, length)
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's blocks (full committed ones stay cached) and state slot."""
