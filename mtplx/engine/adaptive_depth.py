@@ -45,7 +45,10 @@ DEFAULT_MAX_DEPTH = 3
 # on the H200 with the session-15 head decoded T 0.7 mirror 1.338x AR against the best fixed
 # depth's 1.343x and T 1.0 1.195x against 1.203x; with this head's own rates (0.52 / 0.52 / 0.51)
 # and the measured sampled costs (1.22 / 1.50 / 1.63) 1.27x and 1.17x
-# (benchmarks/results/gpu_h200_s15_sampled_{newhead,newcosts}.json).
+# (benchmarks/results/gpu_h200_s15_sampled_{newhead,newcosts}.json). Session 18, four seeds, the
+# session-17 head: with the measured prior (0.535 / 0.633 / 0.601) and measured costs auto decoded
+# T 0.7 mirror 1.307x and T 1.0 1.202x against this prior's 1.314x and 1.238x
+# (benchmarks/results/gpu_h200_s18_auto_depth_seeds.json): kept.
 GREEDY_PRIOR = (0.58, 0.58, 0.58)
 SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 
