@@ -47,7 +47,7 @@ def interleaved(engine, prompts, runs: list[tuple[str, object, object]], max_tok
     """Each (label, Config, AutoDepth or None) on every prompt, in turn; the AutoDepth is the
     engine's while its configuration runs (a request takes its plan when it is made). Pass r
     of a seeded regime samples with seed + r."""
-    from mtplx.benchmarking import run_once, summarize
+    from mtplx.benchmarking import pass_sampling, run_once, summarize
 
     builtin = engine.auto_depth
     results = {label: [] for label, _, _ in runs}
@@ -56,7 +56,7 @@ def interleaved(engine, prompts, runs: list[tuple[str, object, object]], max_tok
             engine.auto_depth = auto or builtin
             run_once(engine, prompts[0], config, 8, **sampling)
         for r in range(repeats):
-            seeded = {**sampling, "seed": sampling["seed"] + r} if "seed" in sampling else sampling
+            seeded = pass_sampling(sampling, r)
             for prompt in prompts:
                 for label, config, auto in runs:
                     engine.auto_depth = auto or builtin
@@ -71,8 +71,13 @@ def interleaved(engine, prompts, runs: list[tuple[str, object, object]], max_tok
 
 def conditional(acceptance: list[float]) -> list[float]:
     """P(draft j accepted | drafts before it accepted), from unconditional rates by position."""
-    return [a / (acceptance[j - 1] if j else 1.0) if (acceptance[j - 1] if j else 1.0) > 0 else 0.0
-            for j, a in enumerate(acceptance)]
+    before = [1.0, *acceptance[:-1]]
+    return [a / b if b > 0 else 0.0 for a, b in zip(acceptance, before)]
+
+
+def pairs(text: str) -> list[tuple[str, str]]:
+    """``"t0.7:mirror,t1.0:mirror"`` -> [("t0.7", "mirror"), ("t1.0", "mirror")]."""
+    return [tuple(run.split(":")) for run in text.split(",") if run]
 
 
 def main() -> None:
@@ -125,14 +130,14 @@ def main() -> None:
             tables[name] = DepthCosts(tuple(t["cycles"]), t["per_draft"])
             priors[name] = t["conditional_acceptance"]
     with torch.inference_mode():
-        for regime, policy in () if args.tune_from else (run.split(":") for run in args.tune_runs.split(",") if run):
+        for regime, policy in () if args.tune_from else pairs(args.tune_runs):
             t0 = time.perf_counter()
             r = measure(engine, depths=DEPTHS, prompts=BENCH_PROMPTS, max_tokens=args.tune_max_tokens,
                         repeats=args.tune_repeats, draft_policies=(policy,), **REGIMES[regime])
             costs = depth_costs(r, draft_policy=policy)
             name = f"{regime}_{policy}"
             tables[name] = costs
-            priors[name] = conditional(r["configs"][f"mtp_d3{'' if policy == 'greedy' else '_' + policy}"]["acceptance_by_depth"])
+            priors[name] = conditional(r["configs"][Config("mtp", DEPTHS[-1], policy).label]["acceptance_by_depth"])
             for e in r["configs"].values():
                 e.pop("token_ids", None)
             report["tune"][name] = {"wall_s": time.perf_counter() - t0, "cycles": costs.cycles,
@@ -158,7 +163,7 @@ def main() -> None:
     tables_wanted = args.tables.split(",")
     prompts = [[{"role": "user", "content": p}] for p in HELD_OUT_CHAT[: args.prompts]]
     with torch.inference_mode():
-        for regime, policy in (run.split(":") for run in args.runs.split(",") if run):
+        for regime, policy in pairs(args.runs):
             runs = [("ar", Config("ar"), None)] + [(f"d{d}", Config("mtp", d, policy), None) for d in fixed]
             runs += [(f"auto_{name}", Config("mtp", "auto", policy), auto)
                      for name, auto in (("builtin", None), *candidates.items()) if name in tables_wanted]

@@ -69,7 +69,7 @@ def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int 
     run_once(engine, messages[0], configs[-1], 8, **sampling)  # warm-up
     runs = {c.label: [] for c in configs}
     for r in range(repeats):
-        seeded = {**sampling, "seed": sampling["seed"] + r} if sampling.get("seed") is not None else sampling
+        seeded = pass_sampling(sampling, r)
         for prompt in messages:
             for config in configs:
                 runs[config.label].append(run_once(engine, prompt, config, max_tokens, **seeded))
@@ -87,6 +87,12 @@ def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int 
         report["greedy_identical_to_ar"] = all(
             all(r["token_ids"] == a["token_ids"] for r, a in zip(runs[c.label], runs["ar"])) for c in configs)
     return report
+
+
+def pass_sampling(sampling: dict, r: int) -> dict:
+    """The sampling settings of pass r over the prompts: a seeded regime's seed + r (one seed
+    is one trajectory per prompt; another pass over it draws nothing new), else as given."""
+    return {**sampling, "seed": sampling["seed"] + r} if sampling.get("seed") is not None else sampling
 
 
 def summarize(runs: list[dict], config: Config) -> dict:
