@@ -134,7 +134,9 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
                      draft_policy: str = "auto") -> dict:
     """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams, the configurations
-    alternating within each round (best of ``rounds``): which depth pays at which width."""
+    alternating within each round: which depth pays at which width. Round r of a seeded regime
+    gives request i seed 1000 r + i (one seed fixes one trajectory per prompt); each
+    configuration's tok/s is over all its rounds (tokens / seconds), "best" its best round."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_jobs
 
@@ -142,26 +144,33 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
     for name in regimes:
         sampling = REGIMES[name]
 
-        def requests(n: int, depth) -> list:
+        def requests(n: int, depth, seed0: int = 0) -> list:
             return chat_requests(engine, prompts, n, "ar" if depth is None else "mtp", depth, max_tokens, sampling,
-                                 draft_policy)
+                                 draft_policy, seed0)
 
         configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
         for mode, depth in configs:
             run_jobs(engine, mode, requests(1, depth))  # warm-up
+        tokens: dict[str, int] = {}
+        seconds: dict[str, float] = {}
         best: dict[str, float] = {}
-        for _ in range(rounds):
+        for r in range(rounds):
             for streams in (1, 4, 8):
                 for mode, depth in configs:
-                    elapsed, results = run_jobs(engine, mode, requests(streams, depth))
+                    elapsed, results = run_jobs(engine, mode, requests(streams, depth, 1000 * r))
                     key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
-                    best[key] = max(best.get(key, 0.0), sum(r.completion_tokens for r in results) / elapsed)
+                    n = sum(res.completion_tokens for res in results)
+                    tokens[key] = tokens.get(key, 0) + n
+                    seconds[key] = seconds.get(key, 0.0) + elapsed
+                    best[key] = max(best.get(key, 0.0), n / elapsed)
+        result = {key: tokens[key] / seconds[key] for key in tokens}
+        result.update({f"best_{key}": value for key, value in best.items()})
         for streams in (1, 4, 8):
-            ar = best[f"ar_batch_tok_s_x{streams}"]
+            ar = result[f"ar_batch_tok_s_x{streams}"]
             for depth in depths:
-                best[f"mtp_d{depth}_over_ar_x{streams}"] = best[f"mtp_batch_d{depth}_tok_s_x{streams}"] / ar
-        out[name] = best
-        print(name, json.dumps({k: round(v, 3) for k, v in best.items() if "_over_" in k}), flush=True)
+                result[f"mtp_d{depth}_over_ar_x{streams}"] = result[f"mtp_batch_d{depth}_tok_s_x{streams}"] / ar
+        out[name] = result
+        print(name, json.dumps({k: round(v, 3) for k, v in result.items() if "_over_" in k}), flush=True)
     return out
 
 
@@ -185,7 +194,9 @@ def main() -> None:
                          "ar_batch at 1/4/8 streams, alternating")
     ap.add_argument("--no-scheduler", action="store_true")
     ap.add_argument("--scheduler-only", action="store_true", help="skip the engine.generate part")
-    ap.add_argument("--scheduler-rounds", type=int, default=1, help="mtp_batch / ar_batch runs per width (best of)")
+    ap.add_argument("--scheduler-rounds", type=int, default=1,
+                    help="mtp_batch / ar_batch rounds per width (with --scheduler-depths a new seed each, tok/s "
+                         "over all rounds; else the best round)")
     ap.add_argument("--scheduler-draft-policy", default="auto", help="the scheduler requests' draft policy")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)

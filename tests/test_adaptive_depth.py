@@ -5,7 +5,7 @@ rows keep the AR distribution (test_mtp_sampling_exact.py)."""
 
 import pytest
 
-from mtplx.engine.adaptive_depth import HYSTERESIS, AutoDepth, DepthCosts, DepthPlan
+from mtplx.engine.adaptive_depth import HYSTERESIS, AutoDepth, DepthCosts, DepthPlan, batch_depth
 from mtplx.errors import InvalidParameter
 from tests.tiny_models import repeat_head, tiny_engine
 
@@ -16,49 +16,75 @@ def plan(prior=(0.5, 0.43, 0.5), costs=GPU, max_depth=3) -> DepthPlan:
     return DepthPlan(max_depth, costs, prior)
 
 
+def decode_alone(p: DepthPlan, accepted, cycles: int = 20) -> list[int]:
+    """A lone row's depths over ``cycles`` cycles, as the generator picks them (each from the
+    outcomes two cycles back and the last depth); ``accepted(depth)``: each cycle's accepted count."""
+    depths, depth = [], p.first_depth
+    for k in range(cycles):
+        depth = batch_depth([p], k, incumbent=depth if k else None)
+        p.observe(depth, accepted(depth), k)
+        depths.append(depth)
+    return depths
+
+
 def test_a_row_whose_drafts_are_all_accepted_drafts_to_the_maximum():
     p = plan()
-    assert p.next_depth == 1  # the prior: depth 1 pays best on the H200's costs
-    for _ in range(20):
-        p.observe(p.take(), p.current)
-    assert p.next_depth == 3
+    assert p.first_depth == 1  # the prior: depth 1 pays best on the H200's costs
+    assert decode_alone(p, lambda d: d)[-1] == 3
 
 
 def test_a_row_whose_drafts_are_rejected_falls_back_to_depth_one():
     p = plan(prior=(0.9, 0.9, 0.9))
-    assert p.next_depth == 3
-    for _ in range(20):
-        p.observe(p.take(), 0)
-    assert p.next_depth == 1
+    assert p.first_depth == 3
+    assert decode_alone(p, lambda d: 0)[-1] == 1
 
 
 def test_a_cycles_depth_depends_only_on_outcomes_two_cycles_back():
     """So the chained path (which launches a cycle before reading the one in flight) and the
     unchained one choose the same depths."""
-    p = plan()
-    first, second = p.take(), p.next_depth
-    p.observe(first, first)  # cycle 0 committed: decides cycle 2, not cycle 1
-    assert p.take() == second
-    assert len(p.upcoming) == 1
+    p = plan(prior=(0.9, 0.9, 0.9))
+    assert batch_depth([p], 0, None) == 3
+    p.observe(3, 0, cycle=0)  # cycle 0 rejected everything: cycle 1 does not know yet
+    assert p.expected_before(1) == p.initial
+    assert batch_depth([p], 1, incumbent=3) == 3
+    assert p.expected_before(2) == p.history[-1][1] != p.initial
 
 
 def test_unobserved_depths_follow_the_first_positions_rate():
     p = plan()
-    for _ in range(30):
-        p.observe(1, 1)  # depth-1 cycles, always accepted
+    for k in range(30):
+        p.observe(1, 1, k)  # depth-1 cycles, always accepted
     assert p.alpha[1] > 0.43 and p.alpha[2] > 0.5
+
+
+def test_a_batch_drafts_at_the_depth_that_pays_for_all_its_rows():
+    """A batched cycle costs its deepest row's depth, so the batch's auto rows share one depth:
+    the most expected tokens of them all per unit of cost. One row whose drafts all pass would
+    alone draft at 3; beside seven that accept nothing the batch drafts at 1, and where a
+    fixed-depth row makes every cycle a depth-3 one, the auto rows draft at 3 for free."""
+    keen, *dull = [plan() for _ in range(8)]
+    for k in range(30):
+        keen.observe(3, 3, k)
+        for p in dull:
+            p.observe(1, 0, k)
+    assert batch_depth([keen], 30, incumbent=3) == 3
+    assert batch_depth(dull, 30, incumbent=1) == 1
+    assert batch_depth([keen] + dull, 30, incumbent=None) == 1
+    assert batch_depth([keen] + dull[:3], 30, incumbent=None) == 3  # (4 + 3) / 1.56 > (2 + 3) / 1.21
+    assert batch_depth([keen] + dull, 30, incumbent=1, floor=3) == 3
 
 
 def test_hysteresis_keeps_the_depth_on_a_small_gain():
     costs = DepthCosts((1.0, 1.0), 0.1)
-    p = DepthPlan(2, costs, (0.5, 0.0))
-    assert p.choose(incumbent=1) == 1  # depth 2 promises nothing more
-    # depth 2 yields 1.5 + 0.5 * alpha[1] tokens against depth 1's 1.5, at the same cost
-    p.alpha[1] = 3 * HYSTERESIS * 0.8  # a gain of 0.8 times the threshold
-    assert p.choose(incumbent=1) == 1
-    p.alpha[1] = 3 * HYSTERESIS * 1.2
-    assert p.choose(incumbent=1) == 2
-    assert p.choose(incumbent=None) == 2  # a row's first choice has no incumbent
+
+    def depth(alpha2: float, incumbent: int | None) -> int:
+        # depth 2 yields 1.5 + 0.5 * alpha2 tokens against depth 1's 1.5, at the same cost
+        return batch_depth([DepthPlan(2, costs, (0.5, alpha2))], 0, incumbent)
+
+    assert depth(0.0, incumbent=1) == 1  # depth 2 promises nothing more
+    assert depth(3 * HYSTERESIS * 0.8, incumbent=1) == 1  # a gain of 0.8 times the threshold
+    assert depth(3 * HYSTERESIS * 1.2, incumbent=1) == 2
+    assert depth(3 * HYSTERESIS * 0.8, incumbent=None) == 2  # a row's first choice has no incumbent
 
 
 def test_costs_from_a_side_by_side_measurement():
@@ -114,3 +140,4 @@ def test_untuned_engines_price_sampled_cycles_apart_from_greedy_ones():
     tuned = DepthCosts((1.1, 1.3, 1.5), 0.2)
     assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(greedy=False).costs == tuned
     assert isinstance(engine.auto_depth, AutoDepth)
+

@@ -34,12 +34,12 @@ def test_the_chain_goes_on_only_over_the_same_live_rows_at_the_same_depth():
         result = gen.step(seqs)
         assert chain.flight is not None and chain.flight.seqs == seqs
         assert [s.seq_id for s in result.advanced] == [s.seq_id for s in seqs] and not result.failed
-        assert chain.continues(seqs, 2)
-        assert not chain.continues(seqs, 1)       # another depth
-        assert not chain.continues(seqs[:2], 2)   # other rows
-        assert not chain.continues(seqs[::-1], 2)  # the same rows in another order
+        assert chain.continues(seqs, [2, 2, 2])
+        assert not chain.continues(seqs, [2, 1, 2])       # another depth
+        assert not chain.continues(seqs[:2], [2, 2])      # other rows
+        assert not chain.continues(seqs[::-1], [2, 2, 2])  # the same rows in another order
         gen.release(seqs[1])  # cancelled with its cycle in flight
-        assert not chain.continues(seqs, 2)
+        assert not chain.continues(seqs, [2, 2, 2])
         flight, keep = chain.drain()
         assert keep == [0, 2] and chain.flight is None
         assert chain.drain() is None

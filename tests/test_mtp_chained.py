@@ -208,3 +208,27 @@ def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth, mirro
     assert none == 0 and steps > 5
     assert chained == unchained
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_batchs_auto_rows_draft_at_one_depth(chain):
+    """Rows of one batch (of different sampling settings, so of different acceptance) share
+    each cycle's depth, which still moves with their acceptance; the greedy row among them
+    decodes what AR does."""
+    engine = switching_engine()
+    prompts = PROMPTS + [PROMPTS[0]]
+    ar = engine.generate(prompts[2], mode="ar", max_tokens=40).token_ids
+    engine.generator.chain.enabled = chain
+    seqs = [start(engine, p, mode="mtp", depth="auto", max_tokens=40, **kw) for p, kw in zip(prompts, SAMPLED)]
+    used = set()
+    with torch.inference_mode():
+        while live := [s for s in seqs if not s.finished]:
+            engine.step(live)
+            depths = {s.depth for s in live if not s.finished}
+            assert len(depths) <= 1, depths
+            used |= depths
+    assert SAMPLED[2]["temperature"] == 0 and seqs[2].generated == ar
+    assert len(used) >= 2, used
+    for s in seqs:
+        engine.generator.release(s)
+    assert engine.runner.blocks.num_used_blocks == 0

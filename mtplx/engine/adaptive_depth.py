@@ -1,24 +1,32 @@
-"""Adaptive draft depth (``depth="auto"``): each row picks its depth cycle by cycle.
+"""Adaptive draft depth (``depth="auto"``): the depth of each cycle, chosen cycle by cycle.
 
 A row keeps a running estimate of its conditional acceptance by position, alpha_j = P(draft j
 accepted | drafts 1..j-1 accepted), updated from every cycle it commits. The expected tokens of
-a cycle of depth d are E(d) = 1 + sum_{i<=d} prod_{j<=i} alpha_j, and the row picks the depth in
+a cycle of depth d are E(d) = 1 + sum_{i<=d} prod_{j<=i} alpha_j, and a cycle takes the depth in
 1..max_depth with the most tokens per unit of cycle cost, E(d) / cost(d), where cost(d) is the
 measured time of a depth-d cycle in AR steps (``DepthCosts``: ``mtplx tune`` measures it per
 machine and regime; the defaults are this project's measurements). So a row deepens where its
 drafts keep being accepted (code, lists, repeated text) and stays shallow where they do not.
 
+A batch's auto rows draft at one depth (``batch_depth``): the one with the most expected tokens
+of all of them per unit of cost. A batched cycle costs what its deepest row costs (the verify
+is padded to it, the head steps run for every row), so a row drafting shallower than the batch
+only gives up tokens; and one depth for the batch changes less often than one of its rows',
+where each change ends a chain of cycles on the device (session 18: per-row depths under
+mtp_batch decoded 0.83-1.02x AR at 4 and 8 streams against the best fixed depth's 1.10-1.32x).
+
 Positions deeper than the row drafts are not observed; their estimate follows the row's
 observed first-position rate in proportion to the prior (content that accepts more at depth 1
 accepts more deeper too), so a shallow row can still find that deeper drafts would pay.
 
-Exactness and seeds: a cycle's depth is fixed before its drafts are drawn, from the row's
-committed outcomes alone, so every emitted token keeps the target's distribution (speculative
-sampling is exact for any depth chosen in advance). The depth of a row's cycle n depends only on
-the outcomes of its cycles up to n - 2: a chained cycle launches before the host has read the
-one in flight, and the unchained path uses the same lag, so a seed gives the same tokens chained
-or not, alone or batched. A switch needs a clear gain (``HYSTERESIS``): every depth change ends a
-chain of cycles on the device.
+Exactness and seeds: a cycle's depth is fixed before its drafts are drawn, from committed
+outcomes alone, so every emitted token keeps the target's distribution (speculative sampling is
+exact for any depth chosen in advance). The depth of the generator's cycle k depends only on
+outcomes of cycles up to k - 2 (``DepthPlan.expected_before``) and on cycle k - 1's depth: a
+chained cycle launches before the host has read the one in flight, and the unchained path uses
+the same lag, so a seed gives the same tokens chained or not. Which rows share a batch changes
+the depth, so a seeded row's tokens (same distribution) depend on the rows decoded beside it.
+A switch needs a clear gain (``HYSTERESIS``): every depth change ends a chain.
 """
 
 from __future__ import annotations
@@ -128,50 +136,55 @@ class AutoDepth:
 
 
 class DepthPlan:
-    """One row's depths: ``upcoming`` holds the depths decided for its next cycles (two before
-    its first cycle, then one more for every cycle it commits), ``take`` hands the next one to
-    the cycle being launched."""
+    """One auto row's running acceptance and, after each cycle it commits, the expected tokens
+    of a cycle of each depth (``expected_before`` reads them two cycles late)."""
 
     def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE):
         self.max_depth, self.costs, self.prior, self.rate = max_depth, costs, prior, rate
         self.alpha = list(prior)
-        self.current = self.choose(incumbent=None)
-        self.upcoming: deque[int] = deque([self.current, self.current])
+        self.initial = self.expected_tokens()
+        self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=3)  # (cycle, E(1..max_depth))
 
     @property
-    def next_depth(self) -> int:
-        """The depth of the row's next cycle (decided from outcomes two cycles back)."""
-        return self.upcoming[0] if self.upcoming else self.current
+    def first_depth(self) -> int:
+        """The depth this row alone would take before its first commit."""
+        return batch_depth([self], 0, incumbent=None)
 
-    def take(self) -> int:
-        """The depth of the cycle being launched now (at most one cycle of a row is in flight,
-        so a decided depth is always waiting)."""
-        self.current = self.upcoming.popleft() if self.upcoming else self.current
-        return self.current
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted.
-        Decides the depth of the cycle two launches after it."""
+    def observe(self, drafted: int, accepted: int, cycle: int) -> None:
+        """Committed: generator cycle ``cycle`` drafted ``drafted``, the first ``accepted`` of
+        them accepted."""
         for j in range(min(drafted, accepted + 1)):  # positions that were tested
             self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
         scale = self.alpha[0] / max(self.prior[0], 1e-3)
         for j in range(drafted, self.max_depth):  # untested: follow the first position's rate
             target = min(0.98, self.prior[j] * scale)
             self.alpha[j] += self.rate * (target - self.alpha[j])
-        self.upcoming.append(self.choose(incumbent=self.upcoming[-1] if self.upcoming else self.current))
+        self.history.append((cycle, self.expected_tokens()))
 
-    def expected_tokens(self, depth: int) -> float:
-        tokens, reach = 1.0, 1.0
-        for j in range(depth):
+    def expected_before(self, cycle: int) -> tuple[float, ...]:
+        """E(1..max_depth) as of the row's last commit of a cycle up to ``cycle`` - 2 (the
+        prior's before any): what the host has read when it launches ``cycle`` chained."""
+        return next((e for c, e in reversed(self.history) if c <= cycle - 2), self.initial)
+
+    def expected_tokens(self) -> tuple[float, ...]:
+        tokens, reach, out = 1.0, 1.0, []
+        for j in range(self.max_depth):
             reach *= self.alpha[j]
             tokens += reach
-        return tokens
+            out.append(tokens)
+        return tuple(out)
 
-    def choose(self, incumbent: int | None) -> int:
-        """The depth with the most expected tokens per unit of cycle cost; the incumbent stays
-        unless another promises ``HYSTERESIS`` more."""
-        score = {d: self.expected_tokens(d) / self.costs.of(d) for d in range(1, self.max_depth + 1)}
-        best = max(score, key=score.get)
-        if incumbent is not None and score[best] <= score[incumbent] * (1 + HYSTERESIS):
-            return incumbent
-        return best
+
+def batch_depth(plans: list[DepthPlan], cycle: int, incumbent: int | None, floor: int = 0) -> int:
+    """The depth of generator cycle ``cycle`` for auto rows with these plans: the most expected
+    tokens of all of them (each row's own estimate, two cycles late) per unit of the cycle's
+    cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row);
+    the incumbent (the last cycle's depth) stays unless another promises ``HYSTERESIS`` more."""
+    deepest = max(p.max_depth for p in plans)
+    expected = [p.expected_before(cycle) for p in plans]
+    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor)) for p, e in zip(plans, expected))
+             for d in range(1, deepest + 1)}
+    best = max(score, key=score.get)
+    if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS):
+        return incumbent
+    return best

@@ -39,11 +39,12 @@ class CycleChain:
         """Whether chaining is on and the runner can chain these rows at this depth."""
         return self.enabled and self.runner.can_chain(len(seqs), depth, self._variant(seqs, depth))
 
-    def continues(self, seqs: list[Sequence], depth: int) -> bool:
-        """Whether ``seqs`` are exactly the live rows of the cycle in flight, at its depth."""
+    def continues(self, seqs: list[Sequence], depths: list[int]) -> bool:
+        """Whether ``seqs`` are exactly the live rows of the cycle in flight and ``depths``
+        (each row's next depth) are their depths in it."""
         flight = self.flight
-        return (flight is not None and flight.depth == depth and len(seqs) == len(flight.seqs)
-                and all(a is b for a, b in zip(seqs, flight.seqs)) and _keep_depths(seqs)
+        return (flight is not None and len(seqs) == len(flight.seqs)
+                and all(a is b for a, b in zip(seqs, flight.seqs)) and _same_depths(seqs, depths)
                 and not self._released and not any(s.finished for s in seqs))
 
     def reserve(self, seqs: list[Sequence], depth: int) -> bool:
@@ -60,18 +61,19 @@ class CycleChain:
             self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], self._variant(seqs, depth))
         return True
 
-    def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
-        """Launch the first cycle from the host's state (``reserve`` first)."""
+    def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int, cycle: int) -> None:
+        """Launch the first cycle (the generator's ``cycle``) from the host's state (``reserve`` first)."""
         self.flight = self.runner.start_cycle(seqs, backlog, depth, self._variant(seqs, depth))
+        self.flight.cycle = cycle
 
-    def advance(self, seqs: list[Sequence]) -> tuple[CycleLaunch, bool]:
-        """Launch the cycle after the one in flight (where ``reserve`` succeeds), and hand back
+    def advance(self, seqs: list[Sequence], depths: list[int], cycle: int) -> tuple[CycleLaunch, bool]:
+        """Launch the cycle after the one in flight (the generator's ``cycle``) where the rows
+        keep their depths (``depths``, each row's next) and ``reserve`` succeeds, and hand back
         the one in flight, to commit; True when another cycle now runs on from its outcome."""
         last, following = self.flight, None
-        if _keep_depths(seqs) and self.reserve(seqs, last.depth):
+        if _same_depths(seqs, depths) and self.reserve(seqs, last.depth):
             following = self.runner.next_cycle(seqs, last.depth, self._variant(seqs, last.depth))
-            for s in seqs:
-                s.take_depth()
+            following.cycle = cycle
         self.flight = following
         return last, following is not None
 
@@ -99,10 +101,10 @@ class CycleChain:
         self.flight, self._released = None, set()
 
 
-def _keep_depths(seqs: list[Sequence]) -> bool:
-    """Whether every row's next cycle has its current depth: a row whose depth changes
-    (depth="auto") ends the chain, whose graph fixes each row's depth."""
-    return all(s.next_depth == s.depth for s in seqs)
+def _same_depths(seqs: list[Sequence], depths: list[int]) -> bool:
+    """Whether every row's next cycle has its current depth: a change (depth="auto") ends the
+    chain, whose graph fixes each row's depth."""
+    return all(d == s.depth for s, d in zip(seqs, depths))
 
 
 def cycle_variant(seqs: list[Sequence], depth: int, filters_apart: bool = True) -> str:

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from mtplx.engine import constraints, logprobs
+from mtplx.engine.adaptive_depth import batch_depth
 from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
@@ -70,6 +71,8 @@ class Generator:
         # observer(event, seq): "commit" after a row's tokens are appended, "chain_start" when a
         # chain starts over a row; for benchmarks and tests (instrumentation, not a new path)
         self.observers: list[Callable[[str, Sequence], None]] = []
+        self.cycles = 0  # cycles launched (each one's id: the count before it)
+        self._committed: dict[int, list[Sequence]] = {}  # cycle id -> its rows that committed it (the last few)
 
     def inject_faults(self, hook: FaultHook | None) -> None:
         """Call ``hook(point, seq)`` at every fault point (faults.py); None stops. Forwards
@@ -151,14 +154,33 @@ class Generator:
         committed first (its rows are in ``advanced`` too)."""
         mtp = seqs[0].mode == "mtp"
         result = StepResult()
-        if self.chain.continues(seqs, max(s.next_depth for s in seqs) if mtp else 0):
+        if self.chain.continues(seqs, self.next_depths(seqs)):
             self._chain_step(seqs, result)
             return result
         self.drain(result)
         seqs = [s for s in seqs if not s.finished and s.seq_id not in result.failed]
         if seqs:
-            self._cycle(seqs, max(s.take_depth() for s in seqs) if mtp else 0, result)
+            if mtp:
+                for s, d in zip(seqs, self.next_depths(seqs)):
+                    s.depth = d
+            self._cycle(seqs, max(s.depth for s in seqs) if mtp else 0, result)
         return result
+
+    def next_depths(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's depth in the cycle launched next (rows of one mode; AR: 0): its own, or for depth="auto" rows the
+        batch's (``adaptive_depth.batch_depth``), weighed over them and over the auto rows that
+        committed cycle ``cycles - 2`` and are gone (ended or released) since: a chained cycle
+        launched before the host saw them go counts them, so the unchained path does too."""
+        if seqs[0].mode != "mtp":  # AR steps
+            return [0] * len(seqs)
+        auto = [s for s in seqs if s.depth_plan is not None]
+        if not auto:
+            return [s.depth for s in seqs]
+        ids = {s.seq_id for s in auto}
+        gone = [s for s in self._committed.get(self.cycles - 2, ()) if s.depth_plan is not None and s.seq_id not in ids]
+        floor = max((s.depth for s in seqs if s.depth_plan is None), default=0)
+        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor)
+        return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
         """Draft -> verify -> accept -> commit, for rows of one mode (depth 0: an AR step)."""
@@ -170,6 +192,7 @@ class Generator:
         if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
         on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
+        cycle = self._launched()
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
             self.kv.reserve(seq, seq.trunk_len + min(seq.depth, depth) + 1)
         t0 = time.perf_counter()
@@ -194,16 +217,25 @@ class Generator:
         t3 = time.perf_counter()
         if depth:
             self.runner.commit_state(seqs, [a + 1 for a in outcome.accepted])
-        self._commit(seqs, outcome, hidden, False, result)
+        self._commit(seqs, outcome, hidden, False, result, cycle)
         if depth:
             _add_times(seqs, draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, commit_s=time.perf_counter() - t3)
 
+    def _launched(self) -> int:
+        """A cycle is being launched: its id."""
+        self.cycles += 1
+        return self.cycles - 1
+
     def _commit(self, seqs: list[Sequence], outcome: CycleOutcome, hidden: torch.Tensor | None, continued: bool,
-                result: StepResult) -> None:
-        """Commit each row's accepted drafts and next token: every path's one commit.
-        continued: a chained cycle already runs on from this outcome on the device (it holds
-        the head's backlog and the blocks past the row's length); else the rows keep their
-        verify hidden states as the head's backlog and give back the blocks past their length."""
+                result: StepResult, cycle: int) -> None:
+        """Commit each row's accepted drafts and next token (of the generator's cycle
+        ``cycle``): every path's one commit. continued: a chained cycle already runs on from
+        this outcome on the device (it holds the head's backlog and the blocks past the row's
+        length); else the rows keep their verify hidden states as the head's backlog and give
+        back the blocks past their length."""
+        committed = self._committed.setdefault(cycle, [])
+        for old in [c for c in self._committed if c < cycle - 3]:
+            del self._committed[old]
         for r, seq in enumerate(seqs):
             drafts, accepted, token = outcome.row(r)
             if seq.seq_id in result.failed or token is None:
@@ -212,13 +244,14 @@ class Generator:
                 if seq.mode == "mtp":
                     seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
                     if seq.depth_plan is not None:
-                        seq.depth_plan.observe(len(drafts), accepted)
+                        seq.depth_plan.observe(len(drafts), accepted, cycle)
                     seq.hidden_backlog = None if continued else hidden[r, : accepted + 1]
                 seq.trunk_len += accepted + 1
                 if not continued:
                     self.kv.trim(seq, seq.trunk_len)
                 self._append(seq, drafts[:accepted] + [token])
                 result.advanced.append(seq)
+                committed.append(seq)
             except Exception as exc:
                 result.failed[seq.seq_id] = exc
 
@@ -233,7 +266,7 @@ class Generator:
         if depth:
             self._head_pre_feed(seqs, depth + 1)
             backlog = stack_padded([s.hidden_backlog for s in seqs])
-        self.chain.start(seqs, backlog, depth)
+        self.chain.start(seqs, backlog, depth, self._launched())
         self._notify("chain_start", seqs)
         if depth:
             for s in seqs:
@@ -245,7 +278,9 @@ class Generator:
         """Launch the next cycle on the device, then commit the one in flight. Where the rows
         cannot take the next cycle's blocks, nothing new starts and this commit is the chain's last."""
         t0 = time.perf_counter()
-        launch, continued = self.chain.advance(seqs)
+        launch, continued = self.chain.advance(seqs, self.next_depths(seqs), self.cycles)
+        if continued:
+            self._launched()
         outcome = self._read_launch(launch, list(range(len(seqs))), result.failed)
         t1 = time.perf_counter()
         self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden, continued, result)
@@ -281,7 +316,7 @@ class Generator:
         if launch.depth:  # the cycle caught the head up to its verify's first position
             for s in seqs:
                 s.head_len = s.trunk_len + 1
-        self._commit(seqs, outcome, hidden, continued, result)
+        self._commit(seqs, outcome, hidden, continued, result, launch.cycle)
 
     # -- drafting -----------------------------------------------------------------------------
     def _head_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:

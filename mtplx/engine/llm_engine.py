@@ -222,7 +222,7 @@ class Engine:
         plan = self.auto_depth.plan(req.params.greedy) if req.adaptive else None
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
-                        depth=plan.next_depth if plan else req.depth, depth_plan=plan,
+                        depth=plan.first_depth if plan else req.depth, depth_plan=plan,
                         draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
                         constraint=req.grammar.matcher() if req.grammar is not None else None,
                         logprobs=None if req.logprobs is None else [], top_logprobs=req.logprobs or 0,

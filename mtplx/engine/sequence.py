@@ -31,7 +31,7 @@ class Sequence:
     generator: torch.Generator
     mode: str = "ar"  # "ar" or "mtp"
     depth: int = 0  # this cycle's draft depth (0: AR)
-    depth_plan: DepthPlan | None = None  # depth="auto": picks each cycle's depth (adaptive_depth.py)
+    depth_plan: DepthPlan | None = None  # depth="auto": its acceptance, for each cycle's depth (adaptive_depth.py)
     draft_policy: str = "greedy"
     ignore_eos: bool = False
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -67,20 +67,9 @@ class Sequence:
         return self.tokens[len(self.prompt_ids):]
 
     @property
-    def next_depth(self) -> int:
-        """The depth of this row's next cycle: fixed, or decided by its plan."""
-        return self.depth_plan.next_depth if self.depth_plan is not None else self.depth
-
-    @property
     def request_depth(self) -> int:
         """The depth the request asked for: its fixed depth, or with depth="auto" the deepest."""
         return self.depth_plan.max_depth if self.depth_plan is not None else self.depth
-
-    def take_depth(self) -> int:
-        """A cycle over this row is being launched: its depth (the plan moves on)."""
-        if self.depth_plan is not None:
-            self.depth = self.depth_plan.take()
-        return self.depth
 
     @property
     def host_path(self) -> bool:
