@@ -167,19 +167,22 @@ class Generator:
         return result
 
     def next_depths(self, seqs: list[Sequence]) -> list[int]:
-        """Each row's depth in the cycle launched next (rows of one mode; AR: 0): its own, or for depth="auto" rows the
-        batch's (``adaptive_depth.batch_depth``), weighed over them and over the auto rows that
-        committed cycle ``cycles - 2`` and are gone (ended or released) since: a chained cycle
-        launched before the host saw them go counts them, so the unchained path does too."""
+        """Each row's depth in the cycle launched next (rows of one mode; AR: 0): its own, or for
+        depth="auto" rows the batch's (``adaptive_depth.batch_depth``), weighed over them and over
+        the auto rows that committed cycle ``cycles - 2`` and are gone (ended or released) since:
+        a chained cycle launched before the host saw them go counts them, so the unchained path
+        does too."""
         if seqs[0].mode != "mtp":  # AR steps
             return [0] * len(seqs)
         auto = [s for s in seqs if s.depth_plan is not None]
         if not auto:
             return [s.depth for s in seqs]
         ids = {s.seq_id for s in auto}
-        gone = [s for s in self._committed.get(self.cycles - 2, ()) if s.depth_plan is not None and s.seq_id not in ids]
+        gone = [s for s in self._committed.get(self.cycles - 2, ())
+                if s.depth_plan is not None and s.seq_id not in ids and (s.finished or s.seq_id not in self.live)]
         floor = max((s.depth for s in seqs if s.depth_plan is None), default=0)
-        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor)
+        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor,
+                            len(seqs) + len(gone))  # the width the chained path sees
         return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
