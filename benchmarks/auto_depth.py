@@ -16,15 +16,10 @@ them, on other prompts than the ones it is judged on.
    (top-p 0.95): where mirror drafts start to pay.
 4. Optionally (``--scheduler``) mtp_batch at depths 1..3 and auto (under ``--scheduler-table``)
    against ar_batch at 1, 4 and 8 streams, for each draft policy.
-5. Optionally (``--scheduler-wide``) the cost of batched cycles: mtp_batch at depths 1..3 against
-   ar_batch at 4 and 8 streams on the tune prompts (greedy, T 0.7, T 1.0; each request's default
-   draft policy), a table per width (greedy; sampled: the two sampled regimes' mean), then on the
-   held-out prompts the fixed depths, auto under the engine's tables and auto with the measured
-   wide tables (``AutoDepth.wide``) at 1, 4 and 8 streams.
 
     PYTHONPATH=. python benchmarks/auto_depth.py --model GGUF [--head DIR] [--device cuda]
         [--dtype bfloat16] [--max-tokens 256] [--repeats 4] [--tune-from EARLIER.json]
-        [--runs t0.7:mirror,t1.0:mirror] [--policies 0.5] [--scheduler] [--scheduler-wide] --out FILE.json
+        [--runs t0.7:mirror,t1.0:mirror] [--policies 0.5] [--scheduler] --out FILE.json
 
 ``--tune-from`` takes phase 1's tables from an earlier report of this script instead of measuring.
 """
@@ -108,7 +103,6 @@ def main() -> None:
     ap.add_argument("--scheduler", action="store_true", help="phase 3: the scheduler at 1, 4 and 8 streams")
     ap.add_argument("--scheduler-table", default="pooled_prior", help="the table auto uses in phase 3")
     ap.add_argument("--scheduler-rounds", type=int, default=2)
-    ap.add_argument("--scheduler-wide", action="store_true", help="phase 5: batched cycles' costs, auto with them")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     check_held_out()
@@ -204,41 +198,8 @@ def main() -> None:
                                                            [*DEPTHS, "auto"], ["t0.7", "t1.0"],
                                                            args.scheduler_rounds, policy)
             save()
-    # 5. batched cycles' costs
-    if args.scheduler_wide:
-        engine.auto_depth = builtin
-        regimes = ["greedy", "t0.7", "t1.0"]
-        tune = scheduler_depths(engine, list(BENCH_PROMPTS), args.max_tokens, list(DEPTHS), regimes,
-                                args.scheduler_rounds)
-        wide = wide_tables(tune)
-        report["scheduler_wide"] = {"tune": tune, "tables": {
-            rows: {"greedy": g.cycles, "sampled": s.cycles} for rows, g, s in wide}}
-        print("wide tables", json.dumps(report["scheduler_wide"]["tables"]), flush=True)
-        save()
-        report["scheduler_wide"]["held_out"] = scheduler_depths(
-            engine, [p[0]["content"] for p in prompts], args.max_tokens, [*DEPTHS, "auto"], regimes,
-            args.scheduler_rounds, autos={"auto_wide": replace(builtin, wide=wide)})
     save()
     print(f"wrote {args.out}")
-
-
-def wide_tables(tune: dict) -> tuple:
-    """``AutoDepth.wide`` from ``scheduler_depths`` at depths 1..3 over greedy, t0.7 and t1.0:
-    per width from 4 rows, the greedy regime's cycle costs and the sampled regimes' mean."""
-    from mtplx.engine.adaptive_depth import DepthCosts
-
-    def costs(regime: str, streams: int) -> DepthCosts:
-        r = tune[regime]
-        return DepthCosts.from_cycles(
-            r[f"ar_batch_tok_s_x{streams}"], {d: r[f"mtp_batch_d{d}_tok_s_x{streams}"] for d in DEPTHS},
-            {d: r[f"mtp_batch_d{d}_tokens_per_cycle_x{streams}"] for d in DEPTHS})
-
-    out = []
-    for streams in (4, 8):
-        sampled = [costs(regime, streams) for regime in ("t0.7", "t1.0")]
-        cycles = tuple(sum(c.cycles[d] for c in sampled) / len(sampled) for d in range(len(DEPTHS)))
-        out.append((streams, costs("greedy", streams), DepthCosts(cycles, max(cycles[-1] - cycles[-2], 0.05))))
-    return tuple(out)
 
 
 if __name__ == "__main__":

@@ -132,17 +132,15 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 
 
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
-                     draft_policy: str = "auto", autos: dict | None = None) -> dict:
+                     draft_policy: str = "auto") -> dict:
     """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams, the configurations
-    alternating within each round: which depth pays at which width. ``autos``: more depth="auto"
-    configurations, name -> the AutoDepth the engine takes while they run (key ``d<name>``).
-    Round r of a seeded regime gives request i seed 1000 r + i (one seed fixes one trajectory per
-    prompt); each configuration's tok/s is over all its rounds (tokens / seconds), "best" its
-    best round; MTP configurations also report tokens per cycle and row (1 + accepted / cycles)."""
+    alternating within each round: which depth pays at which width. Round r of a seeded regime
+    gives request i seed 1000 r + i (one seed fixes one trajectory per prompt); each
+    configuration's tok/s is over all its rounds (tokens / seconds), "best" its best round; MTP
+    configurations also report tokens per cycle and row (1 + accepted / cycles)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_jobs
 
-    builtin = engine.auto_depth
     out = {}
     for name in regimes:
         sampling = REGIMES[name]
@@ -151,18 +149,9 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
             return chat_requests(engine, prompts, n, "ar" if depth is None else "mtp", depth, max_tokens, sampling,
                                  draft_policy, seed0)
 
-        configs = [("ar_batch", None, None, builtin)] + [("mtp_batch", d, d, builtin) for d in depths]
-        configs += [("mtp_batch", "auto", label, auto) for label, auto in (autos or {}).items()]
-
-        def run(mode, depth, auto, streams: int, seed0: int = 0):
-            engine.auto_depth = auto
-            try:
-                return run_jobs(engine, mode, requests(streams, depth, seed0))
-            finally:
-                engine.auto_depth = builtin
-
-        for mode, depth, _, auto in configs:
-            run(mode, depth, auto, 1)  # warm-up
+        configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
+        for mode, depth in configs:
+            run_jobs(engine, mode, requests(1, depth))  # warm-up
         tokens: dict[str, int] = {}
         seconds: dict[str, float] = {}
         best: dict[str, float] = {}
@@ -170,9 +159,9 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         cycles: dict[str, int] = {}
         for r in range(rounds):
             for streams in (1, 4, 8):
-                for mode, depth, label, auto in configs:
-                    elapsed, results = run(mode, depth, auto, streams, 1000 * r)
-                    key = f"{mode}{'' if label is None else f'_d{label}'}_tok_s_x{streams}"
+                for mode, depth in configs:
+                    elapsed, results = run_jobs(engine, mode, requests(streams, depth, 1000 * r))
+                    key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
                     n = sum(res.completion_tokens for res in results)
                     tokens[key] = tokens.get(key, 0) + n
                     seconds[key] = seconds.get(key, 0.0) + elapsed
@@ -184,11 +173,10 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         result.update({f"best_{key}": value for key, value in best.items()})
         result.update({key.replace("_tok_s_", "_tokens_per_cycle_"): 1 + accepted[key] / max(cycles[key], 1)
                        for key in cycles})
-        labels = [label for _, depth, label, _ in configs if depth is not None]
         for streams in (1, 4, 8):
             ar = result[f"ar_batch_tok_s_x{streams}"]
-            for label in labels:
-                result[f"mtp_d{label}_over_ar_x{streams}"] = result[f"mtp_batch_d{label}_tok_s_x{streams}"] / ar
+            for depth in depths:
+                result[f"mtp_d{depth}_over_ar_x{streams}"] = result[f"mtp_batch_d{depth}_tok_s_x{streams}"] / ar
         out[name] = result
         print(name, json.dumps({k: round(v, 3) for k, v in result.items() if "_over_" in k}), flush=True)
     return out

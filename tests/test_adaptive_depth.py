@@ -74,21 +74,6 @@ def test_a_batch_drafts_at_the_depth_that_pays_for_all_its_rows():
     assert batch_depth([keen] + dull, 30, incumbent=1, floor=3) == 3
 
 
-def test_wide_batches_price_their_cycles_with_their_own_table():
-    """A batched cycle's cost in AR steps over as many rows differs from one row's (H200, T 1.0,
-    8 streams: depth 3 the best fixed depth, depth 1 at one stream): ``AutoDepth.wide`` holds
-    tables from a number of rows up."""
-    flat = DepthCosts((1.45, 1.7, 1.8), 0.1)
-    sampled = DepthCosts.default_sampled("cuda")
-    auto = AutoDepth(3, GPU, sampled, sampled_prior=(0.53, 0.6, 0.6), wide=((4, GPU, flat),))
-    p = auto.plan(greedy=False)
-    assert [p.cost(3, rows) for rows in (1, 3, 4, 8)] == [sampled.of(3), sampled.of(3), 1.8, 1.8]
-    assert auto.plan(greedy=True).cost(2, 8) == GPU.of(2)
-    # 1.53 / 1.848 / 2.039 tokens: per AR step 1.28 / 1.25 / 1.17 alone, 1.06 / 1.09 / 1.13 over 4+ rows
-    assert batch_depth([p], 0, incumbent=None, rows=1) == 1
-    assert batch_depth([p], 0, incumbent=None, rows=8) == 3
-
-
 def test_hysteresis_keeps_the_depth_on_a_small_gain():
     costs = DepthCosts((1.0, 1.0), 0.1)
 

@@ -232,3 +232,33 @@ def test_a_batchs_auto_rows_draft_at_one_depth(chain):
     for s in seqs:
         engine.generator.release(s)
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_a_live_row_stepped_apart_does_not_weigh_in_another_batchs_depth(monkeypatch):
+    """Only rows that ended (or were released) count beside a batch they were not stepped with:
+    a live row stepped in another batch (another group of the scheduler) does not."""
+    import mtplx.engine.generator as generator_module
+
+    weighed = []
+
+    def spy(plans, *args):
+        weighed.append(plans)
+        return batch_depth(plans, *args)
+
+    batch_depth = generator_module.batch_depth
+    monkeypatch.setattr(generator_module, "batch_depth", spy)
+    engine = switching_engine()
+    gen = engine.generator
+    a, b = (start(engine, p, mode="mtp", depth="auto", max_tokens=40) for p in PROMPTS[:2])
+    with torch.inference_mode():
+        for _ in range(4):
+            engine.step([a])
+            engine.step([a])  # so b's cycle two launches back is a's
+            engine.step([b])
+        assert all(len(plans) == 1 for plans in weighed)
+        a.finish_reason = "length"  # a ends: the next two of b's cycles count it, as a chained cycle would
+        weighed.clear()
+        engine.step([b])
+        assert weighed and all(len(plans) == 2 for plans in weighed)
+    for s in (a, b):
+        gen.release(s)

@@ -107,16 +107,10 @@ class DepthCosts:
         """From side-by-side tok/s of AR and fixed depths and each depth's acceptance by
         position (``mtplx tune``): a depth-d cycle yields 1 + sum(acceptance) tokens in
         (those tokens / its tok/s) seconds, an AR step 1 / ar_tok_s. None if a depth is missing."""
-        return cls.from_cycles(ar_tok_s, tok_s, {d: 1 + sum(a[:d]) for d, a in acceptance.items()})
-
-    @classmethod
-    def from_cycles(cls, ar_tok_s: float, tok_s: dict[int, float],
-                    tokens_per_cycle: dict[int, float]) -> DepthCosts | None:
-        """``from_measurement`` with each depth's mean tokens per cycle and row given."""
         depths = sorted(tok_s)
         if not depths or depths != list(range(1, len(depths) + 1)) or ar_tok_s <= 0:
             return None
-        cycles = tuple(tokens_per_cycle[d] * ar_tok_s / tok_s[d] for d in depths)
+        cycles = tuple((1 + sum(acceptance[d][:d])) * ar_tok_s / tok_s[d] for d in depths)
         per_draft = cycles[-1] - cycles[-2] if len(cycles) > 1 else cycles[0] - 1
         return cls(cycles, max(per_draft, 0.05))
 
@@ -124,10 +118,8 @@ class DepthCosts:
 @dataclass(frozen=True)
 class AutoDepth:
     """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs (of
-    greedy cycles, and of sampled ones where measured apart), the prior acceptance for greedy
-    and for sampled rows, and ``wide``: the costs of batched cycles, (rows from, greedy costs,
-    sampled costs) by ascending rows, each in AR steps over as many rows (``costs`` and
-    ``sampled_costs`` price cycles of fewer rows)."""
+    greedy cycles, and of sampled ones where measured apart) and the prior acceptance for greedy
+    and for sampled rows."""
 
     max_depth: int
     costs: DepthCosts
@@ -135,23 +127,20 @@ class AutoDepth:
     greedy_prior: tuple[float, ...] = GREEDY_PRIOR
     sampled_prior: tuple[float, ...] = SAMPLED_PRIOR
     rate: float = RATE
-    wide: tuple[tuple[int, DepthCosts, DepthCosts], ...] = ()
 
     def plan(self, greedy: bool) -> DepthPlan:
         prior = self.greedy_prior if greedy else self.sampled_prior
         prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
         costs = self.costs if greedy else self.sampled_costs or self.costs
-        wide = tuple((rows, g if greedy else s) for rows, g, s in self.wide)
-        return DepthPlan(self.max_depth, costs, prior, self.rate, wide)
+        return DepthPlan(self.max_depth, costs, prior, self.rate)
 
 
 class DepthPlan:
     """One auto row's running acceptance and, after each cycle it commits, the expected tokens
     of a cycle of each depth (``expected_before`` reads them two cycles late)."""
 
-    def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE,
-                 wide: tuple[tuple[int, DepthCosts], ...] = ()):
-        self.max_depth, self.costs, self.prior, self.rate, self.wide = max_depth, costs, prior, rate, wide
+    def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE):
+        self.max_depth, self.costs, self.prior, self.rate = max_depth, costs, prior, rate
         self.alpha = list(prior)
         self.initial = self.expected_tokens()
         self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=3)  # (cycle, E(1..max_depth))
@@ -177,14 +166,6 @@ class DepthPlan:
         prior's before any): what the host has read when it launches ``cycle`` chained."""
         return next((e for c, e in reversed(self.history) if c <= cycle - 2), self.initial)
 
-    def cost(self, depth: int, rows: int = 1) -> float:
-        """A depth-``depth`` cycle over ``rows`` rows, in AR steps over as many rows."""
-        table = self.costs
-        for start, wide in self.wide:
-            if rows >= start:
-                table = wide
-        return table.of(depth)
-
     def expected_tokens(self) -> tuple[float, ...]:
         tokens, reach, out = 1.0, 1.0, []
         for j in range(self.max_depth):
@@ -194,15 +175,14 @@ class DepthPlan:
         return tuple(out)
 
 
-def batch_depth(plans: list[DepthPlan], cycle: int, incumbent: int | None, floor: int = 0, rows: int = 1) -> int:
-    """The depth of generator cycle ``cycle`` for auto rows with these plans, in a batch of
-    ``rows`` rows: the most expected tokens of all of them (each row's own estimate, two cycles
-    late) per unit of the cycle's cost, a cycle costing its deepest row's (``floor``: the batch's
-    deepest fixed-depth row); the incumbent (the last cycle's depth) stays unless another
-    promises ``HYSTERESIS`` more."""
+def batch_depth(plans: list[DepthPlan], cycle: int, incumbent: int | None, floor: int = 0) -> int:
+    """The depth of generator cycle ``cycle`` for auto rows with these plans: the most expected
+    tokens of all of them (each row's own estimate, two cycles late) per unit of the cycle's
+    cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row);
+    the incumbent (the last cycle's depth) stays unless another promises ``HYSTERESIS`` more."""
     deepest = max(p.max_depth for p in plans)
     expected = [p.expected_before(cycle) for p in plans]
-    score = {d: sum(e[min(d, p.max_depth) - 1] / p.cost(max(d, floor), rows) for p, e in zip(plans, expected))
+    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor)) for p, e in zip(plans, expected))
              for d in range(1, deepest + 1)}
     best = max(score, key=score.get)
     if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS):

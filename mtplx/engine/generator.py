@@ -181,8 +181,7 @@ class Generator:
         gone = [s for s in self._committed.get(self.cycles - 2, ())
                 if s.depth_plan is not None and s.seq_id not in ids and (s.finished or s.seq_id not in self.live)]
         floor = max((s.depth for s in seqs if s.depth_plan is None), default=0)
-        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor,
-                            len(seqs) + len(gone))  # the width the chained path sees
+        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor)
         return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
