@@ -7,8 +7,10 @@ head alike. ``forge verify --against`` compares heads' acceptance; this compares
     python benchmarks/head_ab.py --heads NEW_DIR,OLD_DIR [--model GGUF] [--device cpu] [--depth 1]
         [--prompts 12] [--max-tokens 96] [--repeats 2] [--regimes greedy,t0.7,t1.0] --out FILE.json
 
-Sampled requests take the engine's default draft policy (``draft_policy="auto"``: argmax drafts
-below temperature 0.85, mirror drafts from it). Every engine loads the trunk the same way
+Pass r of a seeded regime samples with seed + r (``benchmarking.pass_sampling``; until
+session 19 every pass re-ran one seed's trajectory). Sampled requests take the engine's default
+draft policy (``draft_policy="auto"``: argmax drafts below temperature 0.85, mirror drafts from
+it). Every engine loads the trunk the same way
 (``mtplx.load``); AR runs on the first.
 """
 
@@ -29,7 +31,7 @@ def main() -> None:
     import torch
 
     import mtplx
-    from mtplx.benchmarking import Config, machine_info, run_once, summarize
+    from mtplx.benchmarking import Config, machine_info, pass_sampling, run_once, summarize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", required=True, help="comma-separated head folders (mtp.safetensors + mtplx_forge.json)")
@@ -63,10 +65,11 @@ def main() -> None:
             run_once(engine, prompts[0], config, 8, **sampling)
         results = {name: [] for name, *_ in runs}
         t0 = time.perf_counter()
-        for _ in range(args.repeats):
+        for r in range(args.repeats):  # pass r of a seeded regime samples with seed + r
+            seeded = pass_sampling(sampling, r)
             for prompt in prompts:
                 for name, engine, config, _ in runs:
-                    results[name].append(run_once(engine, prompt, config, args.max_tokens, **sampling))
+                    results[name].append(run_once(engine, prompt, config, args.max_tokens, **seeded))
         entry = {name: {**summarize(results[name], config), "head": head} for name, _, config, head in runs}
         for e in entry.values():
             e["speedup_vs_ar"] = e["tok_s"] / entry["ar"]["tok_s"]
