@@ -21,8 +21,8 @@ def decode_alone(p: DepthPlan, accepted, cycles: int = 20) -> list[int]:
     outcomes two cycles back and the last depth); ``accepted(depth)``: each cycle's accepted count."""
     depths, depth = [], p.first_depth
     for k in range(cycles):
-        depth = batch_depth([p], k, incumbent=depth if k else None)
-        p.observe(depth, accepted(depth), k)
+        depth = batch_depth([p], [p.expected_at(in_flight=False)], incumbent=depth if k else None)
+        p.observe(depth, accepted(depth))
         depths.append(depth)
     return depths
 
@@ -43,17 +43,18 @@ def test_a_cycles_depth_depends_only_on_outcomes_two_cycles_back():
     """So the chained path (which launches a cycle before reading the one in flight) and the
     unchained one choose the same depths."""
     p = plan(prior=(0.9, 0.9, 0.9))
-    assert batch_depth([p], 0, None) == 3
-    p.observe(3, 0, cycle=0)  # cycle 0 rejected everything: cycle 1 does not know yet
-    assert p.expected_before(1) == p.initial
-    assert batch_depth([p], 1, incumbent=3) == 3
-    assert p.expected_before(2) == p.history[-1][1] != p.initial
+    assert p.first_depth == 3
+    p.observe(3, 0)  # cycle 0 rejected everything: cycle 1 does not know yet, chained or not
+    assert p.expected_at(in_flight=False) == p.initial  # unchained: cycle 0 read, cycle 1 next
+    p.observe(3, 0)
+    assert p.expected_at(in_flight=True) == p.history[-1] != p.initial  # chained: cycle 1 in flight, 2 next
+    assert p.expected_at(in_flight=False) == p.history[0]  # unchained: cycle 1 read, 2 next
 
 
 def test_unobserved_depths_follow_the_first_positions_rate():
     p = plan()
-    for k in range(30):
-        p.observe(1, 1, k)  # depth-1 cycles, always accepted
+    for _ in range(30):
+        p.observe(1, 1)  # depth-1 cycles, always accepted
     assert p.alpha[1] > 0.43 and p.alpha[2] > 0.5
 
 
@@ -63,15 +64,19 @@ def test_a_batch_drafts_at_the_depth_that_pays_for_all_its_rows():
     alone draft at 3; beside seven that accept nothing the batch drafts at 1, and where a
     fixed-depth row makes every cycle a depth-3 one, the auto rows draft at 3 for free."""
     keen, *dull = [plan() for _ in range(8)]
-    for k in range(30):
-        keen.observe(3, 3, k)
+    for _ in range(30):
+        keen.observe(3, 3)
         for p in dull:
-            p.observe(1, 0, k)
-    assert batch_depth([keen], 30, incumbent=3) == 3
-    assert batch_depth(dull, 30, incumbent=1) == 1
-    assert batch_depth([keen] + dull, 30, incumbent=None) == 1
-    assert batch_depth([keen] + dull[:3], 30, incumbent=None) == 3  # (4 + 3) / 1.56 > (2 + 3) / 1.21
-    assert batch_depth([keen] + dull, 30, incumbent=1, floor=3) == 3
+            p.observe(1, 0)
+
+    def depth(plans, incumbent, floor=0):
+        return batch_depth(plans, [p.expected_at(in_flight=False) for p in plans], incumbent, floor)
+
+    assert depth([keen], incumbent=3) == 3
+    assert depth(dull, incumbent=1) == 1
+    assert depth([keen] + dull, incumbent=None) == 1
+    assert depth([keen] + dull[:3], incumbent=None) == 3  # (4 + 3) / 1.56 > (2 + 3) / 1.21
+    assert depth([keen] + dull, incumbent=1, floor=3) == 3
 
 
 def test_hysteresis_keeps_the_depth_on_a_small_gain():
@@ -79,7 +84,8 @@ def test_hysteresis_keeps_the_depth_on_a_small_gain():
 
     def depth(alpha2: float, incumbent: int | None) -> int:
         # depth 2 yields 1.5 + 0.5 * alpha2 tokens against depth 1's 1.5, at the same cost
-        return batch_depth([DepthPlan(2, costs, (0.5, alpha2))], 0, incumbent)
+        p = DepthPlan(2, costs, (0.5, alpha2))
+        return batch_depth([p], [p.initial], incumbent)
 
     assert depth(0.0, incumbent=1) == 1  # depth 2 promises nothing more
     assert depth(3 * HYSTERESIS * 0.8, incumbent=1) == 1  # a gain of 0.8 times the threshold
@@ -140,4 +146,3 @@ def test_untuned_engines_price_sampled_cycles_apart_from_greedy_ones():
     tuned = DepthCosts((1.1, 1.3, 1.5), 0.2)
     assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(greedy=False).costs == tuned
     assert isinstance(engine.auto_depth, AutoDepth)
-

@@ -6,6 +6,7 @@ chain eagerly (``Engine(chain=True)``, ``generator.chain.enabled``); decoding mu
 import pytest
 import torch
 
+from mtplx.engine.adaptive_depth import AutoDepth, DepthCosts
 from mtplx.engine.generator import StepResult
 from mtplx.engine.runner import CYCLE_FIELDS, CycleLaunch, advance_cycle
 from mtplx.engine.speculative import CycleOutcome
@@ -234,31 +235,82 @@ def test_a_batchs_auto_rows_draft_at_one_depth(chain):
     assert engine.runner.blocks.num_used_blocks == 0
 
 
-def test_a_live_row_stepped_apart_does_not_weigh_in_another_batchs_depth(monkeypatch):
-    """Only rows that ended (or were released) count beside a batch they were not stepped with:
-    a live row stepped in another batch (another group of the scheduler) does not."""
-    import mtplx.engine.generator as generator_module
-
-    weighed = []
-
-    def spy(plans, *args):
-        weighed.append(plans)
-        return batch_depth(plans, *args)
-
-    batch_depth = generator_module.batch_depth
-    monkeypatch.setattr(generator_module, "batch_depth", spy)
+def auto_engine(costs=(1.0, 1.1, 1.15)):
+    """switching_engine whose greedy rows' prior favours depth 3 and sampled rows' depth 1."""
     engine = switching_engine()
-    gen = engine.generator
-    a, b = (start(engine, p, mode="mtp", depth="auto", max_tokens=40) for p in PROMPTS[:2])
+    engine.auto_depth = AutoDepth(3, DepthCosts(costs, 0.05), greedy_prior=(0.95,) * 3, sampled_prior=(0.05,) * 3)
+    return engine
+
+
+def decode_groups(specs, chain: bool, groups=None, costs=(1.0, 1.1, 1.15)):
+    """A fresh ``auto_engine`` decodes (prompt, request kwargs) rows to the end, stepping the
+    row groups ``groups`` (index lists; default: one batch) in turn; -> (tokens, depths) per row."""
+    engine = auto_engine(costs)
+    engine.generator.chain.enabled = chain
+    seqs = [start(engine, p, **kw) for p, kw in specs]
+    depths = {s.seq_id: [] for s in seqs}
+    engine.generator.observers.append(lambda event, s: depths[s.seq_id].append(s.depth) if event == "commit" else None)
     with torch.inference_mode():
-        for _ in range(4):
-            engine.step([a])
-            engine.step([a])  # so b's cycle two launches back is a's
-            engine.step([b])
-        assert all(len(plans) == 1 for plans in weighed)
-        a.finish_reason = "length"  # a ends: the next two of b's cycles count it, as a chained cycle would
-        weighed.clear()
-        engine.step([b])
-        assert weighed and all(len(plans) == 2 for plans in weighed)
-    for s in (a, b):
-        gen.release(s)
+        while any(not s.finished for s in seqs):
+            for group in groups or [range(len(seqs))]:
+                if live := [seqs[i] for i in group if not seqs[i].finished]:
+                    engine.step(live)
+        engine.generator.drain()
+    for s in seqs:
+        engine.generator.release(s)
+    assert engine.runner.blocks.num_used_blocks == 0 and not engine.generator._mates
+    return [s.generated for s in seqs], [depths[s.seq_id] for s in seqs]
+
+
+HOT = dict(mode="mtp", depth="auto", temperature=1.0, seed=5)
+
+
+@pytest.mark.parametrize("specs, groups", [
+    # a row that ends at its first cycle beside another
+    ([(PROMPTS[0], dict(mode="mtp", depth="auto", max_tokens=2)), (PROMPTS[1], dict(HOT, max_tokens=30))], None),
+    # two groups stepped in turn (ar_batch steps its lone MTP row and its AR rows apart)
+    ([(PROMPTS[1], dict(HOT, max_tokens=40)), (PROMPTS[2], dict(mode="ar", max_tokens=40))], [[0], [1]]),
+    # a fixed-depth row (which makes cycles deep) ending mid-decoding
+    ([(PROMPTS[0], dict(mode="mtp", depth=3, max_tokens=12)), (PROMPTS[1], dict(HOT, max_tokens=40))], None),
+    # rows of several lengths and settings ending one by one
+    ([(PROMPTS[i % 3], dict(mode="mtp", depth="auto" if i != 2 else 2, max_tokens=n, temperature=t, seed=i))
+      for i, (n, t) in enumerate([(5, 0.0), (17, 1.3), (9, 0.7), (40, 1.0), (3, 1.0)])], None),
+])
+def test_auto_rows_ending_or_stepped_apart_decode_alike_chained_or_not(specs, groups):
+    """A chained cycle launched before the host saw a row end still carries it: the unchained
+    path counts the ended row once too, so the depths, and a seed's tokens, are the same."""
+    for costs in ((1.0, 1.1, 1.15), (1.0, 1.5, 2.0)):  # the second: depth 3 pays only beside a fixed depth-3 row
+        assert decode_groups(specs, True, groups, costs) == decode_groups(specs, False, groups, costs)
+
+
+def test_a_lone_seeded_auto_request_decodes_alike_whatever_ran_before_it():
+    def after(earlier: dict) -> list[int]:
+        engine = auto_engine()
+        engine.generate(PROMPTS[2], mode="mtp", depth="auto", max_tokens=40, **earlier)
+        return engine.generate(PROMPTS[1], max_tokens=40, **HOT).token_ids
+
+    assert after(dict(temperature=0.0)) == after(dict(temperature=1.0, seed=9))
+
+
+def test_an_auto_request_ar_batch_steps_ar_keeps_no_plan_and_chains():
+    """ar_batch decodes a request AR beside others (mode, depth and adaptive set on the request
+    before its sequence is made): no depth plan, and its AR steps chain."""
+    engine = auto_engine()
+    engine.generator.chain.enabled = True
+    seqs = []
+    for p in PROMPTS[:2]:
+        req = engine.make_request(p, mode="mtp", depth="auto", max_tokens=30)
+        req.mode, req.depth, req.adaptive = "ar", 0, False
+        seqs.append(engine.new_sequence(req))
+        engine.generator.admit(seqs[-1])
+        engine.generator.prefill(seqs[-1])
+    assert all(s.depth_plan is None and s.depth == 0 for s in seqs)
+    chained = steps = 0
+    with torch.inference_mode():
+        while live := [s for s in seqs if not s.finished]:
+            engine.step(live)
+            steps += 1
+            chained += engine.generator.chain.flight is not None
+    for s in seqs:
+        engine.generator.release(s)
+    assert chained > steps // 2, (chained, steps)

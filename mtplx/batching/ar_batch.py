@@ -55,7 +55,7 @@ class ARBatchPolicy(RowPolicy):
         if width == 1:
             self.mtp_rows += 1
             return
-        req.mode, req.depth = "ar", 0
+        req.mode, req.depth, req.adaptive = "ar", 0, False
         job.mtp_disabled_reason = (f"ar_batch admitted this request beside {width - 1} other(s); "
                                    "MTP is off while the batch is wider than 1")
         self.mtp_disabled_rows += 1

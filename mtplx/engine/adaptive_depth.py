@@ -21,12 +21,15 @@ accepts more deeper too), so a shallow row can still find that deeper drafts wou
 
 Exactness and seeds: a cycle's depth is fixed before its drafts are drawn, from committed
 outcomes alone, so every emitted token keeps the target's distribution (speculative sampling is
-exact for any depth chosen in advance). The depth of the generator's cycle k depends only on
-outcomes of cycles up to k - 2 (``DepthPlan.expected_before``) and on cycle k - 1's depth: a
-chained cycle launches before the host has read the one in flight, and the unchained path uses
-the same lag, so a seed gives the same tokens chained or not. Which rows share a batch changes
-the depth, so a seeded row's tokens (same distribution) depend on the rows decoded beside it.
-A switch needs a clear gain (``HYSTERESIS``): every depth change ends a chain.
+exact for any depth chosen in advance). A row's estimate enters its cycle n's depth as of its
+cycle n - 2 (``DepthPlan.expected_at``): a chained cycle launches before the host has read the
+one in flight, and the unchained path uses the same lag. The rows weighed are the cycle's own
+and those of each row's last cycle that are gone since (ended or released: a chained cycle
+launched before the host saw them go still carries them, so the unchained path counts them
+once too), so a seed gives the same tokens chained or not, and a row decoded alone decodes as
+it did before batches shared a depth. Which rows share a batch changes the depth, so a seeded
+row's tokens (not their distribution) depend on the rows decoded beside it. A switch needs a
+clear gain (``HYSTERESIS``): every depth change ends a chain.
 """
 
 from __future__ import annotations
@@ -137,34 +140,37 @@ class AutoDepth:
 
 class DepthPlan:
     """One auto row's running acceptance and, after each cycle it commits, the expected tokens
-    of a cycle of each depth (``expected_before`` reads them two cycles late)."""
+    of a cycle of each depth (``expected_at`` reads them two of the row's cycles late)."""
 
     def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE):
         self.max_depth, self.costs, self.prior, self.rate = max_depth, costs, prior, rate
         self.alpha = list(prior)
         self.initial = self.expected_tokens()
-        self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=3)  # (cycle, E(1..max_depth))
+        self.history: deque[tuple[float, ...]] = deque(maxlen=2)  # E(1..max_depth) after its last two commits
 
     @property
     def first_depth(self) -> int:
         """The depth this row alone would take before its first commit."""
-        return batch_depth([self], 0, incumbent=None)
+        return batch_depth([self], [self.initial], incumbent=None)
 
-    def observe(self, drafted: int, accepted: int, cycle: int) -> None:
-        """Committed: generator cycle ``cycle`` drafted ``drafted``, the first ``accepted`` of
-        them accepted."""
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted."""
         for j in range(min(drafted, accepted + 1)):  # positions that were tested
             self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
         scale = self.alpha[0] / max(self.prior[0], 1e-3)
         for j in range(drafted, self.max_depth):  # untested: follow the first position's rate
             target = min(0.98, self.prior[j] * scale)
             self.alpha[j] += self.rate * (target - self.alpha[j])
-        self.history.append((cycle, self.expected_tokens()))
+        self.history.append(self.expected_tokens())
 
-    def expected_before(self, cycle: int) -> tuple[float, ...]:
-        """E(1..max_depth) as of the row's last commit of a cycle up to ``cycle`` - 2 (the
-        prior's before any): what the host has read when it launches ``cycle`` chained."""
-        return next((e for c, e in reversed(self.history) if c <= cycle - 2), self.initial)
+    def expected_at(self, in_flight: bool) -> tuple[float, ...]:
+        """E(1..max_depth) for the row's next cycle, two of its cycles late: as of its latest
+        commit where a cycle over it is in flight (chained: the host has not read that one),
+        else as of the commit before its latest (the prior's before there is one)."""
+        h = self.history
+        if in_flight:
+            return h[-1] if h else self.initial
+        return h[-2] if len(h) == 2 else self.initial
 
     def expected_tokens(self) -> tuple[float, ...]:
         tokens, reach, out = 1.0, 1.0, []
@@ -175,13 +181,14 @@ class DepthPlan:
         return tuple(out)
 
 
-def batch_depth(plans: list[DepthPlan], cycle: int, incumbent: int | None, floor: int = 0) -> int:
-    """The depth of generator cycle ``cycle`` for auto rows with these plans: the most expected
-    tokens of all of them (each row's own estimate, two cycles late) per unit of the cycle's
+def batch_depth(plans: list[DepthPlan], expected: list[tuple[float, ...]], incumbent: int | None,
+                floor: int = 0) -> int:
+    """The depth of a cycle's auto rows, with these plans and expected tokens by depth (each
+    row's ``expected_at``): the most expected tokens of all of them per unit of the cycle's
     cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row);
-    the incumbent (the last cycle's depth) stays unless another promises ``HYSTERESIS`` more."""
+    the incumbent (the auto rows' current depth) stays unless another promises ``HYSTERESIS``
+    more."""
     deepest = max(p.max_depth for p in plans)
-    expected = [p.expected_before(cycle) for p in plans]
     score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor)) for p, e in zip(plans, expected))
              for d in range(1, deepest + 1)}
     best = max(score, key=score.get)

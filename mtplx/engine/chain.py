@@ -43,7 +43,7 @@ class CycleChain:
         """Whether ``seqs`` are exactly the live rows of the cycle in flight and ``depths``
         (each row's next depth) are their depths in it."""
         flight = self.flight
-        return (flight is not None and len(seqs) == len(flight.seqs)
+        return (flight is not None and flight.depth == max(depths) and len(seqs) == len(flight.seqs)
                 and all(a is b for a, b in zip(seqs, flight.seqs)) and _same_depths(seqs, depths)
                 and not self._released and not any(s.finished for s in seqs))
 
@@ -61,21 +61,23 @@ class CycleChain:
             self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], self._variant(seqs, depth))
         return True
 
-    def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int, cycle: int) -> None:
-        """Launch the first cycle (the generator's ``cycle``) from the host's state (``reserve`` first)."""
+    def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
+        """Launch the first cycle from the host's state (``reserve`` first)."""
         self.flight = self.runner.start_cycle(seqs, backlog, depth, self._variant(seqs, depth))
-        self.flight.cycle = cycle
 
-    def advance(self, seqs: list[Sequence], depths: list[int], cycle: int) -> tuple[CycleLaunch, bool]:
-        """Launch the cycle after the one in flight (the generator's ``cycle``) where the rows
-        keep their depths (``depths``, each row's next) and ``reserve`` succeeds, and hand back
-        the one in flight, to commit; True when another cycle now runs on from its outcome."""
+    def advance(self, seqs: list[Sequence], depths: list[int]) -> tuple[CycleLaunch, bool]:
+        """Launch the cycle after the one in flight where the rows keep their depths
+        (``depths``, each row's next) and ``reserve`` succeeds, and hand back the one in flight,
+        to commit; True when another cycle now runs on from its outcome."""
         last, following = self.flight, None
         if _same_depths(seqs, depths) and self.reserve(seqs, last.depth):
             following = self.runner.next_cycle(seqs, last.depth, self._variant(seqs, last.depth))
-            following.cycle = cycle
         self.flight = following
         return last, following is not None
+
+    def in_flight(self) -> set[int]:
+        """The seq_ids of the rows of the cycle in flight, released ones aside."""
+        return {s.seq_id for s in self.flight.seqs} - self._released if self.flight is not None else set()
 
     def _variant(self, seqs: list[Sequence], depth: int) -> str:
         return cycle_variant(seqs, depth, self.runner.filters_apart)

@@ -71,8 +71,7 @@ class Generator:
         # observer(event, seq): "commit" after a row's tokens are appended, "chain_start" when a
         # chain starts over a row; for benchmarks and tests (instrumentation, not a new path)
         self.observers: list[Callable[[str, Sequence], None]] = []
-        self.cycles = 0  # cycles launched (each one's id: the count before it)
-        self._committed: dict[int, list[Sequence]] = {}  # cycle id -> its rows that committed it (the last few)
+        self._mates: dict[int, list[Sequence]] = {}  # seq_id -> the rows of its last committed cycle
 
     def inject_faults(self, hook: FaultHook | None) -> None:
         """Call ``hook(point, seq)`` at every fault point (faults.py); None stops. Forwards
@@ -120,11 +119,13 @@ class Generator:
             return
         self.chain.forget(seq)
         self.kv.release(seq)
+        self._mates.pop(seq.seq_id, None)
 
     def release_all(self) -> None:
         """Release every admitted sequence and forget the cycle in flight (after a crash:
         nothing the device still computes is read)."""
         self.chain.clear()
+        self._mates.clear()
         for seq in list(self.live.values()):
             self.release(seq)
 
@@ -168,20 +169,26 @@ class Generator:
 
     def next_depths(self, seqs: list[Sequence]) -> list[int]:
         """Each row's depth in the cycle launched next (rows of one mode; AR: 0): its own, or for
-        depth="auto" rows the batch's (``adaptive_depth.batch_depth``), weighed over them and over
-        the auto rows that committed cycle ``cycles - 2`` and are gone (ended or released) since:
-        a chained cycle launched before the host saw them go counts them, so the unchained path
-        does too."""
+        depth="auto" rows the batch's (``adaptive_depth.batch_depth``), weighed over these rows
+        and the rows of each one's last cycle (the one in flight, where chained) that are not
+        here: ended or released since. A chained cycle launched before the host saw a row end
+        carries it once more, so the unchained path counts it once too (adaptive_depth.py)."""
         if seqs[0].mode != "mtp":  # AR steps
             return [0] * len(seqs)
-        auto = [s for s in seqs if s.depth_plan is not None]
-        if not auto:
+        if all(s.depth_plan is None for s in seqs):
             return [s.depth for s in seqs]
-        ids = {s.seq_id for s in auto}
-        gone = [s for s in self._committed.get(self.cycles - 2, ())
-                if s.depth_plan is not None and s.seq_id not in ids and (s.finished or s.seq_id not in self.live)]
-        floor = max((s.depth for s in seqs if s.depth_plan is None), default=0)
-        depth = batch_depth([s.depth_plan for s in auto + gone], self.cycles, max(s.depth for s in auto), floor)
+        flying = self.chain.in_flight()
+        flight = self.chain.flight
+        here = {s.seq_id for s in seqs}
+        gone: dict[int, Sequence] = {}
+        for s in seqs:
+            mates = flight.seqs if s.seq_id in flying else self._mates.get(s.seq_id, ())
+            gone.update((m.seq_id, m) for m in mates if m.seq_id not in here)
+        rows = seqs + list(gone.values())
+        auto = [s for s in rows if s.depth_plan is not None]
+        floor = max((s.depth for s in rows if s.depth_plan is None), default=0)
+        depth = batch_depth([s.depth_plan for s in auto], [s.depth_plan.expected_at(s.seq_id in flying) for s in auto],
+                            max(s.depth for s in seqs if s.depth_plan is not None), floor)
         return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
@@ -194,7 +201,6 @@ class Generator:
         if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
         on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
-        cycle = self._launched()
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
             self.kv.reserve(seq, seq.trunk_len + min(seq.depth, depth) + 1)
         t0 = time.perf_counter()
@@ -219,25 +225,20 @@ class Generator:
         t3 = time.perf_counter()
         if depth:
             self.runner.commit_state(seqs, [a + 1 for a in outcome.accepted])
-        self._commit(seqs, outcome, hidden, False, result, cycle)
+        self._commit(seqs, outcome, hidden, False, result)
         if depth:
             _add_times(seqs, draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, commit_s=time.perf_counter() - t3)
 
-    def _launched(self) -> int:
-        """A cycle is being launched: its id."""
-        self.cycles += 1
-        return self.cycles - 1
-
     def _commit(self, seqs: list[Sequence], outcome: CycleOutcome, hidden: torch.Tensor | None, continued: bool,
-                result: StepResult, cycle: int) -> None:
-        """Commit each row's accepted drafts and next token (of the generator's cycle
-        ``cycle``): every path's one commit. continued: a chained cycle already runs on from
-        this outcome on the device (it holds the head's backlog and the blocks past the row's
-        length); else the rows keep their verify hidden states as the head's backlog and give
-        back the blocks past their length."""
-        committed = self._committed.setdefault(cycle, [])
-        for old in [c for c in self._committed if c < cycle - 3]:
-            del self._committed[old]
+                result: StepResult) -> None:
+        """Commit each row's accepted drafts and next token: every path's one commit.
+        continued: a chained cycle already runs on from this outcome on the device (it holds
+        the head's backlog and the blocks past the row's length); else the rows keep their
+        verify hidden states as the head's backlog and give back the blocks past their length."""
+        mates = list(seqs)
+        for seq in seqs:
+            if seq.seq_id in self.live:
+                self._mates[seq.seq_id] = mates
         for r, seq in enumerate(seqs):
             drafts, accepted, token = outcome.row(r)
             if seq.seq_id in result.failed or token is None:
@@ -246,14 +247,13 @@ class Generator:
                 if seq.mode == "mtp":
                     seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
                     if seq.depth_plan is not None:
-                        seq.depth_plan.observe(len(drafts), accepted, cycle)
+                        seq.depth_plan.observe(len(drafts), accepted)
                     seq.hidden_backlog = None if continued else hidden[r, : accepted + 1]
                 seq.trunk_len += accepted + 1
                 if not continued:
                     self.kv.trim(seq, seq.trunk_len)
                 self._append(seq, drafts[:accepted] + [token])
                 result.advanced.append(seq)
-                committed.append(seq)
             except Exception as exc:
                 result.failed[seq.seq_id] = exc
 
@@ -268,7 +268,7 @@ class Generator:
         if depth:
             self._head_pre_feed(seqs, depth + 1)
             backlog = stack_padded([s.hidden_backlog for s in seqs])
-        self.chain.start(seqs, backlog, depth, self._launched())
+        self.chain.start(seqs, backlog, depth)
         self._notify("chain_start", seqs)
         if depth:
             for s in seqs:
@@ -280,9 +280,7 @@ class Generator:
         """Launch the next cycle on the device, then commit the one in flight. Where the rows
         cannot take the next cycle's blocks, nothing new starts and this commit is the chain's last."""
         t0 = time.perf_counter()
-        launch, continued = self.chain.advance(seqs, self.next_depths(seqs), self.cycles)
-        if continued:
-            self._launched()
+        launch, continued = self.chain.advance(seqs, self.next_depths(seqs))
         outcome = self._read_launch(launch, list(range(len(seqs))), result.failed)
         t1 = time.perf_counter()
         self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden, continued, result)
@@ -318,7 +316,7 @@ class Generator:
         if launch.depth:  # the cycle caught the head up to its verify's first position
             for s in seqs:
                 s.head_len = s.trunk_len + 1
-        self._commit(seqs, outcome, hidden, continued, result, launch.cycle)
+        self._commit(seqs, outcome, hidden, continued, result)
 
     # -- drafting -----------------------------------------------------------------------------
     def _head_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -57,7 +57,7 @@ class Request:
     grammar: Any = None  # constraints.Grammar: decode only text it accepts (None: unconstrained)
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (prompt scoring; None: off)
-    adaptive: bool = False  # depth="auto": each cycle's depth chosen per row (adaptive_depth.py)
+    adaptive: bool = False  # depth="auto": each cycle's depth chosen from the acceptance of its rows (adaptive_depth.py)
 
 
 class Engine:
@@ -219,7 +219,7 @@ class Engine:
         return depth
 
     def new_sequence(self, req: Request) -> Sequence:
-        plan = self.auto_depth.plan(req.params.greedy) if req.adaptive else None
+        plan = self.auto_depth.plan(req.params.greedy) if req.adaptive and req.mode == "mtp" else None
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         generator=make_generator(req.params.seed, self.device), mode=req.mode,
                         depth=plan.first_depth if plan else req.depth, depth_plan=plan,

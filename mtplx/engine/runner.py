@@ -655,14 +655,13 @@ class CycleLaunch:
 
     seqs: its rows; hidden: its verify hidden states [rows, depth + 1, H] (valid until the same
     buffers run again); host/done: the packed outcome copied to host memory, and the event
-    after that copy; cycle: the generator's count of cycles launched before it (its id)."""
+    after that copy."""
 
     seqs: list[Sequence]
     depth: int
     hidden: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
-    cycle: int = 0
 
     def rows(self) -> list[list[int]]:
         """Per row: the drafts, the accepted count, the next token (waits for the device)."""
