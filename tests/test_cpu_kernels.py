@@ -81,6 +81,27 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
             torch.testing.assert_close(out[i, h * d:(h + 1) * d], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("key_start", [0, 1])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_a_batchs_attention_on_the_cpu_is_each_rows_own(key_start, q_len):
+    """Several rows (a batch's AR steps or verifies) attend row by row over their own keys, as
+    the masked product over every row's gathered block table does (the path they took before)."""
+    from mtplx.cache.attention import AttentionMetadata, _gathered, paged_attention_reference
+
+    heads, kv_heads, d, block = 6, 2, 8, 4
+    k_pool, v_pool = torch.randn(12, block, kv_heads, d, generator=_gen(1)), torch.randn(12, block, kv_heads, d, generator=_gen(2))
+    tables = torch.tensor([[5, 0, 7, 3], [1, 2, 11, 11], [9, 4, 6, 8]])  # row 1 pads with its last block
+    positions = torch.tensor([[9 + j for j in range(q_len)], [5 + j for j in range(q_len)], [12 + j for j in range(q_len)]])
+    q = torch.randn(3, q_len, heads, d, generator=_gen(3))
+    meta = AttentionMetadata(positions, positions.clone(), tables, key_start=key_start)
+    with torch.inference_mode():
+        got = paged_attention_reference(q, k_pool, v_pool, meta, 0.3)
+        one = [paged_attention_reference(q[r: r + 1], k_pool, v_pool, AttentionMetadata(
+            positions[r: r + 1], positions[r: r + 1], tables[r: r + 1], key_start=key_start), 0.3) for r in range(3)]
+    torch.testing.assert_close(got, _gathered(q, k_pool, v_pool, meta, 0.3), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got, torch.cat(one))  # a row's result does not depend on the rows beside it
+
+
 def test_row_attention_refuses_positions_beyond_the_table():
     k_pool = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="beyond the block table"):

@@ -85,7 +85,7 @@ def _reference(x: torch.Tensor, qw: QuantizedWeight, backend: str = DEFAULT_CPU)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (40, 96, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
                                            (33, 64, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 20])  # 20: past cpu.SMALL_ROWS, the dequantized weight's matmul
+@pytest.mark.parametrize("rows", [1, 2, 5, 20, 60])  # 60: past cpu.SMALL_ROWS, the dequantized weight's matmul
 def test_quantized_matmul_equals_dequantize_then_matmul(backend, bits, out, inp, group, rows):
     if backend == "int4pack" and out % 16:
         out += 16 - out % 16  # (the packed kernel pads rows to 16 itself; keep its cases as they were)

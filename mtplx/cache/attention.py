@@ -93,14 +93,26 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     A query at sequence index p attends keys at indices key_start..p. Returns [rows, q_len, heads, head_dim].
     """
     rows, q_len, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_pool.shape
-    if not q.is_cuda and rows == 1 and q_len <= ROW_EXACT_QUERIES:
+    if not q.is_cuda and q_len <= ROW_EXACT_QUERIES:
         if cpu_kernels.usable(q) and k_pool.dtype == torch.float32:
-            return cpu_kernels.row_attention(q[0], k_pool, v_pool, meta.block_tables[0], meta.positions[0],
-                                             meta.key_start, scale).view(1, q_len, heads, head_dim)
-        return _one_row_by_query(q, k_pool, v_pool, meta, scale)
+            # row by row over each row's own keys (a batch's AR steps and verifies too: gathering
+            # every row's whole block table for one masked product cost ~7 ms a layer at 8 rows)
+            q = q.contiguous()
+            out = [cpu_kernels.row_attention(q[r], k_pool, v_pool, meta.block_tables[r], meta.positions[r],
+                                             meta.key_start, scale) for r in range(rows)]
+            return (out[0] if rows == 1 else torch.stack(out)).view(rows, q_len, heads, head_dim)
+        if rows == 1:
+            return _one_row_by_query(q, k_pool, v_pool, meta, scale)
     if not q.is_cuda and rows == 1 and meta.key_start == 0 and _whole_prompt(meta.positions[0], q_len):
         return _causal_prompt(q, k_pool, v_pool, meta.block_tables[0], scale)
+    return _gathered(q, k_pool, v_pool, meta, scale)
+
+
+def _gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+              scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` as one masked product over every row's whole block table."""
+    rows, _, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[2]
     keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
     key_idx = torch.arange(keys.shape[1], device=q.device)

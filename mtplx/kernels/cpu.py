@@ -146,7 +146,11 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack((w & 15, w >> 4), dim=2).reshape(out, -1)
 
 
-SMALL_ROWS = 16  # up to this many rows the kernel; more (prefill): dequantize, one float32 matmul
+# up to this many rows the kernel; more (prefill): dequantize, one float32 matmul. Two threads, the
+# default model's gate/up (3072 x 576), down (576 x 1536) and k/v (960 x 576) at 8-48 rows: the kernel
+# 50-1015 us against 139-1135 us dequantized (gate/up at 24 rows 545 vs 719); at 64-96 rows the two
+# are about even (session 19; 16 before: a batch's verify of 24 rows dequantized every weight)
+SMALL_ROWS = 48
 
 
 def matmul(a: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
