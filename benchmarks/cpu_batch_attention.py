@@ -6,12 +6,14 @@ dequantized every weight (``kernels.cpu.SMALL_ROWS``).
 
 1. One layer's attention at the default model's shapes (9 query heads, 3 KV heads, head dim 64,
    blocks of 16), both ways, microseconds per call.
-2. ``--engine``: the default model decoding W greedy chat rows together through ``engine.step``
+2. ``--products``: the default model's quantized projections (gate/up 3072 x 576, down 576 x
+   1536, k/v 960 x 576) at 8-96 token rows, the kernel against dequantize + BLAS, microseconds.
+3. ``--engine``: the default model decoding W greedy chat rows together through ``engine.step``
    (AR, MTP at depths 1 and 2), the two ways alternating in one process ("before": the
    gathered product for several rows and SMALL_ROWS 16), tok/s.
 
     python benchmarks/cpu_batch_attention.py [--threads 2] [--contexts 100,500,2000] [--rows 4,8]
-        [--queries 1,3] [--engine] [--widths 4,8] [--tokens 48] [--rounds 3]
+        [--queries 1,3] [--products] [--engine] [--widths 4,8] [--tokens 48] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8")
     ap.add_argument("--queries", default="1,3")
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--engine", action="store_true", help="phase 2: engine.step over W rows, before and now")
+    ap.add_argument("--products", action="store_true", help="phase 2: the quantized kernel against dequantize + BLAS")
+    ap.add_argument("--engine", action="store_true", help="phase 3: engine.step over W rows, before and now")
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
@@ -65,8 +68,27 @@ def main() -> None:
                             - _gathered(q, k_pool, v_pool, meta, 0.125)).abs().max().item()
                 print(f"context {ctx}, {rows} rows x {q_len} queries: row by row {row:.0f} us, gathered "
                       f"{gathered:.0f} us ({gathered / row:.2f}x), max difference {diff:.1e}", flush=True)
+    if args.products:
+        products(timed)
     if args.engine:
         engine_ab(args)
+
+
+def products(timed) -> None:
+    import mtplx
+    from mtplx.kernels import cpu
+    from mtplx.models.quant import QuantLinear
+
+    engine = mtplx.load(device="cpu", quantize="gguf")
+    layers = [m for m in engine.runner.model.modules() if type(m) is QuantLinear]
+    ext = cpu.extension()
+    for shape in ((3072, 576), (576, 1536), (960, 576)):
+        m = next(x for x in layers if (x.out_features, x.in_features) == shape)
+        for rows in (8, 16, 24, 32, 48, 64, 96):
+            a = torch.randn(rows, m.in_features)
+            kernel = timed(lambda: ext.quant_matmul(a, m.words, m.scale, m.zero, m.group_size, m.bits, False))
+            blas = timed(lambda: a @ cpu.dequantize(m.words, m.scale, m.zero, m.group_size, m.bits).T)
+            print(f"{shape[0]} x {shape[1]}, {rows} rows: kernel {kernel:.0f} us, dequantize + BLAS {blas:.0f} us", flush=True)
 
 
 def engine_ab(args) -> None:
