@@ -90,7 +90,7 @@ def test_a_batchs_attention_on_the_cpu_is_each_rows_own(key_start, q_len):
 
     heads, kv_heads, d, block = 6, 2, 8, 4
     k_pool, v_pool = torch.randn(12, block, kv_heads, d, generator=_gen(1)), torch.randn(12, block, kv_heads, d, generator=_gen(2))
-    tables = torch.tensor([[5, 0, 7, 3], [1, 2, 11, 11], [9, 4, 6, 8]])  # row 1 pads with its last block
+    tables = torch.tensor([[5, 0, 7, 3], [1, 2, 11, 11], [9, 4, 6, 8]])  # row 1's table padded (block 11 as scratch)
     positions = torch.tensor([[9 + j for j in range(q_len)], [5 + j for j in range(q_len)], [12 + j for j in range(q_len)]])
     q = torch.randn(3, q_len, heads, d, generator=_gen(3))
     meta = AttentionMetadata(positions, positions.clone(), tables, key_start=key_start)
@@ -106,6 +106,8 @@ def test_row_attention_refuses_positions_beyond_the_table():
     k_pool = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="beyond the block table"):
         cpu_kernels.row_attention(torch.zeros(1, 1, 8), k_pool, k_pool, torch.tensor([0]), torch.tensor([4]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernels.row_attention(torch.zeros(1, 1, 8), k_pool, k_pool, torch.tensor([2]), torch.tensor([3]), 0, 1.0)
 
 
 def test_silu_mul_is_silu_of_gate_times_up():

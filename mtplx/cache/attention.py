@@ -129,7 +129,7 @@ def _gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta:
     return out.transpose(1, 2)
 
 
-ROW_EXACT_QUERIES = 16  # one row's decode, draft and verify forwards on the CPU
+ROW_EXACT_QUERIES = 16  # decode, draft and verify forwards on the CPU, each row's queries up to this
 
 
 def _whole_prompt(positions: torch.Tensor, q_len: int) -> bool:

@@ -146,10 +146,12 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack((w & 15, w >> 4), dim=2).reshape(out, -1)
 
 
-# up to this many rows the kernel; more (prefill): dequantize, one float32 matmul. Two threads, the
-# default model's gate/up (3072 x 576), down (576 x 1536) and k/v (960 x 576) at 8-48 rows: the kernel
-# 50-1015 us against 139-1135 us dequantized (gate/up at 24 rows 545 vs 719); at 64-96 rows the two
-# are about even (session 19; 16 before: a batch's verify of 24 rows dequantized every weight)
+# up to this many rows the kernel; more (prefill): dequantize, one float32 matmul (float32
+# activations; int8 ones always take the kernel). 16 before session 19, when a batch's verify of
+# 24 rows dequantized every weight: benchmarks/results/cpu_s19_products.txt (two threads, the
+# default model's projections at 8-96 rows; the kernel faster at every count up to 48 but gate/up
+# at 24 and 32 rows) and cpu_s19_batch_attention.txt (engine.step over 8 rows at depth 2: 2.03x,
+# with the attention's change)
 SMALL_ROWS = 48
 
 

@@ -174,6 +174,8 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
   int64_t most = 0;
   for (int64_t i = 0; i < Q; ++i) most = std::max(most, pp[i] + 1);
   TORCH_CHECK(most <= table.numel() * block, "positions beyond the block table");
+  for (int64_t b = 0, used = (most + block - 1) / block; b < used; ++b)
+    TORCH_CHECK(tp[b] >= 0 && tp[b] < k_pool.size(0), "block id out of range");
   torch::Tensor out = torch::empty({Q, heads * d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   float* op = out.data_ptr<float>();
