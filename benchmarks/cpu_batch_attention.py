@@ -8,12 +8,14 @@ dequantized every weight (``kernels.cpu.SMALL_ROWS``).
    blocks of 16), both ways, microseconds per call.
 2. ``--products``: the default model's quantized projections (gate/up 3072 x 576, down 576 x
    1536, k/v 960 x 576) at 8-96 token rows, the kernel against dequantize + BLAS, microseconds.
-3. ``--engine``: the default model decoding W greedy chat rows together through ``engine.step``
+3. ``--silu``: the C++ ``silu_mul`` (SiLU(gate) * up, vectorized in session 19) against PyTorch's
+   ops at 1-48 rows of the default model's 2 x 1,536, microseconds.
+4. ``--engine``: the default model decoding W greedy chat rows together through ``engine.step``
    (AR, MTP at depths 1 and 2), the two ways alternating in one process ("before": the
    gathered product for several rows and SMALL_ROWS 16), tok/s.
 
     python benchmarks/cpu_batch_attention.py [--threads 2] [--contexts 100,500,2000] [--rows 4,8]
-        [--queries 1,3] [--products] [--engine] [--widths 4,8] [--tokens 48] [--rounds 3]
+        [--queries 1,3] [--products] [--silu] [--engine] [--widths 4,8] [--tokens 48] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def main() -> None:
     ap.add_argument("--queries", default="1,3")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--products", action="store_true", help="phase 2: the quantized kernel against dequantize + BLAS")
-    ap.add_argument("--engine", action="store_true", help="phase 3: engine.step over W rows, before and now")
+    ap.add_argument("--silu", action="store_true", help="phase 3: silu_mul against PyTorch's ops")
+    ap.add_argument("--engine", action="store_true", help="phase 4: engine.step over W rows, before and now")
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
@@ -70,8 +73,27 @@ def main() -> None:
                       f"{gathered:.0f} us ({gathered / row:.2f}x), max difference {diff:.1e}", flush=True)
     if args.products:
         products(timed)
+    if args.silu:
+        silu(timed)
     if args.engine:
         engine_ab(args)
+
+
+def silu(timed) -> None:
+    import torch.nn.functional as F
+
+    from mtplx.kernels import cpu
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 16, 24, 48):
+        x = torch.randn(rows, 3072, generator=gen) * 3
+        with torch.inference_mode():
+            ours = timed(lambda: cpu.silu_mul(x))
+            ops = timed(lambda: F.silu(x[:, :1536]) * x[:, 1536:])
+            error = ((cpu.silu_mul(x) - F.silu(x[:, :1536]) * x[:, 1536:]).abs()
+                     / (x[:, :1536].abs() * x[:, 1536:].abs() + 1e-6)).max().item()
+        print(f"{rows} rows x 3072: silu_mul {ours:.1f} us, PyTorch {ops:.1f} us, max relative difference {error:.1e}",
+              flush=True)
 
 
 def products(timed) -> None:

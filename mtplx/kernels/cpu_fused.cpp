@@ -216,11 +216,23 @@ torch::Tensor silu_mul(torch::Tensor x) {
   torch::Tensor y = torch::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = xp[t * two + i];
-      yp[t * I + i] = g / (1.f + std::exp(-g)) * xp[t * two + I + i];
+  // silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
+  // e / (1 + e) below; eight lanes at a time, rows split across threads past 16 k elements
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = xp + t * two, *u = g + I;
+      float* out = yp + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, gv), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
+  });
   return y;
 }
 
