@@ -155,8 +155,9 @@ class Generator:
         committed first (its rows are in ``advanced`` too)."""
         mtp = seqs[0].mode == "mtp"
         result = StepResult()
-        if self.chain.continues(seqs, self.next_depths(seqs)):
-            self._chain_step(seqs, result)
+        depths = self.next_depths(seqs)
+        if self.chain.continues(seqs, depths):
+            self._chain_step(seqs, result, depths)
             return result
         self.drain(result)
         seqs = [s for s in seqs if not s.finished and s.seq_id not in result.failed]
@@ -276,11 +277,12 @@ class Generator:
         self._chain_step(seqs, result)
         return True
 
-    def _chain_step(self, seqs: list[Sequence], result: StepResult) -> None:
+    def _chain_step(self, seqs: list[Sequence], result: StepResult, depths: list[int] | None = None) -> None:
         """Launch the next cycle on the device, then commit the one in flight. Where the rows
-        cannot take the next cycle's blocks, nothing new starts and this commit is the chain's last."""
+        cannot take the next cycle's blocks, nothing new starts and this commit is the chain's last.
+        depths: the rows' next depths where the caller has them (``next_depths``)."""
         t0 = time.perf_counter()
-        launch, continued = self.chain.advance(seqs, self.next_depths(seqs))
+        launch, continued = self.chain.advance(seqs, self.next_depths(seqs) if depths is None else depths)
         outcome = self._read_launch(launch, list(range(len(seqs))), result.failed)
         t1 = time.perf_counter()
         self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden, continued, result)
