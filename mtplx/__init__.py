@@ -32,7 +32,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     quantize: the trunk's linear weights: None (default, auto): a GGUF file's own 4/8-bit blocks
     on the CPU in float32 where its C++ kernels build (several times faster than float, the same
     greedy output on the prompts measured), and on a GPU whose free memory the float weights
-    would fill past 80%, else float; "none" float; "gguf" runs a GGUF file's own 4/8-bit blocks
+    would fill past 80%; a directory quantized by another tool (AWQ, GPTQ, compressed-tensors,
+    block-scaled fp8: loading/prequantized.py) its own integers; else float; "none" float (a
+    quantized checkpoint dequantized); "gguf" runs a GGUF file's own 4/8-bit blocks
     (on the CPU's kernels, or CUDA's: int4 on the tensor cores); "int4" / "int8" quantize on load
     (round-to-nearest, a scale per 32 inputs); "fp8" quantizes to float8 e4m3 with a scale per
     output row (Triton kernels on CUDA; on the CPU dequantized per forward: slow, for quality

@@ -128,7 +128,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "float32, bfloat16, float16 (or fp32, bf16, fp16) or auto"),
     Key("quantize", _choice(("none", "gguf", "int4", "int8", "fp8"), True),
         "none, gguf (a GGUF file's own quantized blocks), int4, int8, fp8 or auto (gguf for a GGUF file on "
-        "the CPU, else none)"),
+        "the CPU, a quantized checkpoint's own integers, else none)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),

@@ -16,7 +16,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="trunk linear weights: gguf runs a GGUF file's own 4/8-bit blocks (fast on the CPU); "
                         "int4/int8/fp8 quantize on load (fp8: CUDA kernels; on the CPU dequantized per "
                         "forward, slow, for quality checks); none: float; default: gguf for a GGUF file "
-                        "on the CPU (float32, with the C++ kernels), else none")
+                        "on the CPU (float32, with the C++ kernels), a quantized checkpoint's own "
+                        "integers (AWQ, GPTQ, compressed-tensors, fp8 blocks), else none")
     p.add_argument("--max-depth", type=int, default=None,
                    help="the deepest a depth=auto cycle drafts (default 3)")
 

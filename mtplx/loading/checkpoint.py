@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from mtplx.errors import InvalidParameter, ModelLoadError
-from mtplx.loading import hf_dir
+from mtplx.loading import hf_dir, prequantized
 from mtplx.loading.sharding import shard_state
 from mtplx.loading.mtp_weights import HeadWeights, extract_native_head, is_head_key, load_sidecar, SIDECAR_WEIGHTS
 from mtplx.loading.text_weights import text_model_state
@@ -69,7 +69,21 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     elif path.is_dir():
         cfg_dict = hf_dir.read_hf_config(path)
         config = ModelConfig.from_hf(cfg_dict)
-        state = hf_dir.load_safetensors_state_dict(path, dtype=dtype)
+        scheme = prequantized.scheme_of(cfg_dict, path)
+        if scheme is None:
+            state = hf_dir.load_safetensors_state_dict(path, dtype=dtype)
+        else:
+            if quantize == "gguf":
+                raise InvalidParameter("quantize", f"'gguf' reads a GGUF file's own blocks; {path} is a "
+                                                   f"{scheme.method} checkpoint: leave quantize unset (auto) to run "
+                                                   "its own integers, or give none, int4, int8 or fp8")
+            if shard is not None and shard.world > 1 and quantize is None:
+                raise InvalidParameter("tensor_parallel", f"{path} is a {scheme.method} checkpoint: tensor "
+                                                          "parallelism needs float weights (quantize none)")
+            state = prequantized.unpack_state(hf_dir.load_safetensors_state_dict(path), scheme, dtype)
+            quantize = prequantized.resolve(quantize, scheme, state, device)
+            if quantize == "none":
+                state = prequantized.dequantized(state, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = hf_dir.read_generation_config(path)
     else:
@@ -79,6 +93,9 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     if tokenizer is not None:
         tokenizer.add_eos_ids(set(config.eos_token_ids) | set(_as_list(gen_defaults.get("eos_token_id"))))
 
+    if any(isinstance(v, QuantizedWeight) for v in state.values()):  # an MTP head stays float
+        state = {k: v.dequantize().to(dtype) if isinstance(v, QuantizedWeight) and is_head_key(k, config) else v
+                 for k, v in state.items()}
     native = extract_native_head(state, config)
     trunk_state = {k: v for k, v in state.items() if not is_head_key(k, config)}
     if quantize in FORMATS:

@@ -29,6 +29,13 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
     except UnsupportedModel as exc:
         return {**info, "tier": "unsupported", "reason": str(exc),
                 "supported_architectures": sorted(SUPPORTED_MODEL_TYPES)}
+    if path.is_dir():
+        from mtplx.loading import prequantized
+
+        try:
+            prequantized.scheme_of(cfg, path)
+        except ModelLoadError as exc:
+            return {**info, "tier": "unsupported", "reason": str(exc)}
     trunk = {k: s for k, s in shapes.items() if not is_head_key(k, config)}
     info["weights"] = _weight_formats(path, config)
     info["layer_mix"] = config.layer_mix()
@@ -82,6 +89,10 @@ def _gguf_meta(path: Path) -> tuple[dict, dict]:
 
 
 def _dir_meta(path: Path) -> tuple[dict, dict]:
+    """(config, {tensor: shape}); a quantized checkpoint's packed tensors as their weights'
+    [out, in]."""
+    from mtplx.loading import prequantized
+
     cfg = hf_dir.read_hf_config(path)
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -92,6 +103,15 @@ def _dir_meta(path: Path) -> tuple[dict, dict]:
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         except Exception as exc:  # safetensors raises several types for corrupt headers
             raise ModelLoadError(f"safetensors file {file} is truncated or corrupt: {exc}") from exc
+    try:
+        scheme = prequantized.scheme_of(cfg, path)
+    except ModelLoadError:
+        scheme = None  # described as stored; loading it says why it cannot run
+    if scheme is not None:
+        logical = prequantized.describe_formats(path, scheme)
+        packed = {k.removesuffix(".weight") for k in logical}
+        shapes = {k: s for k, s in shapes.items() if k.rpartition(".")[0] not in packed}
+        shapes.update({k: tuple(v[2]) for k, v in logical.items()})
     return cfg, shapes
 
 
@@ -150,12 +170,21 @@ def _gguf_formats(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def _safetensors_formats(path: Path) -> dict[str, tuple[str, str]]:
-    out = {}
+    from mtplx.loading import prequantized
+
+    try:
+        scheme = prequantized.scheme_of(hf_dir.read_hf_config(path), path)
+    except ModelLoadError:
+        scheme = None  # listed as stored; loading says why it cannot run
+    out = {} if scheme is None else {k: v[:2] for k, v in prequantized.describe_formats(path, scheme).items()}
+    quantized = {k.removesuffix(".weight") for k in out}
     for file in sorted(path.glob("*.safetensors")):
         if file.name == SIDECAR_WEIGHTS:
             continue
         with safe_open(file, framework="pt") as f:
             for k in f.keys():
+                if k.rpartition(".")[0] in quantized:
+                    continue
                 dtype = str(f.get_slice(k).get_dtype()).lower()
                 out[k] = (dtype, "float (--quantize int4|int8|fp8 to quantize on load)")
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
