@@ -2,7 +2,7 @@
 reference path, times them, prints a table and writes JSON.
 
     PYTHONPATH=. python benchmarks/gpu.py --out results.json [--shapes smollm2,qwen3-1.7b,qwen3-8b]
-        [--default-gguf PATH] [--hf-baseline eager,compile] [--quant int4,int8,fp8 [--quant-group 32]]
+        [--default-gguf PATH] [--hf-baseline eager,compile] [--quant int4,int8,fp8 [--quant-group 32] [--no-quant-sweep]]
 
 Random-weight models with real shapes, each with a random MTP head:
 - AR tok/s at batch 1 and its share of the roofline (bytes read per token over the
@@ -764,7 +764,7 @@ def quant_gemv_sweep(config: ModelConfig, device, fmt: str, group: int) -> dict:
     return {name: bench(name, n, k, fmt, (1, 4), True, device, group) for name, (n, k) in mats.items()}
 
 
-def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth: float) -> dict:
+def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth: float, sweep: bool = True) -> dict:
     """bf16 against each quantized format on one shape (see the module docstring); the issue's
     H200 targets: int4 AR >= 2.5x bf16, int8 >= 1.6x, int4 verify 1+3 <= 1.2x an AR step."""
     out = {}
@@ -796,7 +796,7 @@ def quant_comparison(shape: dict, device, fmts: list[str], group: int, bandwidth
         if fmt != "bf16":
             entry["ar_over_bf16"] = entry["ar_tok_s_x1"] / out["bf16"]["ar_tok_s_x1"]
             entry["ar_step_over_bf16"] = entry["ar_step_s"] / out["bf16"]["ar_step_s"]
-            if not kernel:  # (benchmarks/quant_gemv.py compares the kernels matrix by matrix)
+            if not kernel and sweep:  # (benchmarks/quant_gemv.py compares the kernels matrix by matrix)
                 entry["gemv_sweep"] = quant_gemv_sweep(config, device, fmt, group)
         out[label] = entry
         print(f"  {label}: AR {entry['ar_tok_s_x1']:.1f} tok/s"
@@ -824,6 +824,7 @@ def main() -> None:
     ap.add_argument("--quant", default="",
                     help="int4,int8,fp8: per shape, bf16 against these weight formats instead of the full battery")
     ap.add_argument("--quant-group", type=int, default=32, help="inputs per int4/int8 scale for --quant")
+    ap.add_argument("--no-quant-sweep", action="store_true", help="--quant without the GEMV configuration sweep")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
@@ -833,7 +834,8 @@ def main() -> None:
     quant = [f for f in args.quant.split(",") if f]
     for name in [n for n in args.shapes.split(",") if n]:
         if quant:
-            report["models"][name] = {"quant": quant_comparison(SHAPES[name], device, quant, args.quant_group, bw),
+            report["models"][name] = {"quant": quant_comparison(SHAPES[name], device, quant, args.quant_group, bw,
+                                                                sweep=not args.no_quant_sweep),
                                       "quant_group": args.quant_group}
             print(name, json.dumps(report["models"][name]["quant"]["targets"]), flush=True)
             continue

@@ -84,6 +84,7 @@ CT_CASES = [
     ("pack-quantized", 8, "int", True, "channel", None),
     ("pack-quantized", 8, "int", False, "group", 32),
     ("int-quantized", 8, "int", True, "channel", None),
+    ("int-quantized", 4, "int", True, "group", 32),  # int8 storage of 4-bit values (what W4A8 writes)
     ("float-quantized", 8, "float", True, "channel", None),
 ]
 
@@ -355,7 +356,7 @@ def test_a_gguf_quantize_choice_is_refused_for_a_prequantized_checkpoint(tmp_pat
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4}}}}, "format nvfp4-pack-quantized"),
-    ({"quant_method": "fp8"}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two numbers"),
 ])
 def test_unsupported_quantization_configs_are_refused_by_name(tmp_path, qc, message):
     hf, cfg = hf_reference("llama")
@@ -384,10 +385,142 @@ def test_inspect_shows_each_layers_stored_format_and_the_weights_parameters(tmp_
     info = describe(tmp_path)
     rows = {frozenset(r["names"].split(": ")[-1].split(",")): (r["stored"], r["runs_as"]) for r in info["weights"]}
     # q and o (64 x 64) in activation order; the others keep their groups in order
-    assert rows[frozenset("qo")] == ("gptq int4 g32", "float (activation-order groups: dequantized at load)")
+    assert rows[frozenset("qo")] == ("gptq int4 g32", "float (activation-order or partial groups: dequantized at load)")
     assert rows[frozenset(("gate", "up", "down", "k", "v"))] == ("gptq int4 g32", "int4 g32 (its own integers)")
     assert info["parameters"] == sum(p.numel() for p in hf.parameters())
     # a scheme mtplx cannot read: unsupported, saying why
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "hqq"}}))
     info = describe(tmp_path)
     assert info["tier"] == "unsupported" and "quant_method 'hqq' is not supported" in info["reason"]
+
+
+def test_experts_and_other_non_projection_layers_load_dequantized():
+    """Only the projections and the output matrix stay quantized (as a GGUF's blocks do): an
+    MoE checkpoint's per-expert weights are stacked as float tensors on load, a router is float."""
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    tensors, dense = _gptq_tensors(w, 4, 32, True, True, None)
+    state = {}
+    for module in ("model.layers.0.mlp.experts.3.down_proj", "model.layers.0.mlp.gate",
+                   "model.layers.0.mlp.shared_expert.down_proj"):
+        state.update({f"{module}.{k}": v for k, v in tensors.items()})
+    scheme = prequantized.Scheme("gptq", {4}, 32)
+    out = prequantized.unpack_state(state, scheme, torch.float32)
+    assert set(out) == {"model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate.weight",
+                        "model.layers.0.mlp.shared_expert.down_proj.weight"}
+    for key in ("model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate.weight"):
+        torch.testing.assert_close(out[key], dense, rtol=0, atol=0)
+    assert isinstance(out["model.layers.0.mlp.shared_expert.down_proj.weight"], QuantizedWeight)
+    stacked = {f"model.layers.0.mlp.experts.{k}": v.unsqueeze(0).expand(4, *v.shape) for k, v in tensors.items()}
+    with pytest.raises(ModelLoadError, match="stacked over experts"):
+        prequantized.unpack_state(stacked, scheme, torch.float32)
+
+
+@pytest.mark.parametrize("out_f", [96, 80, 16])
+def test_compressed_tensors_fp8_blocks_take_the_configured_block(out_f):
+    """strategy "block": a 32 x 32 block structure over weights whose outputs fill whole blocks
+    (96), end in a partial one (80), or fit in one (16), against compressed-tensors' own
+    quantize / dequantize of them."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+    in_f, bs = 64, (32, 32)
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(bs), symmetric=True)
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(out_f))
+    rows, cols = -(-out_f // bs[0]), -(-in_f // bs[1])
+    padded = torch.nn.functional.pad(w, (0, cols * bs[1] - in_f, 0, rows * bs[0] - out_f))
+    scale = padded.reshape(rows, bs[0], cols, bs[1]).abs().amax((1, 3)) / 448.0
+    q = quantize(w, scale, None, args, dtype=torch.float8_e4m3fn)
+    ref = dequantize(q, scale, None, args).float()
+    scheme = prequantized.Scheme("compressed-tensors", {8}, block=bs)
+    key = "model.layers.0.mlp.down_proj"
+    out = prequantized.unpack_state({f"{key}.weight": q, f"{key}.weight_scale": scale}, scheme,
+                                    torch.float32)[f"{key}.weight"]
+    assert isinstance(out, QuantizedWeight) and out.fp8
+    torch.testing.assert_close(out.dequantize(), ref, rtol=0, atol=0)
+
+
+def test_fp8_per_tensor_and_per_row_scales_without_blocks():
+    """quant_method fp8 without weight_block_size (AutoFP8's layout): weight_scale per tensor or
+    per output row."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    scheme = prequantized.scheme_of({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
+    for scale in (w.abs().max() / 448.0, w.abs().amax(1, keepdim=True) / 448.0):
+        q = (w / scale).to(torch.float8_e4m3fn)
+        key = "model.layers.0.self_attn.o_proj"
+        state = {f"{key}.weight": q, f"{key}.weight_scale": scale, f"{key}.input_scale": torch.ones(())}
+        out = prequantized.unpack_state(state, scheme, torch.float32)
+        qw = out[f"{key}.weight"]
+        assert set(out) == {f"{key}.weight"} and qw.fp8 and qw.group_size == 64
+        torch.testing.assert_close(qw.dequantize(), q.float() * scale, rtol=0, atol=0)
+
+
+def test_a_quantized_moe_checkpoint_loads_its_experts_dequantized(tmp_path):
+    """Qwen3-Next stores one tensor per expert, stacked into float tensors on load: quantized
+    experts are dequantized first; the attention and shared-expert projections stay quantized."""
+    from tests.hybrid_models import hf_hybrid
+    from tests.test_hybrid_loading import _per_expert
+
+    hf, cfg = hf_hybrid("qwen3_next")
+    state, dense = {}, {}
+    for k, t in _per_expert(dict(hf.state_dict())).items():
+        if k.endswith("_proj.weight") and ".layers." in k and t.shape[1] % 32 == 0 and t.shape[0] % 8 == 0:
+            packed, dense[k] = _gptq_tensors(t, 4, 32, True, True, None)
+            state.update({k.removesuffix("weight") + n: v for n, v in packed.items()})
+        else:
+            state[k] = t.contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg.pop("layer_types")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "full_attention_interval": 4, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}}))
+    loaded = load_checkpoint(tmp_path, device="cpu", dtype=torch.float32)
+    experts = loaded.model.get_submodule("model.layers.0.mlp.experts")
+    gate = dense["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    torch.testing.assert_close(experts.gate_up_proj[1][: gate.shape[0]], gate, rtol=0, atol=0)
+    formats = weight_formats(loaded.model)
+    assert any(v == "int4 g32 (gptq)" for k, v in formats.items() if "shared_expert" in k)
+
+
+def _fp8_block_tensors(w: torch.Tensor):
+    out_f, in_f = w.shape
+    blocks = w.reshape(out_f // 32, 32, in_f // 32, 32)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return {"weight": q.reshape(out_f, in_f), "weight_scale_inv": scale}, \
+        (q.float() * scale[:, None, :, None]).reshape(out_f, in_f)
+
+
+CUDA_CASES = {
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, lambda w: _awq_tensors(w, 32)),
+    "gptq4": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True},
+              lambda w: _gptq_tensors(w, 4, 32, True, True, None)),
+    "gptq8": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False, "checkpoint_format": "gptq_v2"},
+              lambda w: _gptq_tensors(w, 8, 32, False, False, None)),
+    "fp8": ({"quant_method": "fp8", "weight_block_size": [32, 32]}, _fp8_block_tensors),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CUDA_CASES))
+def test_quantized_checkpoints_run_their_integers_on_cuda(tmp_path, case, dtype):
+    """The CUDA kernels (tensor-core int4, Triton int8 and fp8) over each checkpoint's own
+    integers: the weights are the checkpoint's, the logits transformers' over them (float32:
+    to float32 rounding; bf16: far closer than the float model's)."""
+    qc, tensors = CUDA_CASES[case]
+    hf, cfg = hf_reference("llama")
+    dense = _write(tmp_path, hf, cfg, qc, tensors)
+    ids = list(range(3, 15))
+    with torch.no_grad():
+        float_logits = hf(torch.tensor([ids])).logits[0]
+    ref = _reference_logits(hf, dense, ids)
+    engine = mtplx.load(tmp_path, device="cuda", dtype=dtype)
+    layer = engine.loaded.model.model.layers[0]
+    assert engine.loaded.quantize.endswith("checkpoint") and layer.self_attn.o_proj.backend in ("mma", "triton")
+    torch.testing.assert_close(layer.self_attn.o_proj.dequantize().float().cpu(),
+                               dense["model.layers.0.self_attn.o_proj.weight"], rtol=0, atol=1e-3)
+    err = float((_logits(engine, ids).float().cpu() - ref).abs().max())
+    # bf16: its activations' rounding (about 4e-3 here), far below a misread layout's error
+    # (the 4-bit formats' own gap to the float model is ~0.1-0.3, the 8-bit ones' ~3e-3)
+    assert err < (2e-3 if dtype == torch.float32 else max(0.1 * float((float_logits - ref).abs().max()), 0.02))

@@ -110,7 +110,8 @@ def _dir_meta(path: Path) -> tuple[dict, dict]:
     if scheme is not None:
         logical = prequantized.describe_formats(path, scheme)
         packed = {k.removesuffix(".weight") for k in logical}
-        shapes = {k: s for k, s in shapes.items() if k.rpartition(".")[0] not in packed}
+        shapes = {k: s for k, s in shapes.items()  # a quantized layer's bias stays
+                  if k.rpartition(".")[0] not in packed or k.rpartition(".")[2] == "bias"}
         shapes.update({k: tuple(v[2]) for k, v in logical.items()})
     return cfg, shapes
 

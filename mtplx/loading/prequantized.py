@@ -21,9 +21,11 @@ The layouts (w[n, k]: output n, input k; g(k): k's group; u: a stored unsigned i
                                                row); weight_zero_point (asymmetric only) packed
                                                along the outputs; weight_g_idx (activation order)
       int-quantized         w = (q - zp) s     weight int8 [out, in], weight_scale, weight_zero_point
-      float-quantized       w = f s            weight float8_e4m3fn, weight_scale per row or tensor
+      float-quantized       w = f s            weight float8_e4m3fn, weight_scale per row or tensor,
+                                               or per block of the config's block_structure
     fp8 (weight_block_size) w = f s            weight float8_e4m3fn [out, in]; weight_scale_inv
                                                [out / bn, in / bk] per block of bn x bk
+    fp8 (no block size)     w = f s            weight_scale per tensor or row (AutoFP8's layout)
 
 Words are little-endian int32: field j of a word is bits [j * bits, (j + 1) * bits). Bits per
 weight: 4 or 8 (fp8: 8). The portable form is w = q' scale + zero with q' = u - 2^(bits-1)
@@ -36,6 +38,10 @@ dequantized exactly to float instead: the kernels take contiguous groups.
 Which modules are quantized is read from the tensors (a module with a ``qweight``, a
 ``weight_packed``, ...), so ``ignore`` / ``modules_to_not_convert`` lists need no parsing;
 bits and group size come from the shapes and are checked against ``quantization_config``.
+Only the layers the engine runs quantized elsewhere (a GGUF's blocks: the ``*_proj``
+projections and the output matrix) stay so; per-expert MoE weights (stacked into float tensors
+on load), routers and the rest are dequantized to the model's dtype, which costs their float
+size in memory. Stacked (3-D) quantized expert tensors are refused by name.
 Activation quantization (compressed-tensors' ``input_activations``, e.g. W8A8) is not
 applied: those weights run with float activations. Sources of the layouts: AutoAWQ 0.2.9
 (``awq/utils/packing_utils.py``), GPTQModel 7.7 (``nn_modules/qlinear``, ``utils/model.py``'s
@@ -67,21 +73,25 @@ class Scheme:
     bits: set[int] = field(default_factory=set)  # the bit widths the config names (empty: any)
     group_size: int | None = None  # AWQ / GPTQ: inputs per group (GPTQ -1: the whole row)
     zeros_minus_one: bool = True  # GPTQ: qzeros stored as z - 1 (checkpoint_format "gptq")
-    block: tuple[int, int] | None = None  # fp8: weight_block_size
+    block: tuple[int, int] | None = None  # fp8: weight_block_size; compressed-tensors: block_structure
     activations: bool = False  # compressed-tensors quantizes activations too (not applied here)
+
+    def only(self, values: set) -> int | None:
+        """The one value of a set the config names, or None where it names none or several."""
+        return next(iter(values)) if len(values) == 1 else None
 
 
 def scheme_of(cfg: dict, path: Path | None = None) -> Scheme | None:
     """The quantization scheme of a model directory's config.json (``quantization_config``, or
-    for older GPTQ checkpoints ``quantize_config.json`` beside it), or None for a float
-    checkpoint. Raises ModelLoadError for a scheme this module cannot read."""
+    for older checkpoints the file beside it: AutoGPTQ's ``quantize_config.json``, AutoAWQ's
+    ``quant_config.json``), or None for a float checkpoint. Raises ModelLoadError for a scheme
+    this module cannot read."""
     qc = cfg.get("quantization_config")
     if qc is None and isinstance(cfg.get("text_config"), dict):
         qc = cfg["text_config"].get("quantization_config")
-    if qc is None and path is not None and (Path(path) / "quantize_config.json").is_file():
-        import json
-
-        qc = {"quant_method": "gptq", **json.loads((Path(path) / "quantize_config.json").read_text())}
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        if qc is None and path is not None and (Path(path) / name).is_file():
+            qc = {"quant_method": method, **_json_object(Path(path) / name)}
     if qc is None:
         return None
     if not isinstance(qc, dict):
@@ -104,6 +114,8 @@ def scheme_of(cfg: dict, path: Path | None = None) -> Scheme | None:
         return Scheme("gptq", {bits}, int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+            raise ModelLoadError("compressed-tensors config_groups must map names to objects")
         formats = {str(g.get("format") or qc.get("format") or "") for g in groups.values()} or {str(qc.get("format"))}
         bad = sorted(f for f in formats if f not in _CT_FORMATS)
         if bad:
@@ -113,15 +125,35 @@ def scheme_of(cfg: dict, path: Path | None = None) -> Scheme | None:
         kinds = {str(w.get("type", "int")) for w in weights}
         if not kinds <= {"int", "float"}:
             raise ModelLoadError(f"compressed-tensors weight type {sorted(kinds)} is not supported (int or float)")
+        blocks = {tuple(int(v) for v in w["block_structure"]) for w in weights if w.get("block_structure")}
+        if len(blocks) > 1 or any(len(b) != 2 for b in blocks):
+            raise ModelLoadError(f"compressed-tensors block structures {sorted(blocks)}: mtplx reads one 2-D block")
+        groups_sizes = {int(w["group_size"]) for w in weights if w.get("group_size")}
         return Scheme("compressed-tensors", {int(w["num_bits"]) for w in weights if "num_bits" in w},
+                      group_size=next(iter(groups_sizes)) if len(groups_sizes) == 1 else None,
+                      block=next(iter(blocks), None),
                       activations=any(g.get("input_activations") for g in groups.values()))
-    if method == "fp8":
+    if method == "fp8":  # block-scaled (weight_scale_inv per block), or per tensor / row (weight_scale)
         block = qc.get("weight_block_size")
+        if block is None:
+            return Scheme("fp8", {8})
         if not (isinstance(block, (list, tuple)) and len(block) == 2):
-            raise ModelLoadError("fp8 quantization_config without a two-number weight_block_size is not supported")
+            raise ModelLoadError(f"fp8 weight_block_size must be two numbers, got {block!r}")
         return Scheme("fp8", {8}, block=(int(block[0]), int(block[1])))
     raise ModelLoadError(f"quant_method {method or '(none)'!r} is not supported: mtplx reads the checkpoints of "
                          f"{', '.join(METHODS)}; or load a float (16/32-bit) checkpoint")
+
+
+def _json_object(file: Path) -> dict:
+    import json
+
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file} is not readable JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object, found {type(value).__name__}")
+    return value
 
 
 def unpack_state(state: dict, scheme: Scheme, dtype: torch.dtype) -> dict:
@@ -129,15 +161,24 @@ def unpack_state(state: dict, scheme: Scheme, dtype: torch.dtype) -> dict:
     ``<module>.weight``: a ``QuantizedWeight``, or a float tensor in ``dtype`` where the layout
     cannot be kept (``desc_act``). Every other floating tensor is cast to ``dtype``."""
     readers = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8_blocks}
+    by_module: dict[str, list[str]] = {}
+    for k in state:
+        module, _, suffix = k.rpartition(".")
+        if suffix in _QUANT_SUFFIXES:
+            by_module.setdefault(module, []).append(k)
     out, used = {}, set()
     for name, weight in readers[scheme.method](state, scheme):
+        used.update(by_module.get(name.removesuffix(".weight"), ()))
         module = name.removesuffix(".weight")
-        used.update(k for k in state if k.startswith(module + ".") and k.rpartition(".")[2] in _QUANT_SUFFIXES)
         if isinstance(weight, QuantizedWeight):
             if scheme.bits and not weight.fp8 and weight.bits not in scheme.bits:
                 raise ModelLoadError(f"{module}: {weight.bits}-bit weights, but quantization_config says "
                                      f"{sorted(scheme.bits)}")
-            out[name] = weight
+            # quantized layers where the engine has them (as for a GGUF's blocks): the
+            # projections and the output matrix; experts (stacked as float tensors on load),
+            # routers and the rest run dequantized
+            kept = (name.endswith("_proj.weight") and ".experts." not in name) or name == "lm_head.weight"
+            out[name] = weight if kept else weight.dequantize().to(dtype)
         else:
             out[name] = weight.to(dtype)
     for name, tensor in state.items():
@@ -164,7 +205,14 @@ def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _modules(state: dict, suffix: str) -> list[str]:
-    return sorted(k.removesuffix("." + suffix) for k in state if k.endswith("." + suffix))
+    """The modules holding a tensor named ``suffix``; refuses stacked (3-D) quantized tensors."""
+    names = sorted(k.removesuffix("." + suffix) for k in state if k.endswith("." + suffix))
+    for m in names:
+        if state[f"{m}.{suffix}"].dim() > 2 or (suffix == "weight_scale" and f"{m}.weight_shape" in state
+                                                and state[f"{m}.weight_shape"].numel() != 2):
+            raise ModelLoadError(f"{m}: quantized tensors stacked over experts (3-D) are not supported; "
+                                 "mtplx reads one 2-D weight per linear map")
+    return names
 
 
 def _need(state: dict, key: str) -> torch.Tensor:
@@ -248,14 +296,13 @@ def _compressed_tensors(state: dict, scheme: Scheme):
             u = _fields(packed, bits)[:, :in_f]
             if zp is not None and zp.dtype == torch.int32 and zp.shape[0] != out_f:  # packed along the outputs
                 zp = _fields(zp.T.contiguous(), bits)[:, :out_f].T - (1 << (bits - 1))
-        elif weight is not None and weight.dtype == torch.int8:
+        elif weight is not None and weight.dtype == torch.int8:  # int-quantized: values of the config's bits
             out_f, in_f = weight.shape
-            bits, u = 8, weight.to(torch.int32) + 128
+            bits = scheme.only(scheme.bits & {4, 8}) or 8
+            u = weight.to(torch.int32) + (1 << (bits - 1))
         elif weight is not None and weight.dtype == torch.float8_e4m3fn:
             out_f, in_f = weight.shape
-            block = None
-            if scale.dim() == 2 and scale.shape[0] not in (1, out_f):  # strategy "block"
-                block = (-(-out_f // scale.shape[0]), -(-in_f // scale.shape[1]))
+            block = scheme.block if scale.dim() == 2 and scale.numel() > 1 and scale.shape != (out_f, 1) else None
             qw = _fp8(weight, scale, block, source)
             yield f"{m}.weight", qw if qw is not None else _fp8_float(weight, scale, block)
             continue
@@ -264,7 +311,9 @@ def _compressed_tensors(state: dict, scheme: Scheme):
         scale = _per_group(scale, out_f, m)
         half = 1 << (bits - 1)
         z = torch.full(scale.shape, half, dtype=torch.int32) if zp is None else _per_group(zp, out_f, m).round().int() + half
-        group = in_f // scale.shape[1]
+        group = in_f if scale.shape[1] == 1 else (scheme.group_size or in_f // scale.shape[1])
+        if -(-in_f // group) != scale.shape[1]:
+            raise ModelLoadError(f"{m}: {scale.shape[1]} scale groups for {in_f} inputs in groups of {group}")
         yield f"{m}.weight", _from_unsigned(u, z, scale, bits, group, source, g_idx)
 
 
@@ -300,9 +349,9 @@ def _fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | Non
 
 
 def _fp8_blocks(state: dict, scheme: Scheme):
-    for m in _modules(state, "weight_scale_inv"):
+    for m in _modules(state, "weight_scale_inv" if scheme.block else "weight_scale"):
         weight = _need(state, f"{m}.weight")
-        scale = state[f"{m}.weight_scale_inv"]
+        scale = state[f"{m}.weight_scale_inv" if scheme.block else f"{m}.weight_scale"]
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{m}.weight: fp8 checkpoint weights must be float8_e4m3fn, found {weight.dtype}")
         qw = _fp8(weight, scale, scheme.block, "fp8")
@@ -354,42 +403,43 @@ def describe_formats(path: Path, scheme: Scheme) -> dict[str, tuple[str, str]]:
     cpu_fp8 = "float (no fp8 kernel on the CPU: dequantized at load); fp8 kernels on CUDA"
 
     def runs(bits, group, g_idx, in_f):
-        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // group):
-            return "float (activation-order groups: dequantized at load)"
+        if in_f % group or (g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // group)):
+            return "float (activation-order or partial groups: dequantized at load)"
         return f"int{bits} g{group} (its own integers)"
 
     for k, (shape, _) in meta.items():
         m, _, suffix = k.rpartition(".")
         if scheme.method in ("awq", "gptq") and suffix == "qweight":
-            scales, qzeros = meta[f"{m}.scales"][0], meta.get(f"{m}.qzeros", ((0, 0),))[0]
+            if f"{m}.scales" not in meta or f"{m}.qzeros" not in meta:
+                continue  # loading names the missing tensor
+            scales, qzeros = meta[f"{m}.scales"][0], meta[f"{m}.qzeros"][0]
             out_f = scales[1]
             if scheme.method == "awq":
-                bits, in_f = 4, shape[0]
+                bits, in_f, group = 4, shape[0], shape[0] // max(scales[0], 1)
             else:
                 bits = next((b for b in (4, 8) if -(-out_f * b // 32) == qzeros[1]), 0)
                 in_f = shape[0] * 32 // bits if bits else 0
-            group = in_f if scheme.group_size in (None, -1) else scheme.group_size
-            if scheme.method == "awq":
-                group = in_f // scales[0]
+                group = in_f if scheme.group_size in (None, -1) else scheme.group_size
             out[f"{m}.weight"] = (f"{scheme.method} int{bits} g{group}", runs(bits, group, small.get(f"{m}.g_idx"), in_f),
                                   (out_f, in_f))
         elif scheme.method == "compressed-tensors" and suffix == "weight_scale":
             scale = shape
             if f"{m}.weight_packed" in meta and f"{m}.weight_shape" in small:
                 out_f, in_f = (int(v) for v in small[f"{m}.weight_shape"].tolist())
-                bits = meta[f"{m}.weight_packed"][0][1] * 32 // in_f
+                bits = meta[f"{m}.weight_packed"][0][1] * 32 // max(in_f, 1)
             elif f"{m}.weight" in meta and meta[f"{m}.weight"][1] in ("int8", "i8"):
-                (out_f, in_f), bits = meta[f"{m}.weight"][0], 8
+                (out_f, in_f), bits = meta[f"{m}.weight"][0], scheme.only(scheme.bits & {4, 8}) or 8
             elif f"{m}.weight" in meta and "f8" in meta[f"{m}.weight"][1]:
                 out[f"{m}.weight"] = ("compressed-tensors fp8 e4m3", cpu_fp8, meta[f"{m}.weight"][0])
                 continue
             else:
                 continue
             groups = scale[1] if len(scale) == 2 else 1
-            group = in_f // groups
+            group = in_f if groups == 1 else (scheme.group_size or in_f // groups)
             out[f"{m}.weight"] = (f"compressed-tensors int{bits} g{group}",
                                   runs(bits, group, small.get(f"{m}.weight_g_idx"), in_f), (out_f, in_f))
-        elif scheme.method == "fp8" and suffix == "weight_scale_inv":
-            bn, bk = scheme.block
-            out[f"{m}.weight"] = (f"fp8 e4m3, {bn} x {bk} blocks", cpu_fp8, meta[f"{m}.weight"][0])
+        elif scheme.method == "fp8" and suffix == ("weight_scale_inv" if scheme.block else "weight_scale") \
+                and f"{m}.weight" in meta:
+            stored = f"fp8 e4m3, {scheme.block[0]} x {scheme.block[1]} blocks" if scheme.block else "fp8 e4m3"
+            out[f"{m}.weight"] = (stored, cpu_fp8, meta[f"{m}.weight"][0])
     return out
