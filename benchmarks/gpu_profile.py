@@ -3,6 +3,7 @@ trunk step, batch-1 matmul bandwidth per weight shape, and host overhead around 
 
     PYTHONPATH=. python benchmarks/gpu_profile.py --out profile.json [--shapes qwen3-8b,smollm2-135m]
         [--gemv-sweep smollm2-135m,qwen3-1.7b,qwen3-8b [--gemv-rows 1,2,3,4,8]] [--no-steps]
+        [--quant int4,int4/cuda-cores,int8 [--quant-group 32]]
 
 Prints a table per shape; the JSON holds every number. ``--gemv-sweep`` times the GEMV
 (mtplx/kernels/gemv.py) for each row count over a grid of tile configs against what it
@@ -231,7 +232,6 @@ def host_overhead(engine) -> dict:
         out["trunk_wall_us"] = wall(lambda: runner.trunk([seq], [[5]], [128]))
         out["trunk_logits_argmax_item_wall_us"] = wall(
             lambda: runner.logits(runner.trunk([seq], [[5]], [128])[:, -1]).argmax(-1).item())
-        out["load_inputs_only_wall_us"] = wall(lambda: runner._load(g, [seq], [[5]], [128]))
     runner.blocks.free(seq.seq_id)
     req = engine.make_request(list(range(3, 19)), mode="ar", max_tokens=257, ignore_eos=True)
     s = engine.new_sequence(req)
@@ -252,6 +252,34 @@ def host_overhead(engine) -> dict:
     return out
 
 
+def quant_step(cfg: dict, device, label: str, group: int) -> dict:
+    """The graph AR step's kernels with the trunk's weights in a quantized format ("int4",
+    "int4/cuda-cores": MTPLX_CUDA_QUANT's kernel choice), as ``main`` prints the bf16 one."""
+    import os
+
+    fmt, _, kernel = label.partition("/")
+    saved = os.environ.get("MTPLX_CUDA_QUANT")
+    if kernel:
+        os.environ["MTPLX_CUDA_QUANT"] = kernel
+    try:
+        engine = random_engine(cfg, device, quant=fmt, group=group)
+    finally:
+        os.environ.pop("MTPLX_CUDA_QUANT", None)
+        if saved is not None:
+            os.environ["MTPLX_CUDA_QUANT"] = saved
+    runner = engine.runner
+    seq = prefilled(engine)
+    with torch.inference_mode():
+        out = kernel_breakdown(lambda: runner.trunk([seq], [[5]], [128]))
+    runner.blocks.free(seq.seq_id)
+    del engine
+    torch.cuda.empty_cache()
+    print(f"  graph_step {label} g{group}: {out['kernels_per_step']:.0f} kernels, {out['gpu_us_per_step']:.0f} us GPU")
+    for t in out["top"][:16]:
+        print(f"    {t['count']:6.1f} x {t['us']:8.1f} us  {t['name']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -259,6 +287,9 @@ def main() -> None:
     ap.add_argument("--gemv-sweep", default="", help="shapes to sweep the GEMV's configs on (comma-separated)")
     ap.add_argument("--gemv-rows", default="2,3,4,8", help="input row counts for --gemv-sweep")
     ap.add_argument("--no-steps", action="store_true", help="skip the step profiles")
+    ap.add_argument("--quant", default="", help="int4,int4/cuda-cores,int8: also each weight format's graph "
+                                                "step (kernel breakdown only; --quant-group inputs per scale)")
+    ap.add_argument("--quant-group", type=int, default=32)
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0),
@@ -295,6 +326,8 @@ def main() -> None:
             for t in b["top"][:14]:
                 print(f"    {t['count']:6.1f} x {t['us']:8.1f} us  {t['name']}")
         print("  host", json.dumps({k: round(v, 1) for k, v in entry["host"].items()}))
+        for label in [q for q in args.quant.split(",") if q]:
+            entry[f"graph_step_{label}"] = quant_step(cfg, device, label, args.quant_group)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
