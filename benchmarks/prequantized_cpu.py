@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.test_prequantized
 
 import mtplx  # noqa: E402
 from mtplx.forge.prompts import HELD_OUT_PROMPTS  # noqa: E402
-from quantized_mtp import greedy, quality, speed  # noqa: E402
+from quantized_mtp import greedy, quality, speeds  # noqa: E402
 import quantized_mtp  # noqa: E402
 
 SCHEMES = {  # name: (bits, symmetric, strategy, group_size)
@@ -42,36 +43,17 @@ def write_checkpoint(gguf: Path, out: Path, bits: int, symmetric: bool, strategy
     """The GGUF's weights (dequantized, float32) quantized round-to-nearest by compressed-tensors
     and saved as a Hugging Face directory with the GGUF's tokenizer."""
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 QuantizationStatus, apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     from mtplx.loading.gguf_file import load_gguf
     from mtplx.loading.tokenizer import Tokenizer
+    from tests.test_prequantized import compress_with_compressed_tensors
 
     cfg, state, metadata = load_gguf(gguf, dtype=torch.float32, quantized=False)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise SystemExit(f"GGUF -> transformers: missing {missing}, unexpected {unexpected}")
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
-    apply_quantization_config(hf, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"],
-        quantization_status=QuantizationStatus.FROZEN))
-    for module in hf.modules():
-        if hasattr(module, "weight_scale"):
-            w = module.weight.detach()
-            g = w.reshape(w.shape[0], -1, group) if group else w.unsqueeze(1)
-            scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
-            module.weight_scale.data = scale.half().float().reshape(module.weight_scale.shape)
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype).reshape(
-                    module.weight_zero_point.shape)
-    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format="pack-quantized")
-    compressor.compress_model(hf)
-    hf.save_pretrained(out)
-    compressor.update_config(out)
+    compress_with_compressed_tensors(hf, out, "pack-quantized", bits, "int", symmetric, strategy, group)
     Tokenizer.from_gguf(gguf, metadata).hf.save_pretrained(out)
 
 
@@ -151,15 +133,7 @@ def main() -> None:
             report[f"quality_{name}_vs_float32"] = quality(tokens[name], tokens["float32"], args.quality_tokens)
             print(f"quality, {name} vs float32", json.dumps(report[f"quality_{name}_vs_float32"]), flush=True)
     quantized_mtp.CONFIGS = (("ar", 1), ("mtp", 1))
-    prompts = HELD_OUT_PROMPTS[: args.prompts]
-    for temperature in (0.0, 0.7):
-        key = f"T{temperature}"
-        report[key] = speed(engines, prompts, args.tokens, args.rounds, temperature)
-        for label, v in report[key].items():
-            print(key, label, json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in v.items()}),
-                  flush=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    speeds(engines, HELD_OUT_PROMPTS[: args.prompts], args.tokens, args.rounds, report, args.out)
 
 
 if __name__ == "__main__":

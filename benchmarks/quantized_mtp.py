@@ -104,14 +104,20 @@ def main() -> None:
             print(f"quality, {name} vs float32", json.dumps(report[f"quality_{name}_vs_float32"]), flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    prompts = HELD_OUT_PROMPTS[: args.prompts]
-    for temperature in (0.0, 0.7) if args.rounds else ():
+    if args.rounds:
+        speeds(engines, HELD_OUT_PROMPTS[: args.prompts], args.tokens, args.rounds, report, args.out)
+
+
+def speeds(engines: dict, prompts, tokens: int, rounds: int, report: dict, out: str) -> None:
+    """``speed`` greedy and at T 0.7 into ``report`` ("T0.0", "T0.7"), printed and written to
+    ``out`` after each."""
+    for temperature in (0.0, 0.7):
         key = f"T{temperature}"
-        report[key] = speed(engines, prompts, args.tokens, args.rounds, temperature)
+        report[key] = speed(engines, prompts, tokens, rounds, temperature)
         for label, v in report[key].items():
             print(key, label, json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in v.items()}),
                   flush=True)
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(report, f, indent=2)
 
 

@@ -236,6 +236,59 @@ def test_bf16_weights_multiply_as_their_float32_copy(width):
         cpu_kernels.vector_width(before)
 
 
+@pytest.mark.parametrize("width", [256, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_weights_multiply_as_their_float32_values(width, dtype):
+    """dense_matmul: a bfloat16, float16 or float32 weight widened exactly to float32, within
+    float32 summation error of the float64 product, each row the same alone as among others."""
+    before = cpu_kernels.vector_width()
+    if width == 512 and before != 512:
+        pytest.skip("no AVX-512 here")
+    w = torch.randn(37, 96, generator=_gen(22)).to(dtype)
+    try:
+        cpu_kernels.vector_width(width)
+        for rows in (1, 2, 3, 5, 49):
+            a = torch.randn(rows, 96, generator=_gen(rows + 40))
+            out = cpu_kernels.dense_matmul(a, w)
+            torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+            for r in (0, rows - 1):
+                assert torch.equal(out[r], cpu_kernels.dense_matmul(a[r:r + 1], w)[0])
+    finally:
+        cpu_kernels.vector_width(before)
+
+
+def test_a_float_output_matrix_reads_its_narrowest_exact_width():
+    """A float output matrix on the CPU: decode rows go through dense_matmul over the narrowest
+    copy that holds its values (bf16, float16, else float32 itself), within float32 summation
+    error of F.linear, every row as it is alone; and greedy MTP still equals AR."""
+    from mtplx.models.layers import _narrowest
+    from tests.test_mtp_greedy import PROMPTS
+    from tests.tiny_models import tiny_engine
+
+    base = torch.randn(96, 64, generator=_gen(5))
+    assert _narrowest(base.bfloat16().float()).dtype == torch.bfloat16
+    assert _narrowest(base.half().float()).dtype == torch.float16
+    assert _narrowest(base).dtype == torch.float32
+    engine, _ = tiny_engine("llama", draft_vocab=list(range(0, 96, 2)))
+    model = engine.loaded.model
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.half().float())
+    hidden = torch.randn(3, 64, generator=_gen(6))
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+        torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, model.lm_head.weight),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits[1], model.compute_logits(hidden[1:2])[0])
+        assert model.lm_head.__dict__["_dense_copy"][1].dtype == torch.float16
+        # a weight replaced without an in-place op is re-read, not served from the old copy
+        model.lm_head.weight.data = model.lm_head.weight.data * 2
+        torch.testing.assert_close(model.compute_logits(hidden), 2 * logits, rtol=1e-5, atol=1e-5)
+        for prompt in PROMPTS[:2]:
+            ar = engine.generate(prompt, max_tokens=16, mode="ar")
+            mtp = engine.generate(prompt, max_tokens=16, mode="mtp", depth=2)
+            assert mtp.token_ids == ar.token_ids
+
+
 def test_a_head_shipped_in_bf16_runs_in_one_call_and_decodes_exactly():
     """An MTP head whose float32 weights bfloat16 holds exactly (as a head shipped in bf16) runs
     its decoder layer as one C++ call over bf16 copies of its weights, and greedy MTP still

@@ -89,15 +89,17 @@ CT_CASES = [
 ]
 
 
-def _compressed_tensors_dir(tmp_path, fmt, bits, kind, symmetric, strategy, group):
-    ct = pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+def compress_with_compressed_tensors(hf, out, fmt: str, bits: int, kind: str, symmetric: bool, strategy: str,
+                                     group: int | None):
+    """Quantize transformers model ``hf``'s linear maps (not lm_head) with compressed-tensors,
+    round-to-nearest from each group's (row's) min / max by its ``calculate_qparams``, scales
+    held at float16 precision, and save it compressed in ``fmt`` to ``out``. Returns the scheme.
+    (benchmarks/prequantized_cpu.py writes its checkpoints with this too.)"""
+    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  QuantizationStatus, apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    hf, cfg = hf_reference("llama")
-    float_state = {k: v.clone() for k, v in hf.state_dict().items()}
     args = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
@@ -113,8 +115,18 @@ def _compressed_tensors_dir(tmp_path, fmt, bits, kind, symmetric, strategy, grou
                     module.weight_zero_point.shape)
     compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
     compressor.compress_model(hf)
-    hf.save_pretrained(tmp_path)
-    compressor.update_config(tmp_path)
+    hf.save_pretrained(out)
+    compressor.update_config(out)
+    return scheme
+
+
+def _compressed_tensors_dir(tmp_path, fmt, bits, kind, symmetric, strategy, group):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+
+    hf, cfg = hf_reference("llama")
+    float_state = {k: v.clone() for k, v in hf.state_dict().items()}
+    scheme = compress_with_compressed_tensors(hf, tmp_path, fmt, bits, kind, symmetric, strategy, group)
     # the reference weights: the library's own decompression of the stored tensors
     stored = load_file(str(tmp_path / "model.safetensors"))
     qc = BaseCompressor.get_value_from_registry(fmt)

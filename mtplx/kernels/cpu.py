@@ -180,6 +180,15 @@ def bf16_matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return extension().bf16_matmul(a, weight)
 
 
+def dense_matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``bf16_matmul`` for a weight [out, in] in bfloat16, float16 or float32 (contiguous, in a
+    multiple of 16): each weight widened exactly to float32, products and sums in float32, each
+    row on its own whatever the number of rows. Bound by reading the weight: on this project's
+    2-core CPU a 49,152 x 576 float32 matrix at 1 / 2 / 48 rows takes 3.3 / 3.8 / 13.8 ms where
+    ``F.linear`` takes 8.4 / 19.3 / 35.1 (benchmarks/cpu_dense.py, cpu_s20_dense.txt)."""
+    return extension().dense_matmul(a, weight)
+
+
 # --- a layer's small steps ----------------------------------------------------------------------
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -212,8 +221,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def projection(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int,
                out_features: int):
     """A weight as the C++ layer holds it: ``pack``'s layout (bits 4 or 8; ``out_features`` cuts
-    the padding row), or (bits 16) a bfloat16 weight [out, in] for ``bf16_matmul``, scale and zero
-    empty."""
+    the padding row), or (bits 16 or 32) a dense weight [out, in] for ``dense_matmul``, scale and
+    zero empty."""
     return extension().Projection(words, scale, zero, group_size, bits, out_features)
 
 

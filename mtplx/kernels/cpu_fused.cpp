@@ -244,17 +244,19 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
                                int64_t bits);
 int64_t quant_isa(int64_t want);
 torch::Tensor bf16_matmul(torch::Tensor a, torch::Tensor w);
+torch::Tensor dense_matmul(torch::Tensor a, torch::Tensor w);
 
 namespace {
 
-// A group-quantized projection in quant_matmul's layout (bits 4 or 8), or a bfloat16 weight
-// [N, K] for bf16_matmul (bits 16; scale, zero and group unused); ``out`` cuts pack's padding row.
+// A group-quantized projection in quant_matmul's layout (bits 4 or 8), or a dense weight [N, K]
+// (bfloat16 / float16: bits 16, float32: bits 32) for dense_matmul (scale, zero and group unused);
+// ``out`` cuts pack's padding row.
 struct Projection {
   torch::Tensor words, scale, zero;
   int64_t group, bits, out;
 
   torch::Tensor operator()(const torch::Tensor& a) const {
-    torch::Tensor y = bits == 16 ? bf16_matmul(a, words) : quant_matmul(a, words, scale, zero, group, bits, false);
+    torch::Tensor y = bits >= 16 ? dense_matmul(a, words) : quant_matmul(a, words, scale, zero, group, bits, false);
     return y.size(1) == out ? y : y.narrow(1, 0, out).contiguous();
   }
 };
@@ -294,6 +296,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
   m.def("quant_isa", &quant_isa, "the float products' vector width (256 or 512); a width forces it, 0 reads it");
   m.def("bf16_matmul", &bf16_matmul, "a [M, K] float32 @ a bfloat16 w [N, K]^T -> [M, N] float32");
+  m.def("dense_matmul", &dense_matmul, "a [M, K] float32 @ a bfloat16, float16 or float32 w [N, K]^T -> [M, N] float32");
   m.def("quant_dequantize", &quant_dequantize, "the float32 weight of quant_matmul's layout");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rmsnorm(x + delta) * w)");
   m.def("rope_write", &rope_write, "q/k norms, RoPE and the KV write of a fused qkv projection");

@@ -383,16 +383,41 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
 }
 
 
-// --- bfloat16 weights, float32 activations -------------------------------------------------------
+// --- dense weights (bfloat16, float16, float32), float32 activations -------------------------------
 // out[m, n] = sum_k a[m, k] * w[n, k] with w stored as bfloat16 (an MTP head trained and shipped in
-// bf16: the same weights as its float32 copy at half the bytes). A bf16 value is the top half of
-// its float32, so widening is a shift; products and sums in float32, each row on its own.
+// bf16: the same weights as its float32 copy at half the bytes), float16 (a checkpoint's float16
+// output matrix, widened exactly) or float32. Each weight is widened to float32 on load (bf16: a
+// shift; float16: vcvtph2ps); products and sums in float32, each row on its own, whatever M.
 
 namespace {
 
-template <int R, int O>
-MTPLX_AVX512 inline void tile_bf16_512(const float* a, const uint16_t* w, float* out, int64_t K, int64_t N,
-                                       int64_t m0, int64_t n) {
+enum class Dense { BF16, F16, F32 };
+
+template <Dense D>
+MTPLX_AVX512 inline __m512 load16(const void* w, int64_t i) {
+  if constexpr (D == Dense::F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    if constexpr (D == Dense::F16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <Dense D>
+inline __m256 load8(const void* w, int64_t i) {
+  if constexpr (D == Dense::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
+    if constexpr (D == Dense::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <Dense D, int R, int O>
+MTPLX_AVX512 inline void tile_dense_512(const float* a, const void* w, float* out, int64_t K, int64_t N,
+                                        int64_t m0, int64_t n) {
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
@@ -400,8 +425,7 @@ MTPLX_AVX512 inline void tile_bf16_512(const float* a, const uint16_t* w, float*
     __m512 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_ps(a + (m0 + r) * K + k);
     for (int o = 0; o < O; ++o) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + o) * K + k));
-      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      const __m512 u = load16<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(u, x[r], acc[o][r]);
     }
   }
@@ -409,17 +433,17 @@ MTPLX_AVX512 inline void tile_bf16_512(const float* a, const uint16_t* w, float*
     for (int r = 0; r < R; ++r) out[(m0 + r) * N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
 
-template <int O>
-MTPLX_AVX512 void rows_bf16_512(const float* a, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
-                                int64_t n) {
+template <Dense D, int O>
+MTPLX_AVX512 void rows_dense_512(const float* a, const void* w, float* out, int64_t M, int64_t K, int64_t N,
+                                 int64_t n) {
   int64_t m0 = 0;
-  for (; m0 + 2 <= M; m0 += 2) tile_bf16_512<2, O>(a, w, out, K, N, m0, n);
-  if (m0 < M) tile_bf16_512<1, O>(a, w, out, K, N, m0, n);
+  for (; m0 + 2 <= M; m0 += 2) tile_dense_512<D, 2, O>(a, w, out, K, N, m0, n);
+  if (m0 < M) tile_dense_512<D, 1, O>(a, w, out, K, N, m0, n);
 }
 
-template <int R, int O>
-inline void tile_bf16_256(const float* a, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t m0,
-                          int64_t n) {
+template <Dense D, int R, int O>
+inline void tile_dense_256(const float* a, const void* w, float* out, int64_t K, int64_t N, int64_t m0,
+                           int64_t n) {
   __m256 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
@@ -427,8 +451,7 @@ inline void tile_bf16_256(const float* a, const uint16_t* w, float* out, int64_t
     __m256 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(a + (m0 + r) * K + k);
     for (int o = 0; o < O; ++o) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + o) * K + k));
-      const __m256 u = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      const __m256 u = load8<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm256_fmadd_ps(u, x[r], acc[o][r]);
     }
   }
@@ -436,35 +459,51 @@ inline void tile_bf16_256(const float* a, const uint16_t* w, float* out, int64_t
     for (int r = 0; r < R; ++r) out[(m0 + r) * N + n + o] = hsum(acc[o][r]);
 }
 
-template <int O>
-void rows_bf16_256(const float* a, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n) {
+template <Dense D, int O>
+void rows_dense_256(const float* a, const void* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n) {
   int64_t m0 = 0;
-  for (; m0 + 2 <= M; m0 += 2) tile_bf16_256<2, O>(a, w, out, K, N, m0, n);
-  if (m0 < M) tile_bf16_256<1, O>(a, w, out, K, N, m0, n);
+  for (; m0 + 2 <= M; m0 += 2) tile_dense_256<D, 2, O>(a, w, out, K, N, m0, n);
+  if (m0 < M) tile_dense_256<D, 1, O>(a, w, out, K, N, m0, n);
 }
 
-}  // namespace
-
-torch::Tensor bf16_matmul(torch::Tensor a, torch::Tensor w) {
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat32, "a: [M, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w: [N, K] bfloat16");
-  a = a.contiguous();
-  const int64_t M = a.size(0), K = a.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 16 == 0, "w: [N, K] with K a multiple of 16");
-  torch::Tensor out = torch::empty({M, N}, a.options());
-  const float* ap = a.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  float* op = out.data_ptr<float>();
+template <Dense D>
+void dense_rows(const float* ap, const void* wp, float* op, int64_t M, int64_t K, int64_t N) {
   const bool wide = isa_in_use() == 512;
   const int64_t grain = std::max<int64_t>(4, 32768 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
-      if (wide) rows_bf16_512<4>(ap, wp, op, M, K, N, n); else rows_bf16_256<4>(ap, wp, op, M, K, N, n);
+      if (wide) rows_dense_512<D, 4>(ap, wp, op, M, K, N, n); else rows_dense_256<D, 4>(ap, wp, op, M, K, N, n);
     }
     for (; n < n1; ++n) {
-      if (wide) rows_bf16_512<1>(ap, wp, op, M, K, N, n); else rows_bf16_256<1>(ap, wp, op, M, K, N, n);
+      if (wide) rows_dense_512<D, 1>(ap, wp, op, M, K, N, n); else rows_dense_256<D, 1>(ap, wp, op, M, K, N, n);
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor dense_matmul(torch::Tensor a, torch::Tensor w) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat32, "a: [M, K] float32");
+  TORCH_CHECK(a.device().is_cpu() && w.device().is_cpu(), "a and w must be CPU tensors");
+  const auto t = w.scalar_type();
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() &&
+              (t == torch::kBFloat16 || t == torch::kHalf || t == torch::kFloat32),
+              "w: [N, K] contiguous bfloat16, float16 or float32");
+  a = a.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 16 == 0, "w: [N, K] with K a multiple of 16");
+  torch::Tensor out = torch::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  const float* ap = a.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (t == torch::kBFloat16) dense_rows<Dense::BF16>(ap, w.data_ptr(), op, M, K, N);
+  else if (t == torch::kHalf) dense_rows<Dense::F16>(ap, w.data_ptr(), op, M, K, N);
+  else dense_rows<Dense::F32>(ap, w.data_ptr(), op, M, K, N);
   return out;
+}
+
+torch::Tensor bf16_matmul(torch::Tensor a, torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "w: [N, K] bfloat16");
+  return dense_matmul(a, w);
 }

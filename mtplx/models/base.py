@@ -11,9 +11,9 @@ from torch import nn
 
 from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.kv_cache import PagedKVCache
-from mtplx.kernels import gemv
+from mtplx.kernels import cpu as cpu_kernels, gemv
 from mtplx.models.config import ModelConfig
-from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, dense_linear
 
 
 class DecoderStack(nn.Module):
@@ -82,7 +82,9 @@ class CausalLM(nn.Module):
             hidden = hidden[..., : self.config.hidden_size]
         if isinstance(self.lm_head, nn.Linear) and gemv.usable(hidden, self.lm_head.weight):
             return gemv.gemv(hidden, self.lm_head.weight).float()
-        return self.lm_head(hidden).float()
+        # a float output matrix on the CPU (a float checkpoint's, or a quantized checkpoint's
+        # float16 / bf16 one): decode rows through the C++ kernel (layers.cpu_dense)
+        return dense_linear(self.lm_head, hidden, cpu_kernels.SMALL_ROWS).float()
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits an MTP draft is chosen from: through ``draft_lm_head`` where there is one (fewer

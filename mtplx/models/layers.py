@@ -246,22 +246,48 @@ def _exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), weight) else None
 
 
-def exact_bf16_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``; for a few CPU rows (a draft, a verify) of a bias-free float32 weight that
-    bfloat16 holds exactly (an MTP head shipped in bf16), through kernels/cpu.bf16_matmul on a bf16
-    copy (half the bytes; the same products, summed in another order), kept until the weight
-    changes."""
-    rows = x.numel() // x.shape[-1]
-    if type(linear) is not nn.Linear or linear.bias is not None or rows > ROW_EXACT_QUERIES \
-            or not cpu_kernels.usable(x):  # a quantized head's QuantLinear runs its own kernel
+def dense_linear(linear: nn.Module, x: torch.Tensor, max_rows: int = ROW_EXACT_QUERIES) -> torch.Tensor:
+    """``linear(x)``; for up to ``max_rows`` float32 CPU rows (a draft, a verify, an output
+    matrix's decode rows) of a bias-free ``nn.Linear``, through ``cpu_dense``."""
+    if type(linear) is not nn.Linear or linear.bias is not None:  # a quantized layer runs its own kernel
         return linear(x)
-    weight = linear.weight
-    cached = linear.__dict__.get("_exact_bf16")  # (weight's id, its version, the copy or None)
-    if cached is None or cached[0] != id(weight) or cached[1] != weight._version:
-        cached = linear.__dict__["_exact_bf16"] = (id(weight), weight._version, _exact_bf16(weight))
-    if cached[2] is None:
-        return linear(x)
-    return cpu_kernels.bf16_matmul(x.reshape(rows, -1), cached[2]).reshape(*x.shape[:-1], -1)
+    out = cpu_dense(x, linear.weight, linear, max_rows)
+    return linear(x) if out is None else out
+
+
+def cpu_dense(x: torch.Tensor, weight: torch.Tensor, owner: object, max_rows: int) -> torch.Tensor | None:
+    """x [..., in] @ weight [out, in]^T through kernels/cpu.dense_matmul for up to ``max_rows``
+    float32 CPU rows of a float32 weight, or None where that does not apply. The weight is read
+    at the narrowest width that holds it exactly (bfloat16: an MTP head shipped in bf16; float16:
+    a checkpoint's float16 output matrix; else float32 as is), from a copy kept on ``owner``
+    until the weight changes: the same numbers as the float32 weight up to summation order, each
+    row on its own, bound by reading the weight (on this project's CPU 2.6x ``F.linear``'s speed
+    at one row of a float32 output matrix, 5.1x at two: benchmarks/cpu_dense.py)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows > max_rows or not cpu_kernels.usable(x) or weight.device.type != "cpu" \
+            or weight.dtype != torch.float32 or weight.requires_grad or weight.dim() != 2 or weight.shape[1] % 16:
+        return None
+    # the weight's identity, storage and (where tracked) version: a replaced or edited weight is re-read
+    key = (id(weight), weight.data_ptr(), tuple(weight.shape), None if weight.is_inference() else weight._version)
+    store = getattr(owner, "__dict__", None)
+    cached = store.get("_dense_copy") if store is not None else None  # (key, the copy)
+    if cached is None or cached[0] != key:
+        cached = (key, _narrowest(weight))
+        if store is not None:
+            store["_dense_copy"] = cached
+    return cpu_kernels.dense_matmul(x.reshape(rows, -1), cached[1]).reshape(*x.shape[:-1], -1)
+
+
+def _narrowest(weight: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """weight [out, in] float32 as a contiguous bfloat16 or float16 copy where that holds every
+    value exactly, else itself (contiguous). Checked a chunk of rows at a time (no float32 copy
+    of the whole weight). A narrow copy (half the float32 weight's bytes) is kept beside the
+    float32 weight, which the model still holds (a tied embedding's lookup reads it)."""
+    w = weight.detach()
+    for dtype in (torch.bfloat16, torch.float16):
+        if all(torch.equal(c.to(dtype).float(), c) for c in w.split(chunk_rows)):
+            return w.to(dtype).contiguous()
+    return w.contiguous()
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -30,10 +30,10 @@ from torch import nn
 
 from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.kv_cache import PagedKVCache
-from mtplx.kernels import gemv
+from mtplx.kernels import cpu as cpu_kernels, gemv
 from mtplx.models.base import CausalLM
 from mtplx.models.config import MTPConfig, feature_layers
-from mtplx.models.layers import MLP, RMSNorm, exact_bf16_linear
+from mtplx.models.layers import MLP, RMSNorm, cpu_dense, dense_linear
 from mtplx.models.quant import QuantLinear, quantize_rtn
 
 # a pruned draft vocabulary's logit for the rows it leaves out: finite, so a row whose every
@@ -77,7 +77,7 @@ class MTPHead(nn.Module):
         if hidden.shape[-1] == self.hidden_size:
             return hidden
         extra = hidden[..., self.hidden_size:]
-        return exact_bf16_linear(self.feature_fc, extra) if self.mtp.features == "fuse3" else extra
+        return dense_linear(self.feature_fc, extra) if self.mtp.features == "fuse3" else extra
 
     def forward(self, trunk: CausalLM, hidden: torch.Tensor, next_tokens: torch.Tensor,
                 meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -88,7 +88,7 @@ class MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(trunk.model.embed_tokens(next_tokens))
         h = self.pre_fc_norm_hidden(self.features(hidden))
         pair = (h, e) if self.mtp.hidden_first else (e, h)
-        x = exact_bf16_linear(self.fc, torch.cat(pair, dim=-1))
+        x = dense_linear(self.fc, torch.cat(pair, dim=-1))
         rotary, head_meta = trunk.rotary.bind(meta.positions, x.dtype), meta.for_head()
         for i, layer in enumerate(self.layers):
             x = layer(x, rotary, head_meta, cache.k[self.cache_layer + i], cache.v[self.cache_layer + i])
@@ -134,8 +134,10 @@ class MTPHead(nn.Module):
         rows = getattr(self, "draft_rows", None)
         if rows is None:  # no pruned vocabulary, or not bound (a tensor-parallel rank)
             return None
-        kept = (gemv.gemv(hidden, rows) if gemv.usable(hidden, rows) else F.linear(hidden, rows)).float()
-        return kept, self.draft_vocab
+        if gemv.usable(hidden, rows):
+            return gemv.gemv(hidden, rows).float(), self.draft_vocab
+        kept = cpu_dense(hidden, rows, self, cpu_kernels.SMALL_ROWS)  # a float output matrix's rows on the CPU
+        return (F.linear(hidden, rows) if kept is None else kept).float(), self.draft_vocab
 
     def draft_logits(self, trunk: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., H] this head's output -> logits [..., vocab] float32 that drafts are
