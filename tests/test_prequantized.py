@@ -271,6 +271,28 @@ def test_gptq_checkpoint_runs_its_own_integers(tmp_path, bits, group, symmetric,
     assert o.bits == bits and o.group_size == (cfg["hidden_size"] if group == -1 else group)
 
 
+def test_gptq_dynamic_per_module_bits_and_groups(tmp_path):
+    """GPTQModel's "dynamic" overrides: here the down projections in 8 bits with groups of 64
+    beside 4-bit groups of 32; each module's bits and groups are read from its own tensors."""
+    hf, cfg = hf_reference("llama")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+          "dynamic": {"+:.*down_proj": {"bits": 8, "group_size": 64}}}
+
+    def tensors(w):
+        down = w.shape[1] == cfg["intermediate_size"]
+        return _gptq_tensors(w, 8 if down else 4, 64 if down else 32, True, True, None)
+
+    dense = _write(tmp_path, hf, cfg, qc, tensors)
+    engine = _check_model(tmp_path, hf, dense, "gptq", cfg["vocab_size"])
+    formats = weight_formats(engine.loaded.model)
+    assert formats["model.layers.0.mlp.down_proj"] == "int8 g64 (gptq)"
+    assert formats["model.layers.0.self_attn.o_proj"] == "int4 g32 (gptq)"
+    from mtplx.loading.describe import describe
+
+    stored = {r["stored"] for r in describe(tmp_path)["weights"] if "layers" in r["names"]}
+    assert stored == {"gptq int4 g32", "gptq int8 g64"}
+
+
 def test_gptq_activation_order_is_dequantized_exactly(tmp_path):
     """desc_act: a layer's groups are scattered over its inputs, which the kernels cannot take:
     those weights load as float, equal to the checkpoint's dequantized weights."""

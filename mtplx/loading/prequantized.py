@@ -1,5 +1,6 @@
 """Checkpoints quantized by other tools, read from their own integers: AWQ (AutoAWQ's GEMM
-layout), GPTQ (AutoGPTQ / GPTQModel, checkpoint formats ``gptq`` and ``gptq_v2``),
+layout), GPTQ (AutoGPTQ / GPTQModel, checkpoint formats ``gptq`` and ``gptq_v2``, GPTQModel's
+per-module ``dynamic`` bits and groups),
 compressed-tensors (llm-compressor's ``pack-quantized``, ``int-quantized`` and
 ``float-quantized``) and block-scaled fp8 (``quant_method: fp8``, as Qwen3 and DeepSeek-V3 ship).
 Each quantized linear map becomes a ``QuantizedWeight`` (models/quant.py) holding the same
@@ -111,7 +112,9 @@ def scheme_of(cfg: dict, path: Path | None = None) -> Scheme | None:
             raise ModelLoadError(f"GPTQ checkpoint_format {fmt!r} is not supported: mtplx reads 'gptq' and "
                                  "'gptq_v2' (re-export without a kernel-specific layout such as marlin)")
         bits = int(qc.get("bits", 4))
-        return Scheme("gptq", {bits}, int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
+        # GPTQModel's "dynamic": per-module bits and group sizes, read from each module's tensors
+        return Scheme("gptq", set() if qc.get("dynamic") else {bits}, int(qc.get("group_size", 128)),
+                      zeros_minus_one=fmt == "gptq")
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
@@ -272,6 +275,14 @@ def _gptq(state: dict, scheme: Scheme):
         if scheme.zeros_minus_one:
             z = z + 1
         group = in_f if scheme.group_size in (None, -1) else scheme.group_size
+        groups = scales.shape[0]
+        if -(-in_f // group) != groups:  # a per-module group size (GPTQModel's "dynamic"): the scales say
+            if groups == 1 or in_f % groups:
+                group = in_f if groups == 1 else 0
+            else:
+                group = in_f // groups
+            if not group:
+                raise ModelLoadError(f"{m}: {groups} GPTQ scale groups for {in_f} inputs")
         g_idx = state.get(f"{m}.g_idx")
         yield f"{m}.weight", _from_unsigned(u, z.T.contiguous(), scales.T.contiguous(), bits, group, "gptq", g_idx)
 
@@ -420,6 +431,8 @@ def describe_formats(path: Path, scheme: Scheme) -> dict[str, tuple[str, str]]:
                 bits = next((b for b in (4, 8) if -(-out_f * b // 32) == qzeros[1]), 0)
                 in_f = shape[0] * 32 // bits if bits else 0
                 group = in_f if scheme.group_size in (None, -1) else scheme.group_size
+                if group and -(-in_f // group) != scales[0] and scales[0] and in_f % scales[0] == 0:
+                    group = in_f // scales[0]  # a per-module group size (GPTQModel's "dynamic")
             out[f"{m}.weight"] = (f"{scheme.method} int{bits} g{group}", runs(bits, group, small.get(f"{m}.g_idx"), in_f),
                                   (out_f, in_f))
         elif scheme.method == "compressed-tensors" and suffix == "weight_scale":
