@@ -66,9 +66,8 @@ def logit_check(gguf: Path, folder: Path, bits: int, symmetric: bool, strategy: 
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file
 
-    from mtplx.engine.sampling import SamplingParams
-    from mtplx.engine.sequence import Sequence
     from mtplx.loading.gguf_file import load_gguf
+    from tests.test_prequantized import _logits
 
     cfg, state, _ = load_gguf(gguf, dtype=torch.float32, quantized=False)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
@@ -85,11 +84,7 @@ def logit_check(gguf: Path, folder: Path, bits: int, symmetric: bool, strategy: 
                 local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
                 module.weight.copy_(codec.decompress(local, scheme)["weight"].float())
         ref = hf(torch.tensor([ids])).logits[0]
-    engine = mtplx.load(folder, device="cpu")
-    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
-    engine.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    with torch.inference_mode():
-        ours = engine.runner.logits(engine.runner.trunk([seq], [ids], [0]))[0]
+    ours = _logits(mtplx.load(folder, device="cpu"), ids)
     return {"max_logit_diff_vs_decompressed": float((ours - ref).abs().max()),
             "max_logit_diff_float_vs_decompressed": float((float_logits - ref).abs().max()),
             "argmax_agreement": float((ours.argmax(-1) == ref.argmax(-1)).float().mean())}

@@ -29,15 +29,22 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
     except UnsupportedModel as exc:
         return {**info, "tier": "unsupported", "reason": str(exc),
                 "supported_architectures": sorted(SUPPORTED_MODEL_TYPES)}
+    packed = {}  # a quantized checkpoint's linear maps: {weight name: (stored, runs as, [out, in])}
     if path.is_dir():
         from mtplx.loading import prequantized
 
         try:
-            prequantized.scheme_of(cfg, path)
+            scheme = prequantized.scheme_of(cfg, path)
         except ModelLoadError as exc:
             return {**info, "tier": "unsupported", "reason": str(exc)}
+        if scheme is not None:
+            packed = prequantized.describe_formats(path, scheme)
+            modules = {k.removesuffix(".weight") for k in packed}
+            shapes = {k: s for k, s in shapes.items()  # a quantized layer's bias stays
+                      if k.rpartition(".")[0] not in modules or k.rpartition(".")[2] == "bias"}
+            shapes.update({k: tuple(v[2]) for k, v in packed.items()})
     trunk = {k: s for k, s in shapes.items() if not is_head_key(k, config)}
-    info["weights"] = _weight_formats(path, config)
+    info["weights"] = _weight_formats(path, config, packed)
     info["layer_mix"] = config.layer_mix()
     info["prefix_cache"] = ({"enabled": False, "reason": HYBRID_PREFIX_CACHE_REASON} if config.is_hybrid
                             else {"enabled": True})
@@ -89,10 +96,6 @@ def _gguf_meta(path: Path) -> tuple[dict, dict]:
 
 
 def _dir_meta(path: Path) -> tuple[dict, dict]:
-    """(config, {tensor: shape}); a quantized checkpoint's packed tensors as their weights'
-    [out, in]."""
-    from mtplx.loading import prequantized
-
     cfg = hf_dir.read_hf_config(path)
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -103,24 +106,15 @@ def _dir_meta(path: Path) -> tuple[dict, dict]:
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         except Exception as exc:  # safetensors raises several types for corrupt headers
             raise ModelLoadError(f"safetensors file {file} is truncated or corrupt: {exc}") from exc
-    try:
-        scheme = prequantized.scheme_of(cfg, path)
-    except ModelLoadError:
-        scheme = None  # described as stored; loading it says why it cannot run
-    if scheme is not None:
-        logical = prequantized.describe_formats(path, scheme)
-        packed = {k.removesuffix(".weight") for k in logical}
-        shapes = {k: s for k, s in shapes.items()  # a quantized layer's bias stays
-                  if k.rpartition(".")[0] not in packed or k.rpartition(".")[2] == "bias"}
-        shapes.update({k: tuple(v[2]) for k, v in logical.items()})
     return cfg, shapes
 
 
-def _weight_formats(path: Path, config: ModelConfig) -> list[dict]:
+def _weight_formats(path: Path, config: ModelConfig, packed: dict) -> list[dict]:
     """Each trunk linear map's stored format and what it runs as (a GGUF file's: with
     ``--quantize gguf``, the default on the CPU; on CUDA every weight is dequantized to float), grouped:
-    [{"names": "layers 0-29: q,k,v,o,gate,up,down", "stored": "Q4_1", "runs_as": "int4 g32 (exact)"}]."""
-    per_tensor = _gguf_formats(path) if path.is_file() else _safetensors_formats(path)
+    [{"names": "layers 0-29: q,k,v,o,gate,up,down", "stored": "Q4_1", "runs_as": "int4 g32 (exact)"}].
+    packed: a quantized checkpoint's layers (``prequantized.describe_formats``)."""
+    per_tensor = _gguf_formats(path) if path.is_file() else _safetensors_formats(path, packed)
     rows: dict[tuple[str, str, str], list[int]] = {}
     for name, (stored, runs) in per_tensor.items():
         if is_head_key(name, config):
@@ -170,14 +164,8 @@ def _gguf_formats(path: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _safetensors_formats(path: Path) -> dict[str, tuple[str, str]]:
-    from mtplx.loading import prequantized
-
-    try:
-        scheme = prequantized.scheme_of(hf_dir.read_hf_config(path), path)
-    except ModelLoadError:
-        scheme = None  # listed as stored; loading says why it cannot run
-    out = {} if scheme is None else {k: v[:2] for k, v in prequantized.describe_formats(path, scheme).items()}
+def _safetensors_formats(path: Path, packed: dict) -> dict[str, tuple[str, str]]:
+    out = {k: v[:2] for k, v in packed.items()}
     quantized = {k.removesuffix(".weight") for k in out}
     for file in sorted(path.glob("*.safetensors")):
         if file.name == SIDECAR_WEIGHTS:

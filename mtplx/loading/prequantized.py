@@ -75,7 +75,6 @@ class Scheme:
     group_size: int | None = None  # AWQ / GPTQ: inputs per group (GPTQ -1: the whole row)
     zeros_minus_one: bool = True  # GPTQ: qzeros stored as z - 1 (checkpoint_format "gptq")
     block: tuple[int, int] | None = None  # fp8: weight_block_size; compressed-tensors: block_structure
-    activations: bool = False  # compressed-tensors quantizes activations too (not applied here)
 
     def only(self, values: set) -> int | None:
         """The one value of a set the config names, or None where it names none or several."""
@@ -134,8 +133,7 @@ def scheme_of(cfg: dict, path: Path | None = None) -> Scheme | None:
         groups_sizes = {int(w["group_size"]) for w in weights if w.get("group_size")}
         return Scheme("compressed-tensors", {int(w["num_bits"]) for w in weights if "num_bits" in w},
                       group_size=next(iter(groups_sizes)) if len(groups_sizes) == 1 else None,
-                      block=next(iter(blocks), None),
-                      activations=any(g.get("input_activations") for g in groups.values()))
+                      block=next(iter(blocks), None))
     if method == "fp8":  # block-scaled (weight_scale_inv per block), or per tensor / row (weight_scale)
         block = qc.get("weight_block_size")
         if block is None:
@@ -171,8 +169,8 @@ def unpack_state(state: dict, scheme: Scheme, dtype: torch.dtype) -> dict:
             by_module.setdefault(module, []).append(k)
     out, used = {}, set()
     for name, weight in readers[scheme.method](state, scheme):
-        used.update(by_module.get(name.removesuffix(".weight"), ()))
         module = name.removesuffix(".weight")
+        used.update(by_module.get(module, ()))
         if isinstance(weight, QuantizedWeight):
             if scheme.bits and not weight.fp8 and weight.bits not in scheme.bits:
                 raise ModelLoadError(f"{module}: {weight.bits}-bit weights, but quantization_config says "
@@ -274,17 +272,27 @@ def _gptq(state: dict, scheme: Scheme):
         z = _fields(qzeros, bits)[:, :out_f]
         if scheme.zeros_minus_one:
             z = z + 1
-        group = in_f if scheme.group_size in (None, -1) else scheme.group_size
-        groups = scales.shape[0]
-        if -(-in_f // group) != groups:  # a per-module group size (GPTQModel's "dynamic"): the scales say
-            if groups == 1 or in_f % groups:
-                group = in_f if groups == 1 else 0
-            else:
-                group = in_f // groups
-            if not group:
-                raise ModelLoadError(f"{m}: {groups} GPTQ scale groups for {in_f} inputs")
+        group = _gptq_group(in_f, scales.shape[0], scheme)
+        if -(-in_f // group) != scales.shape[0]:
+            raise ModelLoadError(f"{m}: {scales.shape[0]} GPTQ scale groups for {in_f} inputs")
         g_idx = state.get(f"{m}.g_idx")
         yield f"{m}.weight", _from_unsigned(u, z.T.contiguous(), scales.T.contiguous(), bits, group, "gptq", g_idx)
+
+
+def _gptq_group(in_f: int, groups: int, scheme: Scheme) -> int:
+    """Inputs per group of a GPTQ layer with ``groups`` rows of scales: the config's group size
+    (-1: the whole row), unless the scales count other, whole groups (GPTQModel's per-module
+    "dynamic" sizes): those."""
+    group = in_f if scheme.group_size in (None, -1) else scheme.group_size
+    if group and -(-in_f // group) != groups and groups and in_f % groups == 0:
+        return in_f // groups
+    return group
+
+
+def _ct_group(in_f: int, groups: int, scheme: Scheme) -> int:
+    """Inputs per group of a compressed-tensors layer with ``groups`` scales a row: the whole
+    row for one, else the config's group size, else what the scales imply."""
+    return in_f if groups == 1 else (scheme.group_size or in_f // groups)
 
 
 def _compressed_tensors(state: dict, scheme: Scheme):
@@ -322,7 +330,7 @@ def _compressed_tensors(state: dict, scheme: Scheme):
         scale = _per_group(scale, out_f, m)
         half = 1 << (bits - 1)
         z = torch.full(scale.shape, half, dtype=torch.int32) if zp is None else _per_group(zp, out_f, m).round().int() + half
-        group = in_f if scale.shape[1] == 1 else (scheme.group_size or in_f // scale.shape[1])
+        group = _ct_group(in_f, scale.shape[1], scheme)
         if -(-in_f // group) != scale.shape[1]:
             raise ModelLoadError(f"{m}: {scale.shape[1]} scale groups for {in_f} inputs in groups of {group}")
         yield f"{m}.weight", _from_unsigned(u, z, scale, bits, group, source, g_idx)
@@ -340,8 +348,10 @@ def _per_group(t: torch.Tensor, out_f: int, m: str) -> torch.Tensor:
     return t
 
 
-def _fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, source: str) -> QuantizedWeight:
-    """An e4m3 weight with a per-tensor, per-row or (block) per-block scale."""
+def _fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+         source: str) -> QuantizedWeight | None:
+    """An e4m3 weight with a per-tensor, per-row or (block) per-block scale; None for blocks
+    whose inputs end in a partial block (``_fp8_float``)."""
     out_f, in_f = weight.shape
     if block is not None:
         bn, bk = block
@@ -430,9 +440,7 @@ def describe_formats(path: Path, scheme: Scheme) -> dict[str, tuple[str, str]]:
             else:
                 bits = next((b for b in (4, 8) if -(-out_f * b // 32) == qzeros[1]), 0)
                 in_f = shape[0] * 32 // bits if bits else 0
-                group = in_f if scheme.group_size in (None, -1) else scheme.group_size
-                if group and -(-in_f // group) != scales[0] and scales[0] and in_f % scales[0] == 0:
-                    group = in_f // scales[0]  # a per-module group size (GPTQModel's "dynamic")
+                group = _gptq_group(in_f, scales[0], scheme)
             out[f"{m}.weight"] = (f"{scheme.method} int{bits} g{group}", runs(bits, group, small.get(f"{m}.g_idx"), in_f),
                                   (out_f, in_f))
         elif scheme.method == "compressed-tensors" and suffix == "weight_scale":
@@ -447,8 +455,7 @@ def describe_formats(path: Path, scheme: Scheme) -> dict[str, tuple[str, str]]:
                 continue
             else:
                 continue
-            groups = scale[1] if len(scale) == 2 else 1
-            group = in_f if groups == 1 else (scheme.group_size or in_f // groups)
+            group = _ct_group(in_f, scale[1] if len(scale) == 2 else 1, scheme)
             out[f"{m}.weight"] = (f"compressed-tensors int{bits} g{group}",
                                   runs(bits, group, small.get(f"{m}.weight_g_idx"), in_f), (out_f, in_f))
         elif scheme.method == "fp8" and suffix == ("weight_scale_inv" if scheme.block else "weight_scale") \

@@ -231,19 +231,13 @@ def _cpu_projection(modules: tuple[nn.Module, ...]):
         return modules[0].cpu_projection()
     if not all(type(m) is nn.Linear and m.bias is None for m in modules):
         return None
-    half = _exact_bf16(torch.cat([m.weight.detach() for m in modules]))
-    if half is None:
+    weight = torch.cat([m.weight.detach() for m in modules])
+    if weight.dtype != torch.float32 or weight.shape[1] % 16:  # dense_matmul's step
+        return None
+    half = _narrowest(weight, (torch.bfloat16,))
+    if half.dtype != torch.bfloat16:
         return None
     return cpu_kernels.projection(half, half.new_empty(0), half.new_empty(0), 0, 16, half.shape[0])
-
-
-def _exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [out, in] float32 as a contiguous bfloat16 copy where bf16 holds every value
-    exactly and ``in`` is a multiple of 16 (``bf16_matmul``'s step), else None."""
-    if weight.dtype != torch.float32 or weight.shape[1] % 16:
-        return None
-    half = weight.detach().to(torch.bfloat16).contiguous()
-    return half if torch.equal(half.float(), weight) else None
 
 
 def dense_linear(linear: nn.Module, x: torch.Tensor, max_rows: int = ROW_EXACT_QUERIES) -> torch.Tensor:
@@ -278,13 +272,14 @@ def cpu_dense(x: torch.Tensor, weight: torch.Tensor, owner: object, max_rows: in
     return cpu_kernels.dense_matmul(x.reshape(rows, -1), cached[1]).reshape(*x.shape[:-1], -1)
 
 
-def _narrowest(weight: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
-    """weight [out, in] float32 as a contiguous bfloat16 or float16 copy where that holds every
+def _narrowest(weight: torch.Tensor, dtypes: tuple = (torch.bfloat16, torch.float16),
+               chunk_rows: int = 4096) -> torch.Tensor:
+    """weight [out, in] float32 as a contiguous copy in the first of ``dtypes`` that holds every
     value exactly, else itself (contiguous). Checked a chunk of rows at a time (no float32 copy
     of the whole weight). A narrow copy (half the float32 weight's bytes) is kept beside the
     float32 weight, which the model still holds (a tied embedding's lookup reads it)."""
     w = weight.detach()
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes:
         if all(torch.equal(c.to(dtype).float(), c) for c in w.split(chunk_rows)):
             return w.to(dtype).contiguous()
     return w.contiguous()
