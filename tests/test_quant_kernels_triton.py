@@ -213,6 +213,63 @@ def test_quantized_gemv_replays_in_a_cuda_graph():
         assert not torch.equal(captured, eager)
 
 
+def _layer_chain(layers, norm_weight, x):
+    """x through a stack of decoder-like steps of kernels that each read the one before: RMSNorm
+    (residual add), a quantized product, its SiLU epilogue, and a split-K product's sum kernel."""
+    from mtplx.kernels import gemv
+
+    delta = torch.zeros_like(x)
+    for qkv, gate_up, down in layers:
+        x, h = fused.rms_norm(x, norm_weight, 1e-6, delta=delta)
+        h = qkv(h)[..., : x.shape[-1]]
+        x, h = fused.rms_norm(x, norm_weight, 1e-6, delta=h)
+        delta = down(gate_up.silu_mul_forward(h))
+    return gemv.gemv(x + delta, norm_weight.expand(8, -1).contiguous())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0 (Hopper) or newer")
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_dependent_launches_in_a_cuda_graph_equal_serial_launches(rows):
+    """With ``kernels.PDL`` each kernel may start before the one it reads has finished (and
+    loads its weights then): a captured chain of them must give exactly what the same kernels
+    give launched one after another without it."""
+    h = 512
+    layers = []
+    # the tensor-core GEMV splits inputs of 8,192 into four (a sum kernel); 5-8 rows of the
+    # CUDA-core one run its tensor-core variant, split too
+    kinds = [("mma", "int4", 8192), ("triton", "int8", 1024), ("triton", "int4", 1024), ("mma", "int8", 1024)]
+    for i, (backend, fmt, inter) in enumerate(kinds):
+        shapes = [(3 * h, h), (2 * inter, h), (h, inter)]
+        layers.append(tuple(QuantLinear(_weight(fmt, n, k, 32, seed=3 * i + j), device="cuda", backend=backend,
+                                        dtype=torch.bfloat16) for j, (n, k) in enumerate(shapes)))
+    norm_weight = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
+    x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    saved = kernels.PDL
+    try:
+        with torch.no_grad():
+            kernels.PDL = False
+            serial = _layer_chain(layers, norm_weight, x)
+            kernels.PDL = True
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                eager = _layer_chain(layers, norm_weight, x)  # compiles outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = _layer_chain(layers, norm_weight, x)
+            for _ in range(3):
+                captured.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured, serial)
+    finally:
+        kernels.PDL = saved
+    assert torch.equal(eager, serial)
+    assert serial.abs().sum() > 0
+
+
 # The tensor-core layout (kernels/quant_mma.py): its dequantizing kernel (prefill) runs under the
 # interpreter too; its GEMV is inline PTX (mma.sync), so only a CUDA device runs it.
 MMA_SHAPES = [(37, 128, 32), (16, 192, 64), (40, 256, 128)]  # rows not a multiple of 16

@@ -45,11 +45,35 @@ def usable(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
+def launch_options(device) -> dict:
+    """The launch keywords of a kernel that takes the ``PDL`` flag (``kernels.pdl``)."""
+    on = kernels.pdl(device) and not _INTERPRET
+    return dict(PDL=on, launch_pdl=on) if on else dict(PDL=False)
+
+
 if triton is not None:
 
     @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """Under programmatic dependent launch (``mtplx.kernels.PDL``), let the next kernel on the
+        stream launch once every program of this one has started (each calls this first)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Under programmatic dependent launch, wait until the kernel before this one has finished
+        and its writes are visible: a program reads nothing an earlier kernel writes, and writes
+        nothing, before this."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, out_ptr, w_ptr, n, eps,
-                         HAS_DELTA: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -71,7 +95,9 @@ if triton is not None:
     def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
                          q_out_ptr, k_pool_ptr, v_pool_ptr, eps,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         ROT: tl.constexpr, QK_NORM: tl.constexpr, D_PAD: tl.constexpr):
+                         ROT: tl.constexpr, QK_NORM: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         tok = tl.program_id(0)
         h = tl.program_id(1)  # 0..HEADS-1 queries, then KV_HEADS keys, then KV_HEADS values
         d = tl.arange(0, D_PAD)
@@ -114,7 +140,9 @@ if triton is not None:
                          y.to(k_pool_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         tok = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -137,7 +165,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0],)](x2, d2 if delta is not None else x2, total, out, weight, n, eps,
                                      HAS_DELTA=delta is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
-                                     num_warps=4 if block <= 2048 else 8)
+                                     num_warps=4 if block <= 2048 else 8, **launch_options(x.device))
     return total.view(shape), out.view(shape)
 
 
@@ -161,7 +189,8 @@ def qkv_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         q_norm if qk_norm else cos2, k_norm if qk_norm else cos2, slots.reshape(-1).contiguous(),
         q_out, k_pool, v_pool, eps,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROT=rot, QK_NORM=qk_norm,
-        D_PAD=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2)
+        D_PAD=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+        **launch_options(q.device))
     return q_out
 
 
@@ -171,5 +200,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     x2 = gate_up.reshape(-1, 2 * inter).contiguous()
     out = torch.empty(x2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, BLOCK=block, num_warps=4,
+                                                              **launch_options(x2.device))
     return out.view(*gate_up.shape[:-1], inter)

@@ -33,6 +33,8 @@ from mtplx.kernels import fused
 try:
     import triton
     import triton.language as tl
+
+    from mtplx.kernels.fused import pdl_start, pdl_wait
 except ImportError:  # CPU-only installs use torch's matmul
     triton = None
 
@@ -81,9 +83,11 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, swn, eps,
                      K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[n] = sum_k a[k] w[n, k] (+ b[n]) where a is PROLOGUE 0: x; 1: rms_norm(x (+ delta))
         * norm_weight (program 0 stores the sum); 2: silu(x[:K]) * x[K:]."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
@@ -129,7 +133,8 @@ if triton is not None:
     @triton.jit
     def _gemv_rows_kernel(x_ptr, sx, d_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, rows, N, swn, eps,
                           K: tl.constexpr, M: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
         """``_gemv_kernel`` for 1 < rows <= M (a power of two) input rows: out[m, n] for m < rows.
         x has row stride sx; delta, the sum and out are contiguous.
 
@@ -140,6 +145,8 @@ if triton is not None:
         shared memory into that layout (a barrier per tile, as in the one-row kernel); inputs
         loaded at the full [M, BLOCK_N, BLOCK_K] shape avoid the exchange but repeat their loads
         per weight row, and measured 1.5-3x slower."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         pid = tl.program_id(0)
         m = tl.arange(0, M)[:, None, None]
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
@@ -200,7 +207,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, K: int, prologue: int,
     pointers = (delta if delta is not None else x2, norm_weight if norm_weight is not None else weight,
                 total if total is not None else out, weight, bias if bias is not None else weight, out)
     flags = dict(K=K, PROLOGUE=prologue, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                 BLOCK_K=block_k, num_warps=warps)
+                 BLOCK_K=block_k, num_warps=warps, **fused.launch_options(x2.device))
     grid = (triton.cdiv(N, block_n),)
     if rows == 1:
         _gemv_kernel[grid](x2, *pointers, N, weight.stride(0), eps, **flags)

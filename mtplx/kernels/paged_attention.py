@@ -31,9 +31,13 @@ import functools
 
 import torch
 
+from mtplx.kernels.fused import launch_options
+
 try:
     import triton
     import triton.language as tl
+
+    from mtplx.kernels.fused import pdl_start, pdl_wait
 except ImportError:  # CPU-only installs run the reference path
     triton = None
 
@@ -100,8 +104,10 @@ if triton is not None:
         q_len, q_blocks, key_start, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         M_PAD: tl.constexpr, LOOP_CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-        DYNAMIC_BOUND: tl.constexpr, PARTIAL: tl.constexpr,
+        DYNAMIC_BOUND: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0) // q_blocks
         q_block = tl.program_id(0) % q_blocks
         kvh = tl.program_id(1)
@@ -152,9 +158,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["q_len", "splits"])
     def _merge_splits_kernel(ml_ptr, acc_ptr, out_ptr, so_r, so_t, so_h, kv_heads, q_len, splits,
-                             SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+                             SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             PDL: tl.constexpr):
         """One (row, query token, head): rescale the partials to their common max and normalise
         (a query with no allowed key anywhere gets 0)."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         tok = tl.program_id(1)
         head = tl.program_id(2)
@@ -219,12 +228,14 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=_m_pad(q_len, group),
         BLOCK_N=block_n, DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LOOP_CHUNKS=0 if q.is_cuda else triton.cdiv(triton.cdiv(max_keys, block_n), splits), PARTIAL=splits > 1,
+        **launch_options(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(rows, q_len, heads)](
             ml, acc, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, q_len, splits,
             SPLITS_PAD=triton.next_power_of_2(splits), GROUP=group, HEAD_DIM=head_dim,
             num_warps=1,  # tiny programs: one warp reduces over the splits without shared memory (2-3x faster)
+            **launch_options(q.device),
         )
     return out
 

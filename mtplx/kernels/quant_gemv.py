@@ -58,6 +58,8 @@ from mtplx.kernels import fused
 try:
     import triton
     import triton.language as tl
+
+    from mtplx.kernels.fused import pdl_start, pdl_wait
 except ImportError:  # CPU-only installs never reach these kernels
     triton = None
 
@@ -212,16 +214,52 @@ if triton is not None:
                 tl.store(out_ptr + mo * N + nw, sums.to(dtype), mask=ok)
 
     @triton.jit
+    def _qgemv_tile(acc, p, c0, c_hi, x_ptr, sx, s_ptr, z_ptr, rows, N, K, G, magic, c, m, n3, v, c3, BITS: tl.constexpr,
+                    PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP_CHUNKS: tl.constexpr):
+        """acc [BLOCK_C, M, BLOCK_N] plus the products of the tile of chunks c0 + c, whose words p
+        are loaded: ``_qgemv_kernel``'s loop step."""
+        m_ok = m < rows
+        ph = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        k0 = (c0 + c) * (4 * PER)
+        x0 = tl.load(x_ptr + m * sx + k0 + v, mask=m_ok & (k0 + v < K), other=0.0).to(tl.float32)
+        t = _field(p, ph, magic, 0, BITS, FP8) * x0
+        xs = x0  # the chunk's activations, summed: for offsets
+        for j in tl.static_range(1, PER):
+            k = k0 + 4 * j + v
+            xj = tl.load(x_ptr + m * sx + k, mask=m_ok & (k < K), other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                xs += xj
+            if not FP8:  # the inverse of _field's factor (the fp8 one is in the scale)
+                xj = xj * (1.0 / (1 << (BITS * (j % (16 // BITS)))))
+            t += _field(p, ph, magic, j, BITS, FP8) * xj
+        cg = c0 + c3
+        if GROUP_CHUNKS == 0:
+            s_at = n3 * G + cg * 0
+        else:
+            s_at = n3 * G + cg // GROUP_CHUNKS
+        s_ok = (n3 < N) & (cg < c_hi)
+        s = tl.load(s_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
+        if FP8:
+            s = s * 256.0
+        acc += tl.sum(t, axis=3) * s
+        if HAS_ZERO:
+            acc += tl.sum(xs, axis=3) * tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _qgemv_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                       M: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr,
                       HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
+                      PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for m < rows <= M (a power of two) over
         this program's chunks [s * split_chunks, (s + 1) * split_chunks); x has row stride sx.
         PARTIAL: out is float32 [SPLIT, rows, N] and gets this split's sums (no bias), else out
         [rows, N] in its dtype (SILU: see ``_store_sums``). GROUP_CHUNKS: chunks per scale
         group, 0 for one group per row. Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the chunk axis
-        across threads, the rows in them."""
+        across threads, the rows in them. The first tile's words are loaded before ``pdl_wait``
+        (with a K of 4,096 and 4 warps they are all of the program's weights)."""
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         nw = _weight_rows(pid_n, N, BLOCK_N, SILU)
@@ -231,41 +269,18 @@ if triton is not None:
         v = tl.arange(0, 4)[None, None, None, :]
         c3 = tl.arange(0, BLOCK_C)[:, None, None]  # [BLOCK_C, 1, BLOCK_N]: one scale per chunk and row
         n3 = nw[None, None, :]
-        m_ok = m < rows
         n_ok = n < N
         c_lo = pid_k * split_chunks
         c_hi = tl.minimum(c_lo + split_chunks, chunks)
         row = p_ptr + n * (chunks * 4) + v
-        acc = tl.zeros([BLOCK_C, M, BLOCK_N], tl.float32)
-        for c0 in range(c_lo, c_hi, BLOCK_C):
-            cc = c0 + c
-            c_ok = cc < c_hi
-            p = tl.load(row + cc * 4, mask=n_ok & c_ok, other=0)
-            ph = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
-            k0 = cc * (4 * PER)
-            x0 = tl.load(x_ptr + m * sx + k0 + v, mask=m_ok & (k0 + v < K), other=0.0).to(tl.float32)
-            t = _field(p, ph, magic, 0, BITS, FP8) * x0
-            xs = x0  # the chunk's activations, summed: for offsets
-            for j in tl.static_range(1, PER):
-                k = k0 + 4 * j + v
-                xj = tl.load(x_ptr + m * sx + k, mask=m_ok & (k < K), other=0.0).to(tl.float32)
-                if HAS_ZERO:
-                    xs += xj
-                if not FP8:  # the inverse of _field's factor (the fp8 one is in the scale)
-                    xj = xj * (1.0 / (1 << (BITS * (j % (16 // BITS)))))
-                t += _field(p, ph, magic, j, BITS, FP8) * xj
-            cg = c0 + c3
-            if GROUP_CHUNKS == 0:
-                s_at = n3 * G + cg * 0
-            else:
-                s_at = n3 * G + cg // GROUP_CHUNKS
-            s_ok = (n3 < N) & (cg < c_hi)
-            s = tl.load(s_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
-            if FP8:
-                s = s * 256.0
-            acc += tl.sum(t, axis=3) * s
-            if HAS_ZERO:
-                acc += tl.sum(xs, axis=3) * tl.load(z_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)
+        p = tl.load(row + (c_lo + c) * 4, mask=n_ok & (c_lo + c < c_hi), other=0)
+        pdl_wait(PDL)
+        acc = _qgemv_tile(tl.zeros([BLOCK_C, M, BLOCK_N], tl.float32), p, c_lo, c_hi, x_ptr, sx, s_ptr, z_ptr,
+                          rows, N, K, G, magic, c, m, n3, v, c3, BITS, PER, FP8, HAS_ZERO, GROUP_CHUNKS)
+        for c0 in range(c_lo + BLOCK_C, c_hi, BLOCK_C):
+            p = tl.load(row + (c0 + c) * 4, mask=n_ok & (c0 + c < c_hi), other=0)
+            acc = _qgemv_tile(acc, p, c0, c_hi, x_ptr, sx, s_ptr, z_ptr, rows, N, K, G, magic, c, m, n3, v, c3,
+                              BITS, PER, FP8, HAS_ZERO, GROUP_CHUNKS)
         _store_sums(tl.sum(acc, axis=0), tl.arange(0, M)[:, None], nw[None, :], pid_n, b_ptr, out_ptr, rows, N,
                     pid_k, HAS_BIAS, PARTIAL, SILU, BLOCK_N)
 
@@ -273,12 +288,15 @@ if triton is not None:
     def _qdot_kernel(x_ptr, sx, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, K, G, chunks, split_chunks, magic,
                      BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
                      HAS_BIAS: tl.constexpr, GROUP_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_C: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr):
+                     BLOCK_C: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
+                     PDL: tl.constexpr):
         """``_qgemv_kernel``'s product on the tensor cores, for 2 to 16 rows: each [BLOCK_N,
         BLOCK_C chunks] weight tile is dequantized (scale and offset applied) into x's dtype and
         multiplied by the rows' inputs padded to 16 rows (tl.dot, float32 accumulation; IEEE:
         weights and inputs multiplied in float32), so the decoding is paid once for all rows.
         Tensors are [BLOCK_N, BLOCK_C, PER, CHUNK]: flattened, the inputs in their natural order."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         nw = _weight_rows(pid_n, N, BLOCK_N, SILU)
@@ -337,10 +355,12 @@ if triton is not None:
 
     @triton.jit
     def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SILU: tl.constexpr, BLOCK: tl.constexpr):
+                           SILU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """out[i] = sum_s part[s, i] (+ b[i % N]) for the flat [rows * N] output (total elements);
         with SILU, out [rows, N // 2] (total elements) = silu(gate) * up of the summed
         [rows, N] partials, as in ``_store_sums``."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
         if SILU:
@@ -422,7 +442,7 @@ def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits:
             part, rows, n, k, scale.shape[1], chunks, split_chunks, MAGIC)
     common = dict(BITS=bits, PER=fields_per_word(bits), FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
                   GROUP_CHUNKS=_group_chunks(scale, group, bits), BLOCK_N=block_n, BLOCK_C=block_c,
-                  PARTIAL=split > 1, SILU=silu, num_warps=warps)
+                  PARTIAL=split > 1, SILU=silu, num_warps=warps, **fused.launch_options(x.device))
     grid = (triton.cdiv(n_out, block_n // 2) if silu else triton.cdiv(n, block_n), split)
     if dot_c:
         # float32 inputs in float32; so too under the interpreter, whose dot of 16-bit floats is wrong
@@ -433,7 +453,7 @@ def gemv(x: torch.Tensor, words, scale, zero, bias, *, k: int, group: int, bits:
         total = rows * n_out
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](part, bias if bias is not None else part, out, total, n,
                                                          SPLIT=split, HAS_BIAS=bias is not None, SILU=silu,
-                                                         BLOCK=1024, num_warps=4)
+                                                         BLOCK=1024, num_warps=4, **fused.launch_options(x.device))
     return out.view(*x.shape[:-1], n_out)
 
 

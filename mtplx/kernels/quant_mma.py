@@ -289,6 +289,7 @@ def _asm(bits: int, offsets: bool) -> str:
 
 
 if triton is not None:
+    from mtplx.kernels.fused import pdl_start, pdl_wait
     from mtplx.kernels.quant_gemv import silu_mul_rounded
 
     _ASM4 = tl.constexpr(_asm(4, False))
@@ -334,13 +335,15 @@ if triton is not None:
     def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
                          zk, INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
                          HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                         SILU: tl.constexpr):
+                         SILU: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile
         program_id(0) (with SILU also those of tile program_id(0) + half_rows / 16, the up rows:
         PAIRS = 2) over input tiles [s * split_tiles, (s + 1) * split_tiles) of split s =
         program_id(1). Each step of the loop takes WARPS * UNITS consecutive tiles, one a row of
         the [PAIRS, WARPS * UNITS, 128] tensors (a lane's 4 words, scales and sums at 4 l .. 4 l + 3).
-        Stores as ``quant_gemv._store_sums`` does (PARTIAL: float32 [SPLIT, rows, N] partials)."""
+        Stores as ``quant_gemv._store_sums`` does (PARTIAL: float32 [SPLIT, rows, N] partials).
+        The first step's weights, scales and offsets are loaded before ``pdl_wait``."""
+        pdl_start(PDL)
         KT: tl.constexpr = 32 if INT8 else 64
         STEP: tl.constexpr = WARPS * UNITS
         pid_r = tl.program_id(0)
@@ -377,6 +380,7 @@ if triton is not None:
         words = tl.load(w_at, mask=ok, other=0)
         sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
         zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
+        pdl_wait(PDL)
         xs = _load_x(tl.where(ok, x_at, x_first), INT8)
         acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
         for c0 in range(c_lo, c_hi, STEP):
@@ -510,12 +514,12 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, -1.0 / bias_of(bits),
         INT8=bits == 8,
         PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, SILU=silu, num_warps=warps)
+        PARTIAL=split > 1, SILU=silu, num_warps=warps, **fused.launch_options(x.device))
     if split > 1:
         total = rows * n_out
         quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
             part, bias if bias is not None else part, out, total, n, SPLIT=split, HAS_BIAS=bias is not None,
-            SILU=silu, BLOCK=1024, num_warps=4)
+            SILU=silu, BLOCK=1024, num_warps=4, **fused.launch_options(x.device))
     return out.view(*x.shape[:-1], n_out)
 
 

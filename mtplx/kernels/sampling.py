@@ -43,6 +43,8 @@ from mtplx.kernels import fused
 try:
     import triton
     import triton.language as tl
+
+    from mtplx.kernels.fused import pdl_start, pdl_wait
 except ImportError:  # CPU-only installs use the PyTorch path
     triton = None
 
@@ -176,7 +178,9 @@ if triton is not None:
     def _process_kernel(logits_ptr, out_ptr, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
                         race_ptr, pick_ptr, scratch_ptr, V, positions, race_row, race_pos,
                         HAS_RACE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                        WIDE: tl.constexpr):
+                        WIDE: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         setting = row // positions
         logits = logits_ptr + row.to(tl.int64) * V
@@ -261,14 +265,18 @@ if triton is not None:
             tl.store(pick_ptr + row, at.to(tl.int64))
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         _, at = _row_argmax(x_ptr + row.to(tl.int64) * V, V, BLOCK)
         tl.store(out_ptr + row, at.to(tl.int64))
 
     @triton.jit
     def _rejection_kernel(p_ptr, q_ptr, drafts_ptr, depths_ptr, u_ptr, race_ptr, out_ptr, V, k, u_stride,
-                          HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_Q: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         r64 = row.to(tl.int64)
         depth = tl.load(depths_ptr + row).to(tl.int32)
@@ -342,7 +350,8 @@ def process(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tenso
         logits, out, greedy, temperature, top_k, top_p,
         min_p, race if race is not None else out, picks, scratch, vocab, positions,
         race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
-        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, WIDE=WIDE, num_warps=num_warps)
+        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, WIDE=WIDE, num_warps=num_warps,
+        **fused.launch_options(logits.device))
     return out, (picks if race is not None else None)
 
 
@@ -352,7 +361,8 @@ def argmax(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> t
     lead, vocab = x.shape[:-1], x.shape[-1]
     x = x.contiguous()
     out = torch.empty(lead, dtype=torch.long, device=x.device)
-    _argmax_kernel[(max(out.numel(), 1),)](x, out, vocab, BLOCK=block, num_warps=num_warps)
+    _argmax_kernel[(max(out.numel(), 1),)](x, out, vocab, BLOCK=block, num_warps=num_warps,
+                                           **fused.launch_options(x.device))
     return out
 
 
@@ -366,5 +376,6 @@ def rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draf
     q = draft_probs.contiguous() if draft_probs is not None else target_probs
     _rejection_kernel[(rows,)](
         target_probs.contiguous(), q, drafts if k else out, depths.contiguous(), uniforms, race.contiguous(), out,
-        vocab, k, uniforms.stride(0), HAS_Q=draft_probs is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        vocab, k, uniforms.stride(0), HAS_Q=draft_probs is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        **fused.launch_options(out.device))
     return out
