@@ -215,7 +215,8 @@ def test_quantized_gemv_replays_in_a_cuda_graph():
 
 def _layer_chain(layers, norm_weight, x):
     """x through a stack of decoder-like steps of kernels that each read the one before: RMSNorm
-    (residual add), a quantized product, its SiLU epilogue, and a split-K product's sum kernel."""
+    (residual add), a quantized product, its SiLU epilogue, a split-K product's sum kernel, and
+    the bf16 GEMV of the first row at the end."""
     from mtplx.kernels import gemv
 
     delta = torch.zeros_like(x)
@@ -224,7 +225,7 @@ def _layer_chain(layers, norm_weight, x):
         h = qkv(h)[..., : x.shape[-1]]
         x, h = fused.rms_norm(x, norm_weight, 1e-6, delta=h)
         delta = down(gate_up.silu_mul_forward(h))
-    return gemv.gemv(x + delta, norm_weight.expand(8, -1).contiguous())
+    return gemv.gemv((x + delta)[:1], norm_weight.expand(8, -1).contiguous())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -233,12 +234,14 @@ def _layer_chain(layers, norm_weight, x):
 def test_dependent_launches_in_a_cuda_graph_equal_serial_launches(rows):
     """With ``kernels.PDL`` each kernel may start before the one it reads has finished (and
     loads its weights then): a captured chain of them must give exactly what the same kernels
-    give launched one after another without it."""
+    give launched one after another without it, for a new input at every replay (a kernel that
+    read its input too early would see the previous replay's values)."""
     h = 512
     layers = []
     # the tensor-core GEMV splits inputs of 8,192 into four (a sum kernel); 5-8 rows of the
-    # CUDA-core one run its tensor-core variant, split too
-    kinds = [("mma", "int4", 8192), ("triton", "int8", 1024), ("triton", "int4", 1024), ("mma", "int8", 1024)]
+    # CUDA-core one run its tensor-core variant, split too; up to 4 rows, the CUDA-core int8
+    # product over 4,096 inputs takes two loop steps (the second after the wait)
+    kinds = [("mma", "int4", 8192), ("triton", "int8", 4096), ("triton", "int4", 1024), ("mma", "int8", 1024)]
     for i, (backend, fmt, inter) in enumerate(kinds):
         shapes = [(3 * h, h), (2 * inter, h), (h, inter)]
         layers.append(tuple(QuantLinear(_weight(fmt, n, k, 32, seed=3 * i + j), device="cuda", backend=backend,
@@ -248,26 +251,27 @@ def test_dependent_launches_in_a_cuda_graph_equal_serial_launches(rows):
     saved = kernels.PDL
     try:
         with torch.no_grad():
-            kernels.PDL = False
-            serial = _layer_chain(layers, norm_weight, x)
             kernels.PDL = True
+            assert fused.launch_options(x.device)["PDL"], "PDL is not on for this device and Triton"
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                eager = _layer_chain(layers, norm_weight, x)  # compiles outside the capture
+                _layer_chain(layers, norm_weight, x)  # compiles outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 captured = _layer_chain(layers, norm_weight, x)
-            for _ in range(3):
-                captured.zero_()
+            for i in range(8):
+                x.copy_(torch.randn(rows, h, generator=torch.Generator().manual_seed(100 + i)))
                 graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(captured, serial)
+                got = captured.clone()
+                kernels.PDL = False
+                serial = _layer_chain(layers, norm_weight, x)
+                kernels.PDL = True
+                assert torch.equal(got, serial), f"replay {i}"
+                assert serial.abs().sum() > 0
     finally:
         kernels.PDL = saved
-    assert torch.equal(eager, serial)
-    assert serial.abs().sum() > 0
 
 
 # The tensor-core layout (kernels/quant_mma.py): its dequantizing kernel (prefill) runs under the

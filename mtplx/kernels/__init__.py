@@ -24,12 +24,30 @@ PDL = os.environ.get("MTPLX_PDL", "1") != "0"
 
 def pdl(device) -> bool:
     """Whether kernels launched on ``device`` use programmatic dependent launch: ``PDL`` and
-    ``ENABLED`` on, and a CUDA device of compute capability 9.0 or newer."""
-    return PDL and ENABLED and device.type == "cuda" and _capability_major(device.index) >= 9
+    ``ENABLED`` on, an NVIDIA device of compute capability 9.0 or newer (not ROCm, whose devices
+    also report type "cuda"), a driver that captures such launches in CUDA graphs (CUDA 12.3+),
+    and a Triton that has the launch option and ``gdc_wait`` (3.4+)."""
+    if not (PDL and ENABLED and device.type == "cuda"):
+        return False
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _supported() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major(index) -> int:
+def _supported() -> bool:
+    """The software side of ``pdl``, checked once."""
     import torch
 
-    return torch.cuda.get_device_capability(index)[0]
+    if torch.version.hip is not None or torch._C._cuda_getDriverVersion() < 12030:
+        return False
+    try:
+        import dataclasses
+
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
+            and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)})

@@ -258,7 +258,7 @@ if triton is not None:
         [rows, N] in its dtype (SILU: see ``_store_sums``). GROUP_CHUNKS: chunks per scale
         group, 0 for one group per row. Tensors are [BLOCK_C, M, BLOCK_N, CHUNK]: the chunk axis
         across threads, the rows in them. The first tile's words are loaded before ``pdl_wait``
-        (with a K of 4,096 and 4 warps they are all of the program's weights)."""
+        (32 * num_warps chunks of each row: for int4 with 4 warps, 4,096 inputs)."""
         pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)

@@ -232,18 +232,22 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits:
     return out[:rows, :n]
 
 
-def _load_asm(bits: int) -> str:
+def _load_asm(bits: int, coherent: bool = False) -> str:
     """Inline PTX loading one lane's activations for a tile's 4 mma steps from the address of
     step 0's (int4: $8, after the 8 outputs, $9-$11 copies; int8: $4, $5-$7 copies): int4, 8
     bytes a step (the lane's 4 activations), 32 bytes apart, as the B registers $0-$3
     (activations 0-1 of steps 0-3) and $4-$7 (2-3); int8, 4 bytes (a pair), 16 bytes apart, as
     $0-$3. The loads are written in PTX, not Triton, so that
     Triton keeps every operand in the words' layout instead of moving the words through shared
-    memory into the activations' (these addresses are not contiguous across a warp's lanes)."""
+    memory into the activations' (these addresses are not contiguous across a warp's lanes).
+    coherent: plain loads instead of the read-only path (``.nc``, which assumes the data does not
+    change while the kernel runs: under programmatic dependent launch the kernel before this one
+    may still be writing the activations when this one starts)."""
+    op = "ld.global" if coherent else "ld.global.nc"
     if bits == 4:
-        loads = [f"ld.global.nc.v2.b32 {{${s}, ${4 + s}}}, [$8+{32 * s}];" for s in range(4)]
+        loads = [f"{op}.v2.b32 {{${s}, ${4 + s}}}, [$8+{32 * s}];" for s in range(4)]
     else:
-        loads = [f"ld.global.nc.b32 ${s}, [$4+{16 * s}];" for s in range(4)]
+        loads = [f"{op}.b32 ${s}, [$4+{16 * s}];" for s in range(4)]
     return "\n".join(loads)
 
 
@@ -298,15 +302,25 @@ if triton is not None:
     _ASM8Z = tl.constexpr(_asm(8, True))
     _LOAD4 = tl.constexpr(_load_asm(4))
     _LOAD8 = tl.constexpr(_load_asm(8))
+    _LOAD4_COHERENT = tl.constexpr(_load_asm(4, coherent=True))
+    _LOAD8_COHERENT = tl.constexpr(_load_asm(8, coherent=True))
 
     @triton.jit
-    def _load_x(x_at, INT8: tl.constexpr):
+    def _load_x(x_at, INT8: tl.constexpr, PDL: tl.constexpr):
         """The B registers of the tiles whose step-0 activations are at x_at (int64 addresses):
-        int8, one tensor (the pairs of steps 0-3 in each lane's 4 elements); int4, two."""
+        int8, one tensor (the pairs of steps 0-3 in each lane's 4 elements); int4, two. Under
+        PDL the loads are plain ones, and marked as having effects, so that none is moved above
+        ``pdl_wait`` and none reads a stale line of the read-only cache."""
         if INT8:
+            if PDL:
+                return tl.inline_asm_elementwise(_LOAD8_COHERENT, "=r,=r,=r,=r" + ",l" * 4, [x_at], dtype=tl.int32,
+                                                 is_pure=False, pack=4)
             return tl.inline_asm_elementwise(_LOAD8, "=r,=r,=r,=r" + ",l" * 4, [x_at], dtype=tl.int32,
                                              is_pure=True, pack=4)
         else:
+            if PDL:
+                return tl.inline_asm_elementwise(_LOAD4_COHERENT, "=r,=r,=r,=r,=r,=r,=r,=r" + ",l" * 4, [x_at],
+                                                 dtype=(tl.int32, tl.int32), is_pure=False, pack=4)
             return tl.inline_asm_elementwise(_LOAD4, "=r,=r,=r,=r,=r,=r,=r,=r" + ",l" * 4, [x_at],
                                              dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
 
@@ -381,7 +395,7 @@ if triton is not None:
         sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
         zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
         pdl_wait(PDL)
-        xs = _load_x(tl.where(ok, x_at, x_first), INT8)
+        xs = _load_x(tl.where(ok, x_at, x_first), INT8, PDL)
         acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
         for c0 in range(c_lo, c_hi, STEP):
             ok = c0 + STEP + wu < c_hi
@@ -392,7 +406,7 @@ if triton is not None:
             words_next = tl.load(w_at, mask=ok, other=0)
             sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
             zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
-            xs_next = _load_x(tl.where(ok, x_at, x_first), INT8)
+            xs_next = _load_x(tl.where(ok, x_at, x_first), INT8, PDL)
             acc = _tile(words, xs, sc, zq, acc, INT8, HAS_ZERO)
             words = words_next
             sc = sc_next
