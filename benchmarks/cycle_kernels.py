@@ -16,23 +16,10 @@ import json
 import torch
 
 from benchmarks.gpu import SHAPES, random_engine, timed
-from benchmarks.gpu_profile import kernel_rows
+from benchmarks.gpu_profile import kernel_breakdown
 from mtplx import kernels
 from mtplx.engine.sampling import SamplingParams
 from mtplx.engine.sequence import Sequence
-
-
-def profile(fn, steps: int = 10) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return [{"name": n, "count": c, "us": round(us, 2)} for n, c, us in kernel_rows(prof, steps, name_chars=90)]
 
 
 def measure(engine, context: int = 128) -> dict:
@@ -51,7 +38,7 @@ def measure(engine, context: int = 128) -> dict:
         for d in (1, 3):
             cases[f"cycle_d{d}"] = lambda d=d: (setattr(seq, "depth", d), runner.greedy_cycle([seq], hidden, d))
         for name, fn in cases.items():
-            kernels_ = profile(fn)
+            kernels_ = kernel_breakdown(fn, steps=10, top=None)["top"]
             triton_names = {k["name"] for k in kernels_ if k["name"].startswith("_")}
             out[name] = {"s": timed(fn, repeats=50), "kernels": kernels_,
                          "launches": round(sum(k["count"] for k in kernels_), 1),

@@ -37,8 +37,9 @@ def kernel_rows(prof, per: float, name_chars: int = 100) -> list[tuple[str, floa
     return sorted(((n, c / per, us / per) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
 
 
-def kernel_breakdown(fn, steps: int = 5) -> dict:
-    """GPU kernel time per step by kernel name (torch.profiler over ``steps`` calls)."""
+def kernel_breakdown(fn, steps: int = 5, top: int | None = 25) -> dict:
+    """GPU kernel time per step by kernel name (torch.profiler over ``steps`` calls); ``top``:
+    the costliest kernels listed (None: all)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -50,7 +51,7 @@ def kernel_breakdown(fn, steps: int = 5) -> dict:
         torch.cuda.synchronize()
     rows = kernel_rows(prof, steps, name_chars=90)
     return {"kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": sum(r[2] for r in rows),
-            "top": [{"name": n, "count": c, "us": us} for n, c, us in rows[:25]]}
+            "top": [{"name": n, "count": c, "us": us} for n, c, us in rows[:top]]}
 
 
 def gemv_bandwidth(device, shapes: dict[str, tuple[int, int]], copies: int, rows: int = 1) -> dict:
