@@ -29,10 +29,12 @@ def pdl(device) -> bool:
     and a Triton that has the launch option and ``gdc_wait`` (3.4+)."""
     if not (PDL and ENABLED and device.type == "cuda"):
         return False
+    if not _supported():
+        return False
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _supported() and torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +42,7 @@ def _supported() -> bool:
     """The software side of ``pdl``, checked once."""
     import torch
 
-    if torch.version.hip is not None or torch._C._cuda_getDriverVersion() < 12030:
+    if torch.version.hip is not None or _driver_version() < 12030:
         return False
     try:
         import dataclasses
@@ -51,3 +53,15 @@ def _supported() -> bool:
         return False
     return (hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
             and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)})
+
+
+def _driver_version() -> int:
+    """The CUDA driver's version (12030 for 12.3) from libcuda itself; 0 where there is none."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    version = ctypes.c_int(0)
+    return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
