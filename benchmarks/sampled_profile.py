@@ -4,9 +4,10 @@ GPU's busy share and the costliest kernels; then the sampling pieces alone, each
 CUDA graph, at the shapes a batch-1 cycle uses.
 
     PYTHONPATH=. python benchmarks/sampled_profile.py --model GGUF --head DIR --out FILE.json
-        [--max-tokens 128] [--prompts 2]
+        [--max-tokens 128] [--prompts 2] [--configs a,b] [--no-pieces] [--cprofile]
 
-The prompts are the first of ``sampled_decoding.HELD_OUT_CHAT``.
+--cprofile adds the host's side (``host_profile``): a host that seldom waits for the device sets
+the pace itself. The prompts are the first of ``sampled_decoding.HELD_OUT_CHAT``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ CONFIGS = {  # label: (mode, depth, draft policy, sampling)
     "d1_t0.7": ("mtp", 1, "greedy", {"temperature": 0.7, "top_p": 0.95, "seed": 1}),
     "d1_t1.0": ("mtp", 1, "greedy", {"temperature": 1.0, "seed": 1}),
     "mirror_d1_t1.0": ("mtp", 1, "mirror", {"temperature": 1.0, "seed": 1}),
+    "d3_greedy": ("mtp", 3, "greedy", {}),
+    "auto_greedy": ("mtp", "auto", "greedy", {}),
+    "mirror_d3_t0.7": ("mtp", 3, "mirror", {"temperature": 0.7, "top_p": 0.95, "seed": 1}),
 }
 
 
@@ -44,7 +48,7 @@ def generate(engine, prompts, config, max_tokens: int) -> int:
     return tokens
 
 
-def profile_config(engine, prompts, config, max_tokens: int) -> dict:
+def profile_config(engine, prompts, config, max_tokens: int, cprofile: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     generate(engine, prompts[:1], config, 16)  # warm-up
@@ -58,10 +62,54 @@ def profile_config(engine, prompts, config, max_tokens: int) -> dict:
         torch.cuda.synchronize()
     rows = kernel_rows(prof, p_tokens)
     gpu_us = sum(us for _, _, us in rows)  # per token
-    return {"tokens": tokens, "wall_us_per_token": wall / tokens * 1e6, "tok_s": tokens / wall,
-            "gpu_us_per_token": gpu_us, "kernels_per_token": sum(c for _, c, _ in rows),
-            "gpu_busy_share": gpu_us / (wall / tokens * 1e6),
-            "top": [{"name": n, "per_token": round(c, 2), "us_per_token": round(us, 2)} for n, c, us in rows]}
+    busy_us = busy_union_us(prof) / p_tokens
+    out = {"tokens": tokens, "wall_us_per_token": wall / tokens * 1e6, "tok_s": tokens / wall,
+           "gpu_us_per_token": gpu_us, "kernels_per_token": sum(c for _, c, _ in rows),
+           "gpu_busy_share": gpu_us / (wall / tokens * 1e6),
+           # kernels overlap under programmatic dependent launch: the union of their intervals
+           "gpu_busy_union_us_per_token": busy_us, "gpu_busy_union_share": busy_us / (wall / tokens * 1e6),
+           "top": [{"name": n, "per_token": round(c, 2), "us_per_token": round(us, 2)} for n, c, us in rows]}
+    if cprofile:
+        out["host"] = host_profile(engine, prompts, config, max_tokens)
+    return out
+
+
+def busy_union_us(prof) -> float:
+    """Microseconds in which at least one CUDA kernel ran (the union of their intervals)."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def host_profile(engine, prompts, config, max_tokens: int, top: int = 30) -> dict:
+    """Where the host's time goes in ``engine.generate`` (cProfile): per token, all of it, the
+    part spent waiting for the device (tolist / item / synchronize: the cycle's one transfer),
+    and the functions of most own time. A host that rarely waits sets the pace itself."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prof.enable()
+    tokens = generate(engine, prompts, config, max_tokens)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats
+    wait = sum(tt for (_, _, name), (_, _, tt, _, _) in stats.items()
+               if any(w in name for w in ("'tolist'", "'item'", "synchronize", "'cpu'")))
+    own = sorted(((f"{Path(f).name}:{line}:{name}", nc, tt, ct) for (f, line, name), (_, nc, tt, ct, _) in stats.items()),
+                 key=lambda r: -r[2])[:top]
+    per = 1e6 / tokens
+    return {"tokens": tokens, "wall_us_per_token_profiled": wall * per, "wait_us_per_token": wait * per,
+            "top_own_time": [{"fn": f, "calls_per_token": round(nc / tokens, 2), "own_us_per_token": round(tt * per, 2),
+                              "cum_us_per_token": round(ct * per, 2)} for f, nc, tt, ct in own]}
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -182,6 +230,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--sweep", action="store_true", help="time the sampling kernel's tile configs")
+    ap.add_argument("--no-pieces", action="store_true", help="skip timing the sampling pieces alone")
+    ap.add_argument("--cprofile", action="store_true", help="also profile the host (cProfile) per config")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -195,12 +245,22 @@ def main() -> None:
     with torch.inference_mode():
         if args.sweep:
             report["sweep"] = sweep(engine)
-        report["pieces"] = pieces(engine)
+        if not args.no_pieces:
+            report["pieces"] = pieces(engine)
         for label in [c for c in args.configs.split(",") if c]:
-            entry = report["configs"][label] = profile_config(engine, prompts, CONFIGS[label], args.max_tokens)
+            entry = report["configs"][label] = profile_config(engine, prompts, CONFIGS[label], args.max_tokens,
+                                                                  args.cprofile)
             print(f"== {label}: {entry['tok_s']:.0f} tok/s, wall {entry['wall_us_per_token']:.0f} us/token, GPU "
                   f"{entry['gpu_us_per_token']:.0f} us/token ({entry['gpu_busy_share']:.0%} busy), "
-                  f"{entry['kernels_per_token']:.0f} kernels/token", flush=True)
+                  f"{entry['kernels_per_token']:.0f} kernels/token, kernels' union "
+                  f"{entry['gpu_busy_union_us_per_token']:.0f} us/token ({entry['gpu_busy_union_share']:.0%})", flush=True)
+            if "host" in entry:
+                h = entry["host"]
+                print(f"   host (cProfile): {h['wall_us_per_token_profiled']:.0f} us/token, waiting for the device "
+                      f"{h['wait_us_per_token']:.0f}", flush=True)
+                for t in h["top_own_time"][:20]:
+                    print(f"   {t['own_us_per_token']:7.2f} us own {t['cum_us_per_token']:8.2f} cum "
+                          f"{t['calls_per_token']:6.2f}/tok  {t['fn']}", flush=True)
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
             for t in entry["top"][:14]:
                 print(f"   {t['per_token']:6.2f} x {t['us_per_token']:7.2f} us  {t['name']}", flush=True)

@@ -216,9 +216,10 @@ def test_autograd_takes_the_reference_path():
     """The kernels have no backward: with autograd on (forge trains a head through these
     modules) the norm and the projections run the reference path and gradients reach the
     weights. (Forge's GPU training failed with 'does not require grad' before.)"""
-    norm = RMSNorm(64, 1e-6).to(DEVICE)
-    proj = torch.nn.Linear(64, 32, bias=False).to(DEVICE)
-    x = torch.randn(1, 1, 64, device=DEVICE)  # one row: the GEMV kernel's shape
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the GEMV's dtypes on CUDA
+    norm = RMSNorm(64, 1e-6).to(DEVICE, dtype)
+    proj = torch.nn.Linear(64, 32, bias=False).to(DEVICE, dtype)
+    x = torch.randn(1, 1, 64, device=DEVICE, dtype=dtype)  # one row: the GEMV kernel's shape
     out = gemv.gemv(norm(x), proj.weight) if gemv.usable(norm(x), proj.weight) else proj(norm(x))
     out.sum().backward()
     assert norm.weight.grad is not None and proj.weight.grad is not None
