@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(not fused.available(), reason="needs Triton")
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the kernel tests run directly here")
-@pytest.mark.parametrize("path", ["tests/test_sampling_kernels.py", "tests/test_quant_kernels_triton.py"])
+@pytest.mark.parametrize("path", ["tests/test_sampling_kernels.py", "tests/test_quant_kernels_triton.py",
+                                  "tests/test_cycle_kernels.py"])
 def test_kernel_tests_pass_under_the_interpreter(path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], cwd=ROOT, env=env,

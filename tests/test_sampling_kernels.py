@@ -97,6 +97,20 @@ def test_process_race_draws_the_argmax_of_p_over_noise():
     assert torch.equal(picks[0], torch.tensor([7, 7], device=DEVICE))  # greedy: the first maximum
 
 
+def test_the_race_winner_is_the_rejection_kernels_token_at_depth_0():
+    """A sampled AR step of a chained cycle takes ``process``'s race winner as its token
+    (runner.cycle_forward): the token ``rejection`` draws from the same p and noise without drafts."""
+    logits = logits_rows(len(PARAMS), 1, seed=3)
+    s = settings(PARAMS)
+    race = torch.empty(len(PARAMS), VOCAB, device=DEVICE).exponential_(generator=None)
+    probs, picks = kernel.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p, race[:, None])
+    rows = len(PARAMS)
+    packed = kernel.rejection(probs, None, torch.zeros(rows, 0, dtype=torch.long, device=DEVICE),
+                              torch.zeros(rows, 1, dtype=torch.long, device=DEVICE),
+                              torch.rand(rows, 1, device=DEVICE), race)
+    assert torch.equal(packed[:, 1], picks[:, 0]) and not packed[:, 0].any()
+
+
 def test_process_top_p_threshold_on_a_known_distribution():
     # probabilities 0.4, 0.3, 0.2, 0.1 (then nothing): top_p 0.7 keeps two, 0.71 three (the
     # mass before the third token, 0.7, is short of 0.71), 0.5 two

@@ -16,7 +16,7 @@ from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, exponential_, process_logits
-from mtplx.kernels import sampling as sampling_kernels
+from mtplx.kernels import cycle as cycle_kernels, sampling as sampling_kernels
 from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
@@ -416,6 +416,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if sampling is None:
             return hidden, logits, greedy_outcome(_argmax(logits), drafts, c.depths)
+        if not depth and sampling_kernels.usable(logits):
+            # an AR step: its token is the race's winner over p, which the processing kernel
+            # draws in its last pass (what the rejection kernel draws at depth 0, a second pass)
+            s = sampling.sampler
+            _, picks = sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p,
+                                                race=sampling.race[:, None])
+            return hidden, logits, greedy_outcome(picks, drafts, c.depths)
         probs = process_logits(logits, sampling.sampler, top_k=sampling.filters, min_p=sampling.filters)
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return hidden, logits, rejection_outcome(probs, q, drafts, c.depths, sampling.uniforms, sampling.race)
@@ -614,7 +621,10 @@ def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed:
     are the head's catch-up (a + 1 pairs from this cycle's first verify position + 1), the
     next token the primary, the verify starts a + 1 further on. Rows whose verify writes the
     scratch slot (a bucket's padding rows) keep their inputs. The block tables must already
-    cover the next cycle's positions (the caller takes the blocks)."""
+    cover the next cycle's positions (the caller takes the blocks). On CUDA one launch
+    (``kernels/cycle.py``), these ops elsewhere."""
+    if cycle_kernels.usable(packed):
+        return cycle_kernels.advance_cycle(fields, tables, packed, block_size, scratch_slot)
     depth = packed.shape[1] - 2
     accepted, nxt = packed[:, depth: depth + 1], packed[:, depth + 1:]
     f = fields

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from mtplx.engine.sampling import exponential_
-from mtplx.kernels import sampling as sampling_kernels
+from mtplx.kernels import cycle as cycle_kernels, sampling as sampling_kernels
 
 
 class VerifyOutcome(NamedTuple):
@@ -75,6 +75,8 @@ def greedy_outcome(target_tokens: torch.Tensor, drafts: torch.Tensor, depths: to
     drafts left to right while each equals the target's argmax; the next token is the argmax
     at the first miss, or the bonus when all are accepted. Returns the packed outcome
     [rows, k + 2]: drafts, accepted count, next token (``CycleOutcome.unpack`` reads it)."""
+    if cycle_kernels.usable(target_tokens) and drafts.dtype == torch.long:  # one launch on CUDA
+        return cycle_kernels.greedy_outcome(target_tokens, drafts, depths)
     k = drafts.shape[1]
     accepted = (target_tokens[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1, keepdim=True)
     if depths is not None:

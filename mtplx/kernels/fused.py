@@ -8,7 +8,9 @@ in three launches per use:
 - ``rms_norm``: optional residual add, then RMSNorm, one program per token;
 - ``qkv_rope_write``: optional q/k RMSNorm, rotate-half RoPE, the keys and values written to
   their cache slots, the queries to a fresh tensor, one program per (token, head);
-- ``silu_mul``: SwiGLU's ``silu(gate) * up`` from the fused gate/up matmul's output.
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` from the fused gate/up matmul's output;
+- ``rope_cos_sin``: RoPE's cos and sin for a forward's positions, computed once and read by
+  every layer's ``qkv_rope_write`` (PyTorch's six small kernels per forward in one).
 
 Each computes in float32 and rounds where the PyTorch reference rounds (the residual sum, the
 norm's output before the weight), so outputs match the reference to bf16 rounding. The models
@@ -140,6 +142,28 @@ if triton is not None:
                          y.to(k_pool_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
+    def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, H_PAD: tl.constexpr,
+                             INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, H_PAD)
+        m = k < HALF
+        # float32 position x float32 frequency, then the precise cos / sin (libdevice's, as
+        # torch's CUDA kernels call): RotaryEmbedding.bind's values exactly
+        f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + k, mask=m, other=0.0).to(tl.float32)
+        if INTERPRET:  # the interpreter has no libdevice: numpy's (precise) cos / sin
+            c, s = tl.cos(f), tl.sin(f)
+        else:
+            c, s = tl.extra.cuda.libdevice.cos(f), tl.extra.cuda.libdevice.sin(f)
+        c, s = c.to(cos_ptr.dtype.element_ty), s.to(sin_ptr.dtype.element_ty)
+        base = t * 2 * HALF
+        tl.store(cos_ptr + base + k, c, mask=m)
+        tl.store(cos_ptr + base + HALF + k, c, mask=m)
+        tl.store(sin_ptr + base + k, s, mask=m)
+        tl.store(sin_ptr + base + HALF + k, s, mask=m)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         pdl_wait(PDL)
@@ -192,6 +216,21 @@ def qkv_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         D_PAD=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
         **launch_options(q.device))
     return q_out
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [*positions.shape, 1, 2 * half] in ``dtype`` for long positions and
+    inverse frequencies [half] (float32, or as the model's dtype: read as float32, as torch
+    promotes them), in one launch (``RotaryEmbedding.bind``'s six)."""
+    half = inv_freq.shape[0]
+    pos = positions.reshape(-1).contiguous()
+    cos = torch.empty(*positions.shape, 1, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    _rope_cos_sin_kernel[(pos.numel(),)](pos, inv_freq.contiguous(), cos, sin, HALF=half,
+                                                 H_PAD=triton.next_power_of_2(half), INTERPRET=_INTERPRET, num_warps=1,
+                                                 **launch_options(positions.device))
+    return cos, sin
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

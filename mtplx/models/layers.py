@@ -82,7 +82,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = self.inv_freq.shape[0] * 2
 
     def bind(self, positions: torch.Tensor, dtype: torch.dtype) -> "BoundRotary":
-        """cos/sin for these positions, computed once per forward and shared by every layer."""
+        """cos/sin for these positions, computed once per forward and shared by every layer
+        (one launch on CUDA: ``fused.rope_cos_sin``)."""
+        if fused.usable(positions) and positions.numel():
+            return BoundRotary(*fused.rope_cos_sin(positions, self.inv_freq, dtype), self.rotary_dim)
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return BoundRotary(emb.cos().unsqueeze(2).to(dtype), emb.sin().unsqueeze(2).to(dtype), self.rotary_dim)
