@@ -78,7 +78,13 @@ class DepthCosts:
     session 10's table (1.20, 1.48, 1.75, from greedy AR 1,369 tok/s, depth 1 1.27x, 2 1.17x at
     acceptance 0.53 / 0.20): over four seeds auto with it decodes within 0.3% of the best fixed
     depth, and the costs measured in session 18 (1.21 / 1.48 / 1.59) do no better
-    (`gpu_h200_s18_auto_depth_seeds.json`). The H200's greedy
+    (`gpu_h200_s18_auto_depth_seeds.json`). Since session 22 the H200's sampled table is that
+    session's measurement of mirror cycles (T 0.7 1.20 / 1.49 / 1.60, T 1.0 1.21 / 1.49 / 1.62 AR
+    steps, `gpu_h200_s22_sampled_final.json`, after the cycle's bookkeeping went into single
+    kernels and made deeper cycles cheaper): side by side with session 10's table, two passes
+    over the 12 held-out prompts, mirror auto decoded 1.38x AR against 1.36x at T 0.7 and 1.24x
+    against 1.25x at T 1.0 (mirror depth 3: 1.36x, 1.23x; `gpu_h200_s22_auto_sampled_costs_*.json`):
+    within the runs' noise either way, the measured table kept as the true one. The H200's greedy
     table is the measured one since session 15 (1.21, 1.45, 1.56: sessions 13 and 15, either
     head, 12 held-out chat prompts): with the session-15 head, whose deeper drafts accept more,
     auto decoded greedy 1.62x AR against depth 3's 1.57x, where session 10's table held it at
@@ -101,7 +107,7 @@ class DepthCosts:
     @classmethod
     def default_sampled(cls, device_type: str) -> DepthCosts:
         if device_type == "cuda":
-            return cls((1.20, 1.48, 1.75), 0.27)
+            return cls((1.21, 1.49, 1.61), 0.12)
         return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
