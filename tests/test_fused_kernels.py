@@ -184,7 +184,7 @@ def test_tiny_model_forward_matches_reference(family, reference_path, monkeypatc
     forwards = [  # (sequences, token rows, starts), run in this order over one cache
         (4, [list(range(3 + r, 20 + r)) for r in range(4)], [0] * 4),
         *[(r, [[7]] * r, [17] * r) for r in (2, 3, 4)],
-        *[(1, [[4, 5, 6, 7][:q]], [18]) for q in (2, 3, 4)],
+        *[(1, [list(range(4, 4 + q))], [18]) for q in range(2, gemv.MAX_ROWS + 1)],
         (2, [[8, 9, 10]] * 2, [22, 18]),
         (2, [[12, 13], [14]], [25, 21]),
         (1, [[11]], [27]),
