@@ -123,20 +123,21 @@ def advance_cycle(fields: dict[str, torch.Tensor], tables: torch.Tensor, packed:
     """``runner.advance_cycle`` in one launch (the same contract): the fields are [R, n] long
     views, each contiguous by rows (``CycleBuffers``), the tables [R, width] contiguous."""
     depth = packed.shape[1] - 2
-    f = fields
-    for name in ("primary", "verify_pos", "verify_slots") + (("catch_up_ids", "catch_up_pos", "catch_up_slots",
-                                                            "last", "draft_pos", "draft_slots", "depths")
-                                                           if depth else ()):
-        t = f[name]
+    for name, t in fields.items():
         if t.numel() and not (t.stride(-1) == 1 and t.stride(0) == t.shape[1]):
             raise ValueError(f"advance_cycle: field {name} is not contiguous by rows")
     if not tables.is_contiguous():
         raise ValueError("advance_cycle: the block tables are not contiguous")
-    v = f["verify_pos"]
-    pick = (lambda name: f[name] if depth and f[name].numel() else v)  # noqa: E731 (unused at depth 0 / 1)
+
+    def field(name: str) -> torch.Tensor:
+        # a field of no columns (the catch-up at depth 0, the further drafts at depth 1) is
+        # never read or written by the kernel: any long tensor stands in for its pointer
+        return fields[name] if fields[name].numel() else packed
+
     _advance_kernel[(packed.shape[0],)](
-        packed, tables, pick("catch_up_ids"), pick("catch_up_pos"), pick("catch_up_slots"), pick("last"),
-        pick("draft_pos"), pick("draft_slots"), f["primary"], v, f["verify_slots"], pick("depths"),
-        packed.stride(0), block_size, scratch_slot,
-        D=depth, W=depth + 1, W_PAD=triton.next_power_of_2(depth + 1), J_PAD=max(1, triton.next_power_of_2(max(depth - 1, 1))),
-        TW=tables.shape[1], num_warps=1, **fused.launch_options(packed.device))
+        packed, tables, field("catch_up_ids"), field("catch_up_pos"), field("catch_up_slots"), field("last"),
+        field("draft_pos"), field("draft_slots"), fields["primary"], fields["verify_pos"], fields["verify_slots"],
+        field("depths"), packed.stride(0), block_size, scratch_slot,
+        D=depth, W=depth + 1, W_PAD=triton.next_power_of_2(depth + 1),
+        J_PAD=triton.next_power_of_2(max(depth - 1, 1)), TW=tables.shape[1], num_warps=1,
+        **fused.launch_options(packed.device))
