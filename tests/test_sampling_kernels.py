@@ -111,6 +111,24 @@ def test_the_race_winner_is_the_rejection_kernels_token_at_depth_0():
     assert torch.equal(packed[:, 1], picks[:, 0]) and not packed[:, 0].any()
 
 
+def test_process_over_a_pruned_vocabulary_writes_the_whole_rows_by_id():
+    """``process(..., ids=, vocab_size=)``: the pruned logits' distribution written at their ids
+    (zero elsewhere), the race read there and the picks given as ids: what ``process`` over the
+    pruned row gives, scattered, with the race gathered at the ids. Every setting, filters too."""
+    g = torch.Generator().manual_seed(4)
+    whole = 3 * VOCAB // 2
+    ids = torch.randperm(whole, generator=g)[:VOCAB].sort().values.to(DEVICE)
+    logits = logits_rows(len(PARAMS), 2, seed=4)
+    s = settings(PARAMS)
+    race = torch.empty(len(PARAMS), 2, whole, device=DEVICE).exponential_(generator=None)
+    probs, picks = kernel.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p, race, ids=ids,
+                                  vocab_size=whole)
+    want, want_picks = kernel.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p, race[..., ids])
+    assert probs.shape == (len(PARAMS), 2, whole)
+    assert torch.equal(probs[..., ids], want) and float(probs.sum()) == pytest.approx(float(want.sum()))
+    assert torch.equal(picks, ids[want_picks])
+
+
 def test_process_top_p_threshold_on_a_known_distribution():
     # probabilities 0.4, 0.3, 0.2, 0.1 (then nothing): top_p 0.7 keeps two, 0.71 three (the
     # mass before the third token, 0.7, is short of 0.71), 0.5 two

@@ -498,13 +498,10 @@ class CycleSampling:
         entries, so the draft is the one the whole row gives; the PyTorch path reads whole rows."""
         if sampling_kernels.usable(head_logits):  # one launch: q (one-hot where not mirror) and the race
             s = self.draft_sampler  # no filters: the kernel's pass without a threshold search
-            race = self.draft_race[:, j: j + 1]
             q, picks = sampling_kernels.process(head_logits[:, None], self.onehot_rows, s.temperature, s.top_k,
-                                                s.top_p, s.min_p, race=race if ids is None else race[..., ids])
-            if ids is None:
-                return picks[:, 0], q[:, 0]
-            full = torch.zeros(q.shape[0], self.race.shape[1], dtype=q.dtype, device=q.device)
-            return ids[picks[:, 0]], full.scatter_(1, ids.expand(q.shape[0], -1), q[:, 0])
+                                                s.top_p, s.min_p, race=self.draft_race[:, j: j + 1], ids=ids,
+                                                vocab_size=self.race.shape[1])
+            return picks[:, 0], q[:, 0]
         if ids is not None:
             head_logits = whole_vocabulary(head_logits, ids, self.race.shape[1])
         q = process_logits(head_logits[:, None], self.draft_sampler, top_k=False, top_p=False, min_p=False)[:, 0]

@@ -175,25 +175,34 @@ if triton is not None:
             slot += keep.to(tl.int32)
 
     @triton.jit
+    def _token(ids_ptr, cols, V, HAS_IDS: tl.constexpr):
+        """The vocabulary ids of columns of a pruned row (HAS_IDS), else the columns (int32 both)."""
+        token = cols
+        if HAS_IDS:
+            token = tl.load(ids_ptr + cols, mask=cols < V, other=0).to(tl.int32)
+        return token
+
+    @triton.jit
     def _process_kernel(logits_ptr, out_ptr, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
-                        race_ptr, pick_ptr, scratch_ptr, V, positions, race_row, race_pos,
-                        HAS_RACE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                        WIDE: tl.constexpr, PDL: tl.constexpr):
+                        race_ptr, pick_ptr, scratch_ptr, ids_ptr, V, out_row, positions, race_row, race_pos,
+                        HAS_RACE: tl.constexpr, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr,
+                        TILE: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         pdl_wait(PDL)
         row = tl.program_id(0)
         setting = row // positions
         logits = logits_ptr + row.to(tl.int64) * V
-        out = out_ptr + row.to(tl.int64) * V
+        out = out_ptr + row.to(tl.int64) * out_row
         race = race_ptr + setting.to(tl.int64) * race_row + (row % positions) * race_pos
         # pass 1: the most probable token (the first of equal maxima, as torch.argmax)
         best, best_at = _row_argmax(logits, V, BLOCK)
         if tl.load(greedy_ptr + setting) != 0:
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                tl.store(out + cols, tl.where(cols == best_at, 1.0, 0.0), mask=cols < V)
+                tl.store(out + _token(ids_ptr, cols, V, HAS_IDS), tl.where(cols == best_at, 1.0, 0.0),
+                         mask=cols < V)
             if HAS_RACE:
-                tl.store(pick_ptr + row, best_at.to(tl.int64))
+                tl.store(pick_ptr + row, _token(ids_ptr, best_at, V, HAS_IDS).to(tl.int64))
             return
         temp = tl.load(temp_ptr + setting)
         top_k = tl.load(topk_ptr + setting).to(tl.int32)
@@ -253,16 +262,18 @@ if triton is not None:
             s, w = _scaled(logits, cols, V, best, temp)
             kept = (_skey(s) >= kth) & (w.to(tl.int32, bitcast=True) >= t0) & (w >= min_p)
             p = tl.where(kept, w / zf, 0.0)
-            tl.store(out + cols, p, mask=cols < V)
+            token = _token(ids_ptr, cols, V, HAS_IDS)
+            tl.store(out + token, p, mask=cols < V)
             if HAS_RACE:
-                e = tl.load(race + cols, mask=cols < V, other=1.0)
+                e = tl.load(race + token, mask=cols < V, other=1.0)
                 score = tl.where(cols < V, p / e, -1.0)
                 better = score > win
                 win = tl.where(better, score, win)
                 win_at = tl.where(better, cols, win_at)
         if HAS_RACE:
             _, at = _first_max(win, win_at, V)
-            tl.store(pick_ptr + row, at.to(tl.int64))
+            tl.store(pick_ptr + row, _token(ids_ptr, at, V, HAS_IDS).to(tl.int64))
+
 
     @triton.jit
     def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -334,24 +345,31 @@ if triton is not None:
 
 def process(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             top_p: torch.Tensor, min_p: torch.Tensor, race: torch.Tensor | None = None,
+            ids: torch.Tensor | None = None, vocab_size: int | None = None,
             block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sampling.process_logits`` in one launch: logits [rows, positions, V] (any float dtype)
     and per-row settings [rows, 1] (``SamplerTensors``) -> (float32 probs [rows, positions, V],
     picks [rows, positions] long or None). With ``race`` ([rows, positions, V] exponentials,
-    the vocabulary contiguous) each (row, position) also draws its token, argmax(p / race)."""
+    the vocabulary contiguous) each (row, position) also draws its token, argmax(p / race).
+    ids [V] ascending, with ``vocab_size``: the logits are a pruned vocabulary's, those tokens'
+    ids in the whole one; the probs come back over the whole vocabulary [rows, positions,
+    vocab_size] (zero elsewhere), the race is read at the ids (race [..., vocab_size]) and the
+    picks are ids: a pruned draft's q and token in one launch, no gather or scatter around it."""
     rows, positions, vocab = logits.shape
     logits = logits.contiguous()
     if race is not None and race.stride(2) != 1:
         race = race.contiguous()
-    out = torch.empty(rows, positions, vocab, dtype=torch.float32, device=logits.device)
+    width = vocab if ids is None else vocab_size
+    alloc = torch.empty if ids is None else torch.zeros
+    out = alloc(rows, positions, width, dtype=torch.float32, device=logits.device)
     scratch = torch.empty(rows * positions, vocab, dtype=torch.float32, device=logits.device)
     picks = torch.empty(rows, positions, dtype=torch.long, device=logits.device) if race is not None else out
     _process_kernel[(rows * positions,)](
         logits, out, greedy, temperature, top_k, top_p,
-        min_p, race if race is not None else out, picks, scratch, vocab, positions,
-        race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
-        HAS_RACE=race is not None, BLOCK=block, TILE=TILE, WIDE=WIDE, num_warps=num_warps,
-        **fused.launch_options(logits.device))
+        min_p, race if race is not None else out, picks, scratch, ids if ids is not None else picks, vocab, width,
+        positions, race.stride(0) if race is not None else 0, race.stride(1) if race is not None else 0,
+        HAS_RACE=race is not None, HAS_IDS=ids is not None, BLOCK=block, TILE=TILE, WIDE=WIDE,
+        num_warps=num_warps, **fused.launch_options(logits.device))
     return out, (picks if race is not None else None)
 
 
