@@ -78,7 +78,7 @@ def cycle_fields(rows: int, depth: int, table_width: int, g: torch.Generator):
     if not depth:
         own.zero_()
     fields["depths"].copy_(own)
-    start = torch.randint(0, BLOCK * (table_width - 2), (rows, 1), generator=g)
+    start = torch.randint(0, BLOCK * table_width, (rows, 1), generator=g)  # some past the table: its last column
     fields["verify_pos"].copy_(start + torch.arange(W))
     fields["verify_slots"].copy_(torch.randint(BLOCK, 10_000, (rows, W), generator=g))
     fields["verify_slots"][-1, 0] = SCRATCH_SLOT  # a padding row

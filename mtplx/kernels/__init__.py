@@ -33,6 +33,9 @@ def pdl(device) -> bool:
         return False
     import torch
 
+    if not torch.cuda.is_available():  # a driver, but no device visible to this process
+        return False
+
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -111,6 +111,7 @@ def greedy_outcome(targets: torch.Tensor, drafts: torch.Tensor, depths: torch.Te
     """``speculative.greedy_outcome`` in one launch: targets [R, k+1], drafts [R, k], depths
     [R, 1] or None, all long -> packed [R, k + 2]."""
     rows, k = drafts.shape
+    targets, drafts = targets.contiguous(), drafts.contiguous()  # (no copy where they are already)
     packed = torch.empty(rows, k + 2, dtype=torch.long, device=targets.device)
     _greedy_outcome_kernel[(rows,)](
         targets, drafts if k else targets, depths if depths is not None else targets, packed, targets.stride(0),
