@@ -123,6 +123,24 @@ def raw(url: str, data: bytes, wait_s: float = 10) -> tuple[bytes, float]:
     return reply, time.monotonic() - start
 
 
+def test_a_100_kb_head_in_pieces_is_431_too(url):
+    """A head cut into reads (here two writes 50 ms apart) reaches the size check whole: 431, not
+    the HTTP layer's 400 (its buffer for a head still arriving is HEAD_BUFFER_BYTES), and the
+    body is read before the connection closes, so the reply arrives rather than a reset."""
+    body = json.dumps(chat()).encode()
+    data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\nX-Padding: " + b"p" * 100_000 + b"\r\n\r\n" + body)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data[:40_000])
+        time.sleep(0.05)
+        sock.sendall(data[40_000:])
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 431") and b"16384 bytes" in reply, reply[:200]
+
+
 def test_a_100_kb_head_in_one_write_is_431_and_the_connection_closes(url):
     body = json.dumps(chat()).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"

@@ -14,6 +14,7 @@ from mtplx.batching.job import Delta
 from mtplx.engine.llm_engine import Engine
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.loading.tokenizer import Tokenizer
+from mtplx.server.security import HEAD_BUFFER_BYTES
 from tests.tiny_models import hf_reference, ours_from_hf, random_head, repeat_head
 
 # ">> " as the generation prompt: the tiny random model then rarely emits EOS early
@@ -57,8 +58,10 @@ def tiny_text_engine(*, head: str | None = "repeat", kv_cache_tokens: int = 4096
 
 @contextlib.contextmanager
 def running_server(app, timeout: float = 30.0):
-    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port); yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port), its HTTP layer set as `mtplx serve`
+    sets it (h11 and its head buffer); yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", http="h11",
+                                           h11_max_incomplete_event_size=HEAD_BUFFER_BYTES,
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

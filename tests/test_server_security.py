@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from mtplx.cli import build_parser
-from mtplx.server.security import MAX_HEAD_BYTES as MAX_HEADER_BYTES
+from mtplx.server.security import HEAD_BUFFER_BYTES, MAX_HEAD_BYTES as MAX_HEADER_BYTES
 from mtplx.server.security import DEFAULT_MAX_BODY_BYTES, MIB
 from tests.serve_process import COUNTING, MODEL, ServeProcess, serve_env, wait_until
 
@@ -169,7 +169,11 @@ def test_a_header_block_over_the_limit_is_refused(server):
                 b"Authorization: Bearer " + KEY.encode() + b"\r\nX-Padding: " + b"p" * header_bytes + b"\r\n\r\n")
 
     assert raw_exchange(server.port, request(MAX_HEADER_BYTES // 2)).startswith(b"HTTP/1.1 200")
+    # a head sent in 1 KiB pieces reaches the size check whole: the API's 431, naming the limit
     refused = raw_exchange(server.port, request(4 * MAX_HEADER_BYTES))
+    assert refused.startswith(b"HTTP/1.1 431") and f"limit of {MAX_HEADER_BYTES} bytes".encode() in refused
+    # past the HTTP layer's buffer for a head still arriving, h11 refuses it itself
+    refused = raw_exchange(server.port, request(2 * HEAD_BUFFER_BYTES), pace=64 * 1024)
     assert refused.startswith(b"HTTP/1.1 400") and refused.endswith(b"Invalid HTTP request received.")
 
 

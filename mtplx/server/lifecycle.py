@@ -26,7 +26,7 @@ import uvicorn
 from mtplx.batching.queue import SchedulerStopped
 from mtplx.batching.scheduler import Scheduler
 from mtplx.errors import MtplxError
-from mtplx.server.security import MAX_HEAD_BYTES  # a head arriving in pieces gets h11's 400
+from mtplx.server.security import HEAD_BUFFER_BYTES  # heads up to it reach HeadSizeLimit whole
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines follow --log-level
 
@@ -56,10 +56,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_config(app, log_level: str) -> uvicorn.Config:
-    """h11 even when httptools is installed: its head size limit is the one we set. No
+    """h11 even when httptools is installed: its buffer for a head is the one we set. No
     WebSockets: every request is an HTTP request, which the API key middleware checks."""
     return uvicorn.Config(app, log_level=log_level, http="h11", ws="none",
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_graceful_shutdown=FLUSH_S)
+                          h11_max_incomplete_event_size=HEAD_BUFFER_BYTES, timeout_graceful_shutdown=FLUSH_S)
 
 
 class DrainingServer(uvicorn.Server):

@@ -23,6 +23,13 @@ MIB = 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 16 * MIB  # far above any prompt a context holds; bounds one request's memory
 DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body (a stalled upload is dropped)
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers
+# h11's buffer for a head still arriving (uvicorn's h11_max_incomplete_event_size): a head up
+# to this size reaches HeadSizeLimit whole, however it is cut into reads, and gets its 431;
+# beyond it h11 refuses it itself (uvicorn answers 400)
+HEAD_BUFFER_BYTES = MIB
+# a refused request's body read before the connection closes (see ``drain``)
+DRAIN_BYTES = MIB
+DRAIN_TIMEOUT_S = 1.0
 
 # Open without a key: load balancers' health checks and Prometheus scrapers. /metrics holds
 # only aggregate counters (no prompt or output text, no request ids, no keys), as in vLLM.
@@ -88,8 +95,9 @@ class RequireAPIKey:
 
 class HeadSizeLimit:
     """ASGI middleware: 431 (and the connection closed) for a request head over ``max_bytes``.
-    The HTTP layer's own limit (h11's ``max_incomplete_event_size``) only bounds a head that
-    arrives in pieces; a large head sent in one write reaches us whole and is measured here."""
+    The HTTP layer buffers a head still arriving up to ``HEAD_BUFFER_BYTES`` (the server's h11
+    setting), so a head over ``max_bytes`` reaches this whole whether it came in one read or
+    several (with h11's limit at ``max_bytes`` itself, a head cut into reads got h11's 400)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = MAX_HEAD_BYTES):
         self.app, self.max_bytes = app, max_bytes
@@ -100,10 +108,28 @@ class HeadSizeLimit:
             if size > self.max_bytes:
                 message = (f"the request head (request line and headers) is {size} bytes, over the server's limit "
                            f"of {self.max_bytes} bytes")
+                await drain(receive)
                 return await send_error(send, 431, error_body(message, "invalid_request_error", None,
                                                               "request_header_fields_too_large", scope["path"], 431),
                                         [(b"connection", b"close")])
         await self.app(scope, receive, send)
+
+
+async def drain(receive: Receive, limit: int = DRAIN_BYTES, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Read what is left of a request's body before refusing it and closing the connection (up
+    to ``limit`` bytes, for at most ``timeout_s``): a socket closed with the client's bytes still
+    arriving is reset by the kernel, and the client can lose the error response with it (a 431
+    sent while the body of a large head was in flight arrived as 'connection reset by peer')."""
+    got = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while got < limit:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                got += len(message.get("body", b""))
+    except TimeoutError:
+        pass
 
 
 def head_bytes(scope: Scope) -> int:
