@@ -27,14 +27,9 @@ def pdl(device) -> bool:
     ``ENABLED`` on, an NVIDIA device of compute capability 9.0 or newer (not ROCm, whose devices
     also report type "cuda"), a driver that captures such launches in CUDA graphs (CUDA 12.3+),
     and a Triton that has the launch option and ``gdc_wait`` (3.4+)."""
-    if not (PDL and ENABLED and device.type == "cuda"):
-        return False
-    if not _supported():
+    if not (PDL and ENABLED and device.type == "cuda" and _supported()):
         return False
     import torch
-
-    if not torch.cuda.is_available():  # a driver, but no device visible to this process
-        return False
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -42,11 +37,12 @@ def pdl(device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _supported() -> bool:
-    """The software side of ``pdl``, checked once."""
+    """The software side of ``pdl`` and a device visible to this process, checked once (``pdl``
+    runs at every kernel launch)."""
     import torch
 
-    if torch.version.hip is not None or _driver_version() < 12030:
-        return False
+    if torch.version.hip is not None or _driver_version() < 12030 or not torch.cuda.is_available():
+        return False  # (a driver but no visible device: nothing to ask a capability of)
     try:
         import dataclasses
 

@@ -228,8 +228,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     cos = torch.empty(*positions.shape, 1, 2 * half, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     _rope_cos_sin_kernel[(pos.numel(),)](pos, inv_freq.contiguous(), cos, sin, HALF=half,
-                                                 H_PAD=triton.next_power_of_2(half), INTERPRET=_INTERPRET, num_warps=1,
-                                                 **launch_options(positions.device))
+                                         H_PAD=triton.next_power_of_2(half), INTERPRET=_INTERPRET, num_warps=1,
+                                         **launch_options(positions.device))
     return cos, sin
 
 

@@ -274,7 +274,6 @@ if triton is not None:
             _, at = _first_max(win, win_at, V)
             tl.store(pick_ptr + row, _token(ids_ptr, at, V, HAS_IDS).to(tl.int64))
 
-
     @triton.jit
     def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
