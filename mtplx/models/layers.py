@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtplx.cache.attention import ROW_EXACT_QUERIES, AttentionMetadata, paged_attention, write_kv
-from mtplx.kernels import cpu as cpu_kernels, fused, gemv
+from mtplx.kernels import cpu as cpu_kernels, fused, gemv, mma_gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.parallel import reduce_partial
 
@@ -338,6 +338,8 @@ class DecoderLayer(nn.Module):
         norm after it. Same operations, in the same order, as ``forward``."""
         if self._decode_fusable(x, rotary):
             return self._forward_decode(x, delta, rotary, meta, k_pool, v_pool)
+        if self._mma_fusable(x, rotary):
+            return self._forward_mma(x, delta, rotary, meta, k_pool, v_pool)
         if x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_QUERIES and cpu_kernels.usable(x) \
                 and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
             step = self._cpu_layer()
@@ -388,6 +390,30 @@ class DecoderLayer(nn.Module):
                 and isinstance(rotary, BoundRotary)
                 and all(gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
                                                     mlp.down_proj.weight)))
+
+    def _mma_fusable(self, x: torch.Tensor, rotary) -> bool:
+        """Fused projections on the GPU and 5-16 token rows (a 4-stream batch's verifies, AR steps
+        of 5-16 sequences) of small bf16 weights: the block below applies."""
+        if not x.is_cuda or not mma_gemv.MIN_ROWS <= x.numel() // x.shape[-1] <= mma_gemv.MAX_ROWS:
+            return False  # (the CPU's decode steps ask this at every layer: the cheap answer first)
+        attn, mlp = self.self_attn, self.mlp
+        return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
+                and not self.input_layernorm.zero_centered and isinstance(rotary, BoundRotary)
+                and all(mma_gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.down_proj.weight))
+                and mma_gemv.usable(x, mlp.gate_up_weight, silu=True))
+
+    def _forward_mma(self, x, delta, rotary, meta, k_pool, v_pool):
+        """``forward_chain`` for 5-16 token rows: each product on the tensor-core GEMV
+        (kernels/mma_gemv.py), SiLU * up the gate/up product's epilogue, the norms (with the
+        residual adds) one kernel each."""
+        attn, mlp = self.self_attn, self.mlp
+        x, h = self.input_layernorm.add_forward(x, delta)
+        q, k, v = attn.split_qkv(mma_gemv.matmul(h, attn.qkv_weight, attn.qkv_bias, attn))
+        o = attn.attend_fused(q, k, v, rotary, meta, k_pool, v_pool)
+        o = reduce_partial(attn.o_proj, mma_gemv.matmul(o, attn.o_proj.weight, attn.o_proj.bias, attn))
+        x, h = self.post_attention_layernorm.add_forward(x, o)
+        act = mma_gemv.matmul(h, mlp.gate_up_weight, mlp.gate_up_bias, mlp, silu=True)
+        return x, reduce_partial(mlp.down_proj, mma_gemv.matmul(act, mlp.down_proj.weight, mlp.down_proj.bias, mlp))
 
     def _forward_decode(self, x, delta, rotary, meta, k_pool, v_pool):
         """``forward_chain`` for forwards of a few token rows (AR steps of a few sequences,

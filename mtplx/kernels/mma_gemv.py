@@ -1,0 +1,283 @@
+"""A bf16 GEMV on the tensor cores for 5 to 16 token rows of small weights: the verifies of a
+4-stream batch (1 + 1 to 1 + 3 tokens a row), AR steps of 5-16 sequences (SmolLM2-sized layers, on
+CUDA GPUs with bf16 ``mma``, compute capability 8.0+).
+
+    out[m, n] = sum_k x[m, k] * w[n, k]
+
+Why: ``gemv``'s CUDA-core kernel multiplies every weight once per token row, so past 4 rows it
+falls behind cuBLAS; cuBLAS takes such products in about the same time for 8 and 16 rows but
+costs a launch-dominated 3-7 us a product on SmolLM2's matrices and cannot overlap the kernel
+before it (no programmatic dependent launch). Here, as in ``quant_mma``, a warp loads its weights
+straight into the A operand of ``mma.sync.m16n8k16`` and the token rows are the B operand's 8
+columns (9-16 rows: a second B operand times the same A registers), so 1 to 8 rows cost the same
+instructions, and the kernel takes PDL like the others.
+
+Layout (``pack``): rows in tiles of 16, inputs in tiles of 16; a tile is 32 lanes x 4 int32 words
+(one 16-byte load per lane), lane l = 4 g + t holding the mma's A registers
+
+    a0 = (w[g, 4t], w[g, 4t + 1]),  a1 = (w[g + 8, 4t], w[g + 8, 4t + 1]),
+    a2 = (w[g, 4t + 2], w[g, 4t + 3]),  a3 = (w[g + 8, 4t + 2], w[g + 8, 4t + 3])
+
+(k within the tile): the PTX fragment order with the mma's k axis permuted (its k 2t, 2t + 1,
+2t + 8, 2t + 9 are the tile's 4t .. 4t + 3), so that a lane's B registers are the 4 consecutive
+activations x[g, 4t .. 4t + 3] of token row g, one 8-byte load. Rows and inputs are padded with
+zeros to whole tiles. Sums are float32 (the mma's), rounded to bf16 once at the end (with the
+SiLU epilogue of a fused gate/up weight: ``quant_gemv.silu_mul_rounded``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from mtplx import kernels
+from mtplx.kernels import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach these kernels
+    triton = None
+
+ROW_TILE = 16
+K_TILE = 16
+LANES = 32
+MIN_ROWS, MAX_ROWS = 5, 16  # fewer rows: gemv's CUDA-core kernel (faster at 1-4); 8 a B operand's columns
+SMALL_WEIGHT = 4 * 1024 * 1024  # elements (gemv.SMALL_WEIGHT): larger weights keep cuBLAS
+ENABLED = os.environ.get("MTPLX_MMA_GEMV", "1") != "0"  # "0": 5-16 rows through cuBLAS (A/B runs)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 -> int32 [ceil(N / 16), ceil(K / 16), 32, 4] in the layout above."""
+    n, k = w.shape
+    wp = F.pad(w.to(torch.bfloat16), (0, -k % K_TILE, 0, -n % ROW_TILE))
+    r, c = wp.shape[0] // ROW_TILE, wp.shape[1] // K_TILE
+    tiles = wp.view(r, ROW_TILE, c, K_TILE).transpose(1, 2)  # [R, C, 16 rows, 16 k]
+    lane = torch.arange(LANES, device=w.device)
+    g, t = lane // 4, lane % 4
+    j = torch.arange(4, device=w.device)
+    row = (g.view(-1, 1) + 8 * (j % 2)).view(LANES, 4, 1)  # a0: row g, a1: g + 8, a2: g, a3: g + 8
+    kk = (4 * t.view(-1, 1) + 2 * (j // 2)).view(LANES, 4, 1) + torch.arange(2, device=w.device)
+    pairs = tiles[:, :, row.expand(LANES, 4, 2), kk]  # [R, C, 32, 4, 2] bf16
+    return pairs.contiguous().view(torch.int32).view(r, c, LANES, 4)
+
+
+def unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``pack``'s inverse: w [n, k] bf16."""
+    r, c = words.shape[:2]
+    pairs = words.contiguous().view(torch.bfloat16).view(r, c, LANES, 4, 2)
+    lane = torch.arange(LANES, device=words.device)
+    g, t = lane // 4, lane % 4
+    j = torch.arange(4, device=words.device)
+    row = (g.view(-1, 1) + 8 * (j % 2)).view(LANES, 4, 1).expand(LANES, 4, 2)
+    kk = (4 * t.view(-1, 1) + 2 * (j // 2)).view(LANES, 4, 1) + torch.arange(2, device=words.device)
+    tiles = torch.zeros(r, c, ROW_TILE, K_TILE, dtype=torch.bfloat16, device=words.device)
+    tiles[:, :, row, kk] = pairs
+    return tiles.transpose(1, 2).reshape(r * ROW_TILE, c * K_TILE)[:n, :k]
+
+
+def _load_asm(coherent: bool) -> str:
+    """One lane's B registers of a tile: the 4 activations at $4 as $0-$1 ($2-$3 unused, zero).
+    Plain loads under PDL (the kernel before may still be writing x when this one starts)."""
+    op = "ld.global" if coherent else "ld.global.nc"
+    return f"{op}.v2.b32 {{$0, $1}}, [$4];\nmov.b32 $2, 0;\nmov.b32 $3, 0;"
+
+
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+        "{$8, $9}, {$12, $13, $14, $15};")
+# 9-16 rows: the same A registers times two B operands (token rows 0-7 and 8-15)
+_MMA2 = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
+         "{$12, $13}, {$20, $21, $22, $23};\n"
+         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {$8, $9, $10, $11}, "
+         "{$16, $17}, {$24, $25, $26, $27};")
+
+
+if triton is not None:
+    from mtplx.kernels.fused import pdl_start, pdl_wait
+    from mtplx.kernels.quant_gemv import silu_mul_rounded
+
+    _LOAD = tl.constexpr(_load_asm(False))
+    _LOAD_COHERENT = tl.constexpr(_load_asm(True))
+    _MMA_ASM = tl.constexpr(_MMA)
+    _MMA2_ASM = tl.constexpr(_MMA2)
+
+    @triton.jit
+    def _load_x(x_at, PDL: tl.constexpr):
+        if PDL:
+            return tl.inline_asm_elementwise(_LOAD_COHERENT, "=r,=r,=r,=r" + ",l" * 4, [x_at], dtype=tl.int32,
+                                             is_pure=False, pack=4)
+        return tl.inline_asm_elementwise(_LOAD, "=r,=r,=r,=r" + ",l" * 4, [x_at], dtype=tl.int32,
+                                         is_pure=True, pack=4)
+
+    @triton.jit
+    def _bf16_mma_kernel(x_ptr, sx, w_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
+                         PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, SILU: tl.constexpr, B2: tl.constexpr, PDL: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile program_id(0)
+        (with SILU also those of tile program_id(0) + half_rows / 16, the up rows: PAIRS = 2) over
+        input tiles [s * split_tiles, (s + 1) * split_tiles) of split s = program_id(1); each loop step
+        takes WARPS * UNITS consecutive tiles, one a row of the [PAIRS, WARPS * UNITS, 128] tensors (a
+        lane's 4 words and sums at 4 l .. 4 l + 3). PARTIAL: float32 partial sums [SPLIT, rows, N].
+        B2: 9-16 rows, a second B operand (token rows 8-15) times the same A registers."""
+        pdl_start(PDL)
+        STEP: tl.constexpr = WARPS * UNITS
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        p = tl.arange(0, PAIRS)[:, None, None]
+        wu = tl.arange(0, STEP)[None, :, None]
+        e = tl.arange(0, 128)[None, None, :]
+        lane = e // 4
+        g = lane // 4
+        t = lane % 4
+        c_lo = pid_k * split_tiles
+        c_hi = tl.minimum(c_lo + split_tiles, tiles_k)
+        tile = (pid_r + p * (half_rows // 16)) * tiles_k + c_lo + wu  # [PAIRS, STEP, 1]
+        w_at = w_ptr + tile * 128 + e
+        # B columns past the rows read row rows - 1 (their sums are not stored); tiles past the
+        # split read its first tile with zero weights
+        xb = (tl.minimum(g, rows - 1) * sx).to(tl.int64) * 2 + x_ptr.to(tl.int64)  # bytes
+        x_first = xb + (c_lo * 16 + 4 * t).to(tl.int64) * 2
+        x_at = xb + ((c_lo + wu) * 16 + 4 * t).to(tl.int64) * 2
+        x_step = (16 * STEP) * 2
+        x_far = ((tl.minimum(g + 8, rows - 1) - tl.minimum(g, rows - 1)) * sx).to(tl.int64) * 2  # to rows 8-15
+        ok = c_lo + wu < c_hi
+        words = tl.load(w_at, mask=ok, other=0)
+        pdl_wait(PDL)
+        xs = _load_x(tl.where(ok, x_at, x_first), PDL)
+        acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
+        if B2:
+            xs2 = _load_x(tl.where(ok, x_at, x_first) + x_far, PDL)
+            acc2 = tl.zeros([PAIRS, STEP, 128], tl.float32)
+        for c0 in range(c_lo, c_hi, STEP):
+            ok = c0 + STEP + wu < c_hi
+            w_at += STEP * 128
+            x_at += x_step
+            words_next = tl.load(w_at, mask=ok, other=0)
+            xs_next = _load_x(tl.where(ok, x_at, x_first), PDL)
+            if B2:
+                xs2_next = _load_x(tl.where(ok, x_at, x_first) + x_far, PDL)
+                acc, acc2 = tl.inline_asm_elementwise(
+                    _MMA2_ASM, "=f,=f,=f,=f,=f,=f,=f,=f" + ",r" * 12 + ",f" * 8, [words, xs, xs2, acc, acc2],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+                xs2 = xs2_next
+            else:
+                acc = tl.inline_asm_elementwise(_MMA_ASM, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 4, [words, xs, acc],
+                                                dtype=tl.float32, is_pure=True, pack=4)
+            words = words_next
+            xs = xs_next
+        e2 = tl.arange(0, 128)[None, :]
+        tok = 2 * ((e2 // 4) % 4) + e2 % 2
+        o = pid_r * 16 + e2 // 16 + 8 * ((e2 % 4) // 2)
+        _store(tl.sum(acc, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
+        if B2:
+            _store(tl.sum(acc2, axis=1), tok + 8, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL,
+                   SILU)
+
+    @triton.jit
+    def _store(sums, tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr, SILU: tl.constexpr):
+        """Write a B operand's sums [PAIRS, 128] (per lane d0 d1: output row g, d2 d3: g + 8; token
+        rows ``tok``, outputs ``o``): out, silu(gate) * up, or float32 partials."""
+        dtype = out_ptr.dtype.element_ty
+        if SILU:
+            gate, up = tl.split(tl.permute(sums, [1, 0]))
+            gate = gate[None, :]
+            up = up[None, :]
+            if PARTIAL:
+                ok = (tok < rows) & (o < half_rows)
+                at = (pid_k * rows + tok) * N + o
+                tl.store(out_ptr + at, gate, mask=ok)
+                tl.store(out_ptr + at + half_rows, up, mask=ok)
+            else:
+                if HAS_BIAS:
+                    gate += tl.load(b_ptr + o, mask=o < half_rows, other=0.0).to(tl.float32)
+                    up += tl.load(b_ptr + half_rows + o, mask=o < half_rows, other=0.0).to(tl.float32)
+                tl.store(out_ptr + tok * half_rows + o, silu_mul_rounded(gate, up, dtype),
+                         mask=(tok < rows) & (o < half_rows))
+        else:
+            out = tl.sum(sums, axis=0)[None, :]
+            ok = (tok < rows) & (o < N)
+            if PARTIAL:
+                tl.store(out_ptr + (pid_k * rows + tok) * N + o, out, mask=ok)
+            else:
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + o, mask=o < N, other=0.0).to(tl.float32)
+                tl.store(out_ptr + tok * N + o, out.to(dtype), mask=ok)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
+    """Whether ``matmul`` takes x [..., K] for this weight [N, K]: MIN_ROWS to MAX_ROWS bf16 rows on a
+    CUDA device with bf16 mma (sm_80+), a bf16 weight of at most SMALL_WEIGHT elements with K a
+    multiple of 16 (and with silu halves of whole row tiles), kernels on, outside autograd."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n, k = weight.shape
+    return (ENABLED and kernels.ENABLED and triton is not None and MIN_ROWS <= rows <= MAX_ROWS
+            and x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and weight.numel() <= SMALL_WEIGHT and k % K_TILE == 0 and (not silu or (n // 2) % ROW_TILE == 0)
+            and not x.requires_grad and _sm80(x.device))
+
+
+def _sm80(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, int, int]:
+    """(WARPS, UNITS, SPLIT) for a weight [n, k], from benchmarks/mma_gemv.py's sweep on the H200
+    (benchmarks/results/gpu_h200_s23_mma_gemv_sweep.json, SmolLM2's products, 30 layers in a graph):
+    up to 8 rows four warps of eight tiles a loop step (the best or within 0.1 us of it for every
+    product at 1, 4 and 8 rows); 9-16 rows hold twice the sums, and the fused gate/up weight's two
+    rows at eight tiles a warp spill (158 us a layer), so four tiles there, and two warps of eight for
+    the short rows of q/k/v and o (the best at 12 and 16 rows)."""
+    if rows <= 8:
+        return 4, 8, 1
+    if silu:
+        return 4, 4, 1
+    return (4, 8, 1) if k >= 1024 else (2, 8, 1)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: object,
+           silu: bool = False) -> torch.Tensor:
+    """``gemv`` of x with the weight [N, K] (``usable``), packed once and kept on ``owner`` until the
+    weight changes (a copy beside the weight, which the CUDA-core GEMV and cuBLAS still read)."""
+    key = (id(weight), weight.data_ptr(), tuple(weight.shape), weight._version)
+    store = owner.__dict__
+    cached = store.get("_mma_packed", {}).get(id(weight))
+    if cached is None or cached[0] != key:
+        cached = (key, pack(weight.detach()))
+        store.setdefault("_mma_packed", {})[id(weight)] = cached
+    return gemv(x, cached[1], bias, n=weight.shape[0], k=weight.shape[1], silu=silu)
+
+
+def gemv(x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, *, n: int, k: int, silu: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., k] (bf16, at most MAX_ROWS rows) @ w.T (+ bias) -> [..., n] bf16, w given by ``pack``;
+    silu: w is gate and up stacked ([2 I, k], I a multiple of 16), out silu(gate) * up [..., I]."""
+    from mtplx.kernels import quant_gemv
+
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    n_out = n // 2 if silu else n
+    if rows > MAX_ROWS or (silu and n_out % ROW_TILE) or k % K_TILE:
+        raise ValueError(f"the bf16 mma GEMV takes at most {MAX_ROWS} rows (got {rows}), inputs in whole "
+                         f"{K_TILE}s (got {k}), silu halves of whole {ROW_TILE}-row tiles (got {n_out})")
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], n_out)
+    if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
+    warps, units, split = config or config_for(n, k, rows, silu)
+    tiles_k = words.shape[1]
+    per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    _bf16_mma_kernel[(-(-n_out // ROW_TILE), split)](
+        x2, x2.stride(0), words, bias if bias is not None else words, part, rows, n, tiles_k, per,
+        n_out if silu else 0, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_BIAS=bias is not None,
+        PARTIAL=split > 1, SILU=silu, B2=rows > 8, num_warps=warps, **fused.launch_options(x.device))
+    if split > 1:
+        total = rows * n_out
+        quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
+            part, bias if bias is not None else part, out, total, n, SPLIT=split, HAS_BIAS=bias is not None,
+            SILU=silu, BLOCK=1024, num_warps=4, **fused.launch_options(x.device))
+    return out.view(*x.shape[:-1], n_out)
