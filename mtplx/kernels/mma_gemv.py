@@ -44,7 +44,10 @@ except ImportError:  # CPU-only installs never reach these kernels
 ROW_TILE = 16
 K_TILE = 16
 LANES = 32
-MIN_ROWS, MAX_ROWS = 5, 16  # fewer rows: gemv's CUDA-core kernel (faster at 1-4); 8 a B operand's columns
+# fewer rows: gemv's CUDA-core kernel (faster at 1-4 with its fused norms); more: cuBLAS (at 24 and 32
+# rows, four and three B operands lost to it: 23.6 and 19.4 us a layer against 18.8 and 18.7,
+# benchmarks/results/gpu_h200_s23_mma_gemv_sweep_wide.json)
+MIN_ROWS, MAX_ROWS = 5, 16
 SMALL_WEIGHT = 4 * 1024 * 1024  # elements (gemv.SMALL_WEIGHT): larger weights keep cuBLAS
 ENABLED = os.environ.get("MTPLX_MMA_GEMV", "1") != "0"  # "0": 5-16 rows through cuBLAS (A/B runs)
 
@@ -85,13 +88,17 @@ def _load_asm(coherent: bool) -> str:
     return f"{op}.v2.b32 {{$0, $1}}, [$4];\nmov.b32 $2, 0;\nmov.b32 $3, 0;"
 
 
-_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
-        "{$8, $9}, {$12, $13, $14, $15};")
-# 9-16 rows: the same A registers times two B operands (token rows 0-7 and 8-15)
-_MMA2 = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
-         "{$12, $13}, {$20, $21, $22, $23};\n"
-         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {$8, $9, $10, $11}, "
-         "{$16, $17}, {$24, $25, $26, $27};")
+def _mma_asm(operands: int) -> str:
+    """The inline PTX of one tile: the lane's A registers (its 4 words) times ``operands`` B
+    operands (token rows 0-7, 8-15, ...), each into its own 4 float32 sums. Operands (pack 4):
+    $0 .. the sums out (4 per B operand), then the 4 words, each B operand's 4 registers (the
+    first 2 used), each B operand's 4 sums in."""
+    words, xs = 4 * operands, 4 * operands + 4
+    acc = xs + 4 * operands
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%s}, {%s}, {%s}, {%s};"
+    regs = lambda first, n: ", ".join(f"${first + i}" for i in range(n))  # noqa: E731
+    return "\n".join(mma % (regs(4 * b, 4), regs(words, 4), regs(xs + 4 * b, 2), regs(acc + 4 * b, 4))
+                     for b in range(operands))
 
 
 if triton is not None:
@@ -100,8 +107,8 @@ if triton is not None:
 
     _LOAD = tl.constexpr(_load_asm(False))
     _LOAD_COHERENT = tl.constexpr(_load_asm(True))
-    _MMA_ASM = tl.constexpr(_MMA)
-    _MMA2_ASM = tl.constexpr(_MMA2)
+    _MMA1 = tl.constexpr(_mma_asm(1))
+    _MMA2 = tl.constexpr(_mma_asm(2))
 
     @triton.jit
     def _load_x(x_at, PDL: tl.constexpr):
@@ -114,13 +121,13 @@ if triton is not None:
     @triton.jit
     def _bf16_mma_kernel(x_ptr, sx, w_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
                          PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, SILU: tl.constexpr, B2: tl.constexpr, PDL: tl.constexpr):
+                         PARTIAL: tl.constexpr, SILU: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile program_id(0)
         (with SILU also those of tile program_id(0) + half_rows / 16, the up rows: PAIRS = 2) over
         input tiles [s * split_tiles, (s + 1) * split_tiles) of split s = program_id(1); each loop step
         takes WARPS * UNITS consecutive tiles, one a row of the [PAIRS, WARPS * UNITS, 128] tensors (a
         lane's 4 words and sums at 4 l .. 4 l + 3). PARTIAL: float32 partial sums [SPLIT, rows, N].
-        B2: 9-16 rows, a second B operand (token rows 8-15) times the same A registers."""
+        NB: 1 or 2 B operands (token rows 0-7, 8-15) times the same A registers."""
         pdl_start(PDL)
         STEP: tl.constexpr = WARPS * UNITS
         pid_r = tl.program_id(0)
@@ -141,37 +148,41 @@ if triton is not None:
         x_first = xb + (c_lo * 16 + 4 * t).to(tl.int64) * 2
         x_at = xb + ((c_lo + wu) * 16 + 4 * t).to(tl.int64) * 2
         x_step = (16 * STEP) * 2
-        x_far = ((tl.minimum(g + 8, rows - 1) - tl.minimum(g, rows - 1)) * sx).to(tl.int64) * 2  # to rows 8-15
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
         pdl_wait(PDL)
-        xs = _load_x(tl.where(ok, x_at, x_first), PDL)
-        acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
-        if B2:
-            xs2 = _load_x(tl.where(ok, x_at, x_first) + x_far, PDL)
+        # the second B operand reads token rows 8 + g (clamped): its addresses are the first's plus far2
+        row0 = tl.minimum(g, rows - 1)
+        far2 = ((tl.minimum(g + 8, rows - 1) - row0) * sx).to(tl.int64) * 2
+        at = tl.where(ok, x_at, x_first)
+        xs1 = _load_x(at, PDL)
+        acc1 = tl.zeros([PAIRS, STEP, 128], tl.float32)
+        if NB >= 2:
+            xs2 = _load_x(at + far2, PDL)
             acc2 = tl.zeros([PAIRS, STEP, 128], tl.float32)
         for c0 in range(c_lo, c_hi, STEP):
             ok = c0 + STEP + wu < c_hi
             w_at += STEP * 128
             x_at += x_step
+            at = tl.where(ok, x_at, x_first)
             words_next = tl.load(w_at, mask=ok, other=0)
-            xs_next = _load_x(tl.where(ok, x_at, x_first), PDL)
-            if B2:
-                xs2_next = _load_x(tl.where(ok, x_at, x_first) + x_far, PDL)
-                acc, acc2 = tl.inline_asm_elementwise(
-                    _MMA2_ASM, "=f,=f,=f,=f,=f,=f,=f,=f" + ",r" * 12 + ",f" * 8, [words, xs, xs2, acc, acc2],
+            xs1_next = _load_x(at, PDL)
+            if NB == 1:
+                acc1 = tl.inline_asm_elementwise(_MMA1, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 4, [words, xs1, acc1],
+                                                 dtype=tl.float32, is_pure=True, pack=4)
+            else:
+                xs2_next = _load_x(at + far2, PDL)
+                acc1, acc2 = tl.inline_asm_elementwise(
+                    _MMA2, "=f" + ",=f" * 7 + ",r" * 12 + ",f" * 8, [words, xs1, xs2, acc1, acc2],
                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
                 xs2 = xs2_next
-            else:
-                acc = tl.inline_asm_elementwise(_MMA_ASM, "=f,=f,=f,=f" + ",r" * 8 + ",f" * 4, [words, xs, acc],
-                                                dtype=tl.float32, is_pure=True, pack=4)
             words = words_next
-            xs = xs_next
+            xs1 = xs1_next
         e2 = tl.arange(0, 128)[None, :]
         tok = 2 * ((e2 // 4) % 4) + e2 % 2
         o = pid_r * 16 + e2 // 16 + 8 * ((e2 % 4) // 2)
-        _store(tl.sum(acc, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
-        if B2:
+        _store(tl.sum(acc1, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
+        if NB >= 2:
             _store(tl.sum(acc2, axis=1), tok + 8, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL,
                    SILU)
 
@@ -229,7 +240,8 @@ def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, 
     up to 8 rows four warps of eight tiles a loop step (the best or within 0.1 us of it for every
     product at 1, 4 and 8 rows); 9-16 rows hold twice the sums, and the fused gate/up weight's two
     rows at eight tiles a warp spill (158 us a layer), so four tiles there, and two warps of eight for
-    the short rows of q/k/v and o (the best at 12 and 16 rows)."""
+    the short rows of q/k/v and o (the best at 12 and 16 rows; the wide sweep,
+    gpu_h200_s23_mma_gemv_sweep_wide.json, chose the same at 16)."""
     if rows <= 8:
         return 4, 8, 1
     if silu:
@@ -274,7 +286,7 @@ def gemv(x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, *, n: 
     _bf16_mma_kernel[(-(-n_out // ROW_TILE), split)](
         x2, x2.stride(0), words, bias if bias is not None else words, part, rows, n, tiles_k, per,
         n_out if silu else 0, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, SILU=silu, B2=rows > 8, num_warps=warps, **fused.launch_options(x.device))
+        PARTIAL=split > 1, SILU=silu, NB=-(-rows // 8), num_warps=warps, **fused.launch_options(x.device))
     if split > 1:
         total = rows * n_out
         quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
