@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mtplx.kernels import fused, gemv, mma_gemv
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_gemv import graph_time  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 OUTPUT_SHAPES = {"lm_head": (49152, 576), "draft_rows": (16384, 576)}  # four copies each, rotated
@@ -25,26 +30,9 @@ CONFIGS = [(4, 4, 1), (4, 2, 1), (4, 8, 1), (8, 2, 1), (8, 4, 1), (2, 8, 1), (2,
            (4, 1, 1), (1, 8, 1)]  # (WARPS, UNITS, SPLIT)
 
 
-def graph_us(fn, replays: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn) -> float:
+    """Microseconds per replay of a CUDA graph of ``fn`` (quant_gemv.py's timing, median)."""
+    return graph_time([fn], replays=20) * 1e6
 
 
 def main() -> None:

@@ -22,11 +22,12 @@ Layout (``pack``): rows in tiles of 16, inputs in tiles of 16; a tile is 32 lane
 2t + 8, 2t + 9 are the tile's 4t .. 4t + 3), so that a lane's B registers are the 4 consecutive
 activations x[g, 4t .. 4t + 3] of token row g, one 8-byte load. Rows and inputs are padded with
 zeros to whole tiles. Sums are float32 (the mma's), rounded to bf16 once at the end (with the
-SiLU epilogue of a fused gate/up weight: ``quant_gemv.silu_mul_rounded``).
+SiLU epilogue of a fused gate/up weight, as ``quant_mma``'s: ``quant_mma.store_sums``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -103,7 +104,7 @@ def _mma_asm(operands: int) -> str:
 
 if triton is not None:
     from mtplx.kernels.fused import pdl_start, pdl_wait
-    from mtplx.kernels.quant_gemv import silu_mul_rounded
+    from mtplx.kernels.quant_mma import store_sums
 
     _LOAD = tl.constexpr(_load_asm(False))
     _LOAD_COHERENT = tl.constexpr(_load_asm(True))
@@ -181,41 +182,10 @@ if triton is not None:
         e2 = tl.arange(0, 128)[None, :]
         tok = 2 * ((e2 // 4) % 4) + e2 % 2
         o = pid_r * 16 + e2 // 16 + 8 * ((e2 % 4) // 2)
-        _store(tl.sum(acc1, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
+        store_sums(tl.sum(acc1, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
         if NB >= 2:
-            _store(tl.sum(acc2, axis=1), tok + 8, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL,
-                   SILU)
-
-    @triton.jit
-    def _store(sums, tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS: tl.constexpr,
-               PARTIAL: tl.constexpr, SILU: tl.constexpr):
-        """Write a B operand's sums [PAIRS, 128] (per lane d0 d1: output row g, d2 d3: g + 8; token
-        rows ``tok``, outputs ``o``): out, silu(gate) * up, or float32 partials."""
-        dtype = out_ptr.dtype.element_ty
-        if SILU:
-            gate, up = tl.split(tl.permute(sums, [1, 0]))
-            gate = gate[None, :]
-            up = up[None, :]
-            if PARTIAL:
-                ok = (tok < rows) & (o < half_rows)
-                at = (pid_k * rows + tok) * N + o
-                tl.store(out_ptr + at, gate, mask=ok)
-                tl.store(out_ptr + at + half_rows, up, mask=ok)
-            else:
-                if HAS_BIAS:
-                    gate += tl.load(b_ptr + o, mask=o < half_rows, other=0.0).to(tl.float32)
-                    up += tl.load(b_ptr + half_rows + o, mask=o < half_rows, other=0.0).to(tl.float32)
-                tl.store(out_ptr + tok * half_rows + o, silu_mul_rounded(gate, up, dtype),
-                         mask=(tok < rows) & (o < half_rows))
-        else:
-            out = tl.sum(sums, axis=0)[None, :]
-            ok = (tok < rows) & (o < N)
-            if PARTIAL:
-                tl.store(out_ptr + (pid_k * rows + tok) * N + o, out, mask=ok)
-            else:
-                if HAS_BIAS:
-                    out += tl.load(b_ptr + o, mask=o < N, other=0.0).to(tl.float32)
-                tl.store(out_ptr + tok * N + o, out.to(dtype), mask=ok)
+            store_sums(tl.sum(acc2, axis=1), tok + 8, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS,
+                       PARTIAL, SILU)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
@@ -231,7 +201,12 @@ def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
 
 
 def _sm80(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 8
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, int, int]:
@@ -239,9 +214,9 @@ def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, 
     (benchmarks/results/gpu_h200_s23_mma_gemv_sweep.json, SmolLM2's products, 30 layers in a graph):
     up to 8 rows four warps of eight tiles a loop step (the best or within 0.1 us of it for every
     product at 1, 4 and 8 rows); 9-16 rows hold twice the sums, and the fused gate/up weight's two
-    rows at eight tiles a warp spill (158 us a layer), so four tiles there, and two warps of eight for
-    the short rows of q/k/v and o (the best at 12 and 16 rows; the wide sweep,
-    gpu_h200_s23_mma_gemv_sweep_wide.json, chose the same at 16)."""
+    rows at eight tiles a warp took 67 us (158 us a layer; presumably spilled registers), so four
+    tiles there, and two warps of eight for the short rows of q/k/v and o (the best at 12 and 16
+    rows; the wide sweep, gpu_h200_s23_mma_gemv_sweep_wide.json, chose the same at 16)."""
     if rows <= 8:
         return 4, 8, 1
     if silu:

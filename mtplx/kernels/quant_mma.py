@@ -412,10 +412,18 @@ if triton is not None:
             sc = sc_next
             zq = zq_next
             xs = xs_next
-        sums = tl.sum(acc, axis=1)  # [PAIRS, 128]: per lane c0 c1 (row g), c2 c3 (row g + 8)
         e2 = tl.arange(0, 128)[None, :]
         tok = 2 * ((e2 // 4) % 4) + e2 % 2
         o = pid_r * 16 + e2 // 16 + 8 * ((e2 % 4) // 2)
+        store_sums(tl.sum(acc, axis=1), tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS, PARTIAL, SILU)
+
+    @triton.jit
+    def store_sums(sums, tok, o, out_ptr, b_ptr, rows, N, half_rows, pid_k, HAS_BIAS: tl.constexpr,
+                   PARTIAL: tl.constexpr, SILU: tl.constexpr):
+        """Write an mma chain's sums [PAIRS, 128] (per lane c0 c1: output row g, c2 c3: row g + 8;
+        token rows ``tok``, outputs ``o``, both [1, 128]) as ``quant_gemv._store_sums`` does: out
+        (+ bias), with SILU silu(gate) * up of the two weight rows' sums, or (PARTIAL) float32
+        partials [SPLIT, rows, N]. Also ``mma_gemv``'s."""
         dtype = out_ptr.dtype.element_ty
         if SILU:
             gate, up = tl.split(tl.permute(sums, [1, 0]))
