@@ -51,12 +51,13 @@ def test_pack_round_trip_and_fragment_arithmetic(n, k):
     words = mma_gemv.pack(w)
     assert words.shape == (-(-n // 16), -(-k // 16), 32, 4) and words.dtype == torch.int32
     assert torch.equal(mma_gemv.unpack(words, n, k), w)
-    x = torch.randn(7, k).bfloat16()
+    x = torch.randn(13, k).bfloat16()  # two B operands: rows 0-7 and 8-12, over the same A
     ref = x.float() @ w.float().T
-    assert torch.allclose(fragments_product(x, words, n, k), ref, atol=1e-4, rtol=1e-4)
+    got = torch.cat([fragments_product(x[:8], words, n, k), fragments_product(x[8:], words, n, k)])
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_usable_only_for_5_to_8_bf16_rows_of_small_weights_on_cuda():
+def test_usable_only_for_5_to_16_bf16_rows_of_small_weights_on_cuda():
     w = torch.randn(64, 32).bfloat16()
     assert not mma_gemv.usable(torch.randn(6, 32).bfloat16(), w)  # the CPU: no
     if CUDA:
@@ -84,11 +85,45 @@ def test_kernel_matches_float32_products(rows, config):
             ref = F.linear(x.float(), w.float(), None if b is None else b.float())
             assert got.shape == (rows, n) and got.dtype == torch.bfloat16
             assert torch.allclose(got.float(), ref, atol=2e-2, rtol=1e-2), (n, k, b is None)
-    w = (torch.randn(2 * 48, 64, device=dev) / 8).bfloat16()  # gate, up: SiLU * up in the epilogue
-    x = torch.randn(rows, 64, device=dev).bfloat16()
-    got = mma_gemv.gemv(x, mma_gemv.pack(w), None, n=96, k=64, silu=True, config=config)
-    gate, up = F.linear(x.float(), w.float()).bfloat16().float().chunk(2, dim=-1)
-    assert torch.allclose(got.float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    for k in (64, 1536):  # gate, up: SiLU * up in the epilogue (1536: split, for the split configs)
+        w = (torch.randn(2 * 48, k, device=dev) / k ** 0.5).bfloat16()
+        bias = torch.randn(2 * 48, device=dev).bfloat16()
+        x = torch.randn(rows, k, device=dev).bfloat16()
+        for b in (None, bias):
+            got = mma_gemv.gemv(x, mma_gemv.pack(w), b, n=96, k=k, silu=True, config=config)
+            summed = F.linear(x.float(), w.float(), None if b is None else b.float())
+            gate, up = summed.bfloat16().float().chunk(2, dim=-1)
+            assert torch.allclose(got.float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2), (k, b is None)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device with bf16 mma")
+def test_strided_and_misaligned_inputs_are_taken_as_their_values():
+    w = (torch.randn(64, 128, device="cuda") / 12).bfloat16()
+    words = mma_gemv.pack(w)
+    wide = torch.randn(6, 300, device="cuda").bfloat16()
+    for x in (wide[:, 3:131], wide[:, :256:2], wide.T.contiguous().T[:, 10:138]):
+        got = mma_gemv.gemv(x, words, None, n=64, k=128)
+        assert torch.allclose(got.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device with bf16 mma")
+def test_the_packed_copy_follows_an_edited_weight_in_place():
+    """An in-place edit of the weight (its version counter moves) is packed again into the same
+    tensor, which a captured CUDA graph reads."""
+    from torch import nn
+
+    owner = nn.Module()
+    w = (torch.randn(32, 64, device="cuda") / 8).bfloat16()
+    x = torch.randn(6, 64, device="cuda").bfloat16()
+    first = mma_gemv.matmul(x, w, None, owner, "w")
+    packed = owner._mma_packed["w"][1]
+    w.mul_(2)
+    second = mma_gemv.matmul(x, w, None, owner, "w")
+    assert owner._mma_packed["w"][1] is packed
+    assert torch.allclose(second.float(), 2 * first.float(), atol=2e-2, rtol=1e-2)
+    with torch.inference_mode():  # inference tensors have no version counter
+        frozen = torch.cat([w, w])
+        assert mma_gemv.matmul(x, frozen, None, owner, "frozen").shape == (6, 64)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device with bf16 mma")

@@ -45,9 +45,12 @@ except ImportError:  # CPU-only installs never reach these kernels
 ROW_TILE = 16
 K_TILE = 16
 LANES = 32
-# fewer rows: gemv's CUDA-core kernel (faster at 1-4 with its fused norms); more: cuBLAS (at 24 and 32
-# rows, four and three B operands lost to it: 23.6 and 19.4 us a layer against 18.8 and 18.7,
-# benchmarks/results/gpu_h200_s23_mma_gemv_sweep_wide.json)
+# Fewer rows keep gemv's CUDA-core kernel, which fuses the norms before q/k/v and gate/up (this
+# kernel's products alone measured about even with it at 1 row, 10.43 vs 10.46 us a layer, and
+# faster at 4, 11.30 vs 12.33, without those norms; not compared end to end). More rows keep cuBLAS:
+# a version with three and four B operands (not kept) measured 19.4 and 23.6 us a layer at 24 and
+# 32 rows (each product's best configuration, summed) against cuBLAS's 18.7 and 18.8
+# (benchmarks/results/gpu_h200_s23_mma_gemv_sweep_wide.json).
 MIN_ROWS, MAX_ROWS = 5, 16
 SMALL_WEIGHT = 4 * 1024 * 1024  # elements (gemv.SMALL_WEIGHT): larger weights keep cuBLAS
 ENABLED = os.environ.get("MTPLX_MMA_GEMV", "1") != "0"  # "0": 5-16 rows through cuBLAS (A/B runs)
@@ -91,15 +94,20 @@ def _load_asm(coherent: bool) -> str:
 
 def _mma_asm(operands: int) -> str:
     """The inline PTX of one tile: the lane's A registers (its 4 words) times ``operands`` B
-    operands (token rows 0-7, 8-15, ...), each into its own 4 float32 sums. Operands (pack 4):
-    $0 .. the sums out (4 per B operand), then the 4 words, each B operand's 4 registers (the
-    first 2 used), each B operand's 4 sums in."""
+    operands (token rows 0-7, 8-15), each into its own 4 float32 sums. Operands (pack 4): $0 ..
+    the sums out (4 per B operand), then the 4 words, each B operand's 4 registers (the first 2
+    used), each B operand's 4 sums in. The products go to local registers and are moved out at
+    the end, so no output can share a register with an input a later mma still reads."""
     words, xs = 4 * operands, 4 * operands + 4
     acc = xs + 4 * operands
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%s}, {%s}, {%s}, {%s};"
     regs = lambda first, n: ", ".join(f"${first + i}" for i in range(n))  # noqa: E731
-    return "\n".join(mma % (regs(4 * b, 4), regs(words, 4), regs(xs + 4 * b, 2), regs(acc + 4 * b, 4))
-                     for b in range(operands))
+    lines = ["{", f".reg .f32 d<{4 * operands}>;"]
+    for b in range(operands):
+        local = ", ".join(f"d{4 * b + i}" for i in range(4))
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{local}}}, {{{regs(words, 4)}}}, "
+                     f"{{{regs(xs + 4 * b, 2)}}}, {{{regs(acc + 4 * b, 4)}}};")
+    lines += [f"mov.f32 ${i}, d{i};" for i in range(4 * operands)] + ["}"]
+    return "\n".join(lines)
 
 
 if triton is not None:
@@ -191,11 +199,12 @@ if triton is not None:
 def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
     """Whether ``matmul`` takes x [..., K] for this weight [N, K]: MIN_ROWS to MAX_ROWS bf16 rows on a
     CUDA device with bf16 mma (sm_80+), a bf16 weight of at most SMALL_WEIGHT elements with K a
-    multiple of 16 (and with silu halves of whole row tiles), kernels on, outside autograd."""
+    multiple of 16 (and with silu halves of whole row tiles), kernels on, outside autograd
+    (``fused.usable``: the kernel has no backward)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
-    return (ENABLED and kernels.ENABLED and triton is not None and MIN_ROWS <= rows <= MAX_ROWS
-            and x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    return (ENABLED and MIN_ROWS <= rows <= MAX_ROWS and fused.usable(x) and x.is_cuda
+            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and weight.numel() <= SMALL_WEIGHT and k % K_TILE == 0 and (not silu or (n // 2) % ROW_TILE == 0)
             and not x.requires_grad and _sm80(x.device))
 
@@ -214,9 +223,11 @@ def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, 
     (benchmarks/results/gpu_h200_s23_mma_gemv_sweep.json, SmolLM2's products, 30 layers in a graph):
     up to 8 rows four warps of eight tiles a loop step (the best or within 0.1 us of it for every
     product at 1, 4 and 8 rows); 9-16 rows hold twice the sums, and the fused gate/up weight's two
-    rows at eight tiles a warp took 67 us (158 us a layer; presumably spilled registers), so four
-    tiles there, and two warps of eight for the short rows of q/k/v and o (the best at 12 and 16
-    rows; the wide sweep, gpu_h200_s23_mma_gemv_sweep_wide.json, chose the same at 16)."""
+    rows at eight tiles a warp took 67 us (158 us a layer), so four tiles there, and two warps of
+    eight for the short rows of q/k/v and o (the best at 12 and 16 rows; the wide sweep,
+    gpu_h200_s23_mma_gemv_sweep_wide.json, chose the same at 16). Triton 3.6's PTX through ptxas
+    -v for sm_90a: gate/up at eight tiles spills 4,468 bytes with two B operands (none at four
+    tiles), and 3,132 bytes with one, where it was still the fastest measured (3.79 us at 8 rows)."""
     if rows <= 8:
         return 4, 8, 1
     if silu:
@@ -224,16 +235,22 @@ def config_for(n: int, k: int, rows: int = 8, silu: bool = False) -> tuple[int, 
     return (4, 8, 1) if k >= 1024 else (2, 8, 1)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: object,
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: object, name: str,
            silu: bool = False) -> torch.Tensor:
-    """``gemv`` of x with the weight [N, K] (``usable``), packed once and kept on ``owner`` until the
-    weight changes (a copy beside the weight, which the CUDA-core GEMV and cuBLAS still read)."""
-    key = (id(weight), weight.data_ptr(), tuple(weight.shape), weight._version)
-    store = owner.__dict__
-    cached = store.get("_mma_packed", {}).get(id(weight))
+    """``gemv`` of x with the weight [N, K] (``usable``), packed once and kept on ``owner`` under
+    ``name`` (a copy beside the weight, which the CUDA-core GEMV and cuBLAS still read: SmolLM2's
+    layers add 212 MB). A weight replaced, or edited in a way its version counter records, is packed
+    again, into the same tensor where the shape holds, so CUDA graphs captured over it read the new
+    one; an edit through ``.data`` is not seen."""
+    version = None if weight.is_inference() else weight._version
+    key = (id(weight), weight.data_ptr(), tuple(weight.shape), version)
+    store = owner.__dict__.setdefault("_mma_packed", {})
+    cached = store.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, pack(weight.detach()))
-        store.setdefault("_mma_packed", {})[id(weight)] = cached
+        words = pack(weight.detach())
+        if cached is not None and cached[1].shape == words.shape:
+            words = cached[1].copy_(words)
+        cached = store[name] = (key, words)
     return gemv(x, cached[1], bias, n=weight.shape[0], k=weight.shape[1], silu=silu)
 
 

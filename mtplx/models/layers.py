@@ -408,12 +408,13 @@ class DecoderLayer(nn.Module):
         residual adds) one kernel each."""
         attn, mlp = self.self_attn, self.mlp
         x, h = self.input_layernorm.add_forward(x, delta)
-        q, k, v = attn.split_qkv(mma_gemv.matmul(h, attn.qkv_weight, attn.qkv_bias, attn))
+        q, k, v = attn.split_qkv(mma_gemv.matmul(h, attn.qkv_weight, attn.qkv_bias, attn, "qkv"))
         o = attn.attend_fused(q, k, v, rotary, meta, k_pool, v_pool)
-        o = reduce_partial(attn.o_proj, mma_gemv.matmul(o, attn.o_proj.weight, attn.o_proj.bias, attn))
+        o = reduce_partial(attn.o_proj, mma_gemv.matmul(o, attn.o_proj.weight, attn.o_proj.bias, attn, "o"))
         x, h = self.post_attention_layernorm.add_forward(x, o)
-        act = mma_gemv.matmul(h, mlp.gate_up_weight, mlp.gate_up_bias, mlp, silu=True)
-        return x, reduce_partial(mlp.down_proj, mma_gemv.matmul(act, mlp.down_proj.weight, mlp.down_proj.bias, mlp))
+        act = mma_gemv.matmul(h, mlp.gate_up_weight, mlp.gate_up_bias, mlp, "gate_up", silu=True)
+        down = mma_gemv.matmul(act, mlp.down_proj.weight, mlp.down_proj.bias, mlp, "down")
+        return x, reduce_partial(mlp.down_proj, down)
 
     def _forward_decode(self, x, delta, rotary, meta, k_pool, v_pool):
         """``forward_chain`` for forwards of a few token rows (AR steps of a few sequences,
