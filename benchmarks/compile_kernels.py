@@ -1,0 +1,116 @@
+"""Compile the tensor-core GEMVs (inline PTX: kernels/mma_gemv.py, kernels/quant_mma.py) for an
+NVIDIA architecture on a machine without a GPU, and report each configuration's registers and
+spills from ptxas: a check to run before spending device time (a kernel Triton refuses, or a
+configuration that spills, shows here), not a measurement of speed.
+
+    pip install triton==3.6.0          # the device's version; its wheel bundles ptxas
+    python benchmarks/compile_kernels.py [--arch 90] [--json r.json]
+
+Each kernel is compiled at the configurations its ``config_for`` picks for SmolLM2's products (bf16,
+5-16 rows) and the 8B shape's (int4 and int8, with and without offsets, 1-8 rows), with SiLU,
+bias and split-K variants; the exit status is 1 if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mtplx.kernels import mma_gemv, quant_mma  # noqa: E402
+
+SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
+            "out_ptr": "*bf16"}
+
+
+def compile_ptx(fn, constexprs: dict, arch: int, partial: bool) -> str:
+    """The PTX of ``fn`` with these constexprs (other arguments: pointers as named, integers i32,
+    ``zk`` fp32; a partial-sum kernel writes float32)."""
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in POINTERS:
+            sig[n] = "*fp32" if n == "out_ptr" and partial else POINTERS[n]
+        else:
+            sig[n] = "fp32" if n == "zk" else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": constexprs["WARPS"]})
+    return kernel.asm["ptx"]
+
+
+def ptxas_info(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes ptxas -v reports for this PTX (sm_XXa)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([str(ptxas), "-v", "--gpu-name", f"sm_{arch}a", str(src), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True)
+    info = {}
+    for line in (run.stdout + run.stderr).splitlines():
+        if "spill stores" in line:
+            info["spill_store_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
+        if "Used" in line and "registers" in line:
+            info["registers"] = int(line.split("Used")[1].split("registers")[0])
+    return info
+
+
+def cases():
+    """(kernel, its constexprs, whether it writes partial sums, a label)."""
+    for name, (n, k) in SMOLLM2.items():
+        silu = name == "gate_up"
+        for rows in (5, 8, 9, 16):
+            warps, units, split = mma_gemv.config_for(n, k, rows, silu)
+            for bias in (False, True):
+                c = dict(PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_BIAS=bias, PARTIAL=split > 1,
+                         SILU=silu, NB=-(-rows // 8), PDL=True)
+                yield mma_gemv._bf16_mma_kernel, c, split > 1, f"bf16 {name} {rows} rows{' bias' if bias else ''}"
+        c = dict(PAIRS=2 if silu else 1, WARPS=4, UNITS=4, HAS_BIAS=False, PARTIAL=True, SILU=silu, NB=2, PDL=True)
+        yield mma_gemv._bf16_mma_kernel, c, True, f"bf16 {name} 16 rows split"
+    for name, (n, k) in QWEN3_8B.items():
+        silu = name == "gate_up"
+        warps, units, split = quant_mma.config_for(n, k)
+        for bits in (4, 8):
+            for zero in (False, True):
+                c = dict(INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zero,
+                         HAS_BIAS=False, PARTIAL=split > 1, SILU=silu, PDL=True)
+                yield quant_mma._mma_gemv_kernel, c, split > 1, f"int{bits} {name}{' offsets' if zero else ''}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    report, failed = [], 0
+    for fn, constexprs, partial, label in cases():
+        entry = {"kernel": fn.__name__, "case": label, "constexprs": constexprs}
+        try:
+            entry.update(ptxas_info(compile_ptx(fn, constexprs, args.arch, partial), args.arch))
+        except Exception as exc:  # report every failure, then exit 1
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            failed += 1
+        report.append(entry)
+        cfg = (constexprs["WARPS"], constexprs["UNITS"])
+        print(f"{label:32s} warps/units {cfg}: " + (entry.get("error", "")[:300] or
+              f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled"), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "cases": report},
+                                              indent=2))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
