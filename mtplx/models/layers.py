@@ -226,6 +226,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _version(weight: torch.Tensor) -> int | None:
+    """The tensor's version counter, or None for an inference tensor (which has none and cannot
+    be changed in place outside inference mode)."""
+    return None if weight.is_inference() else weight._version
+
+
 def _cpu_projection(modules: tuple[nn.Module, ...]):
     """One projection for kernels/cpu.layer from a block's modules (q/k/v or gate/up stacked in
     that order): a QuantLinear's own (``cpu_projection``), or the float32 weights of bias-free
@@ -357,6 +363,9 @@ class DecoderLayer(nn.Module):
         holds exactly (an MTP head trained and shipped in bf16), read as bf16; no biases, plain
         norms. Built once, and again when a projection is replaced or its weight changes (an
         optimizer step bumps the tensor's version)."""
+        cached = self.__dict__.get("_cpu_layer_cache")  # (what it was built from, built)
+        if cached is not None and self._cpu_layer_unchanged(cached[0]):
+            return cached[1]
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not Attention or type(mlp) is not MLP or self.input_layernorm.zero_centered:
             return None
@@ -364,10 +373,9 @@ class DecoderLayer(nn.Module):
                  (attn.o_proj,),
                  (mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
                  (mlp.down_proj,))
-        key = tuple((id(m), m.weight._version) if type(m) is nn.Linear else id(m) for ms in parts for m in ms)
-        cached = self.__dict__.get("_cpu_layer_cache")  # (key, built)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        subs = (*attn._modules.values(), *mlp._modules.values())
+        linears = tuple((m, m.weight, _version(m.weight)) for m in subs if type(m) is nn.Linear)
+        source = (attn, mlp, subs, linears)
         projections = [_cpu_projection(ms) for ms in parts]
         built = None
         if all(p is not None for p in projections):
@@ -377,13 +385,26 @@ class DecoderLayer(nn.Module):
                 attn.q_norm.weight.detach() if attn.qk_norm else None,
                 attn.k_norm.weight.detach() if attn.qk_norm else None,
                 attn.q_norm.eps if attn.qk_norm else 1e-6, attn.scale)
-        self.__dict__["_cpu_layer_cache"] = (key, built)
+        self.__dict__["_cpu_layer_cache"] = (source, built)
         return built
+
+    def _cpu_layer_unchanged(self, source) -> bool:
+        """Whether the layer still has the attention and MLP, their submodules, and each plain
+        Linear's weight at the version ``_cpu_layer`` built from (a module or weight replaced, or
+        an optimizer step, builds it again). Plain dict reads: a decode step asks at every layer,
+        and ``Module.__getattr__`` for each projection cost about 4 us a layer."""
+        attn, mlp, subs, linears = source
+        modules = self._modules
+        return (modules["self_attn"] is attn and modules["mlp"] is mlp
+                and subs == (*attn._modules.values(), *mlp._modules.values())
+                and all(m._parameters["weight"] is w and _version(w) == v for m, w, v in linears))
 
     def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:
         """Fused projections on the GPU, and few enough token rows (rows x q_len) that the GEMV
         takes every one of them (one row; up to ``gemv.MAX_ROWS`` for small weights): the block
         below applies."""
+        if not fused.usable(x):  # (the CPU's decode steps ask this at every layer: the cheap answer first)
+            return False
         attn, mlp = self.self_attn, self.mlp
         return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
                 and not self.input_layernorm.zero_centered
