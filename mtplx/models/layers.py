@@ -100,6 +100,14 @@ class BoundRotary:
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
         self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
+        self._flat = None
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as [tokens, rotary_dim] (the CPU kernels' layout), made once per bind: a
+        forward's every layer asks (about 0.8 us a view)."""
+        if self._flat is None:
+            self._flat = (self.cos.reshape(-1, self.rotary_dim), self.sin.reshape(-1, self.rotary_dim))
+        return self._flat
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -199,8 +207,7 @@ class Attention(nn.Module):
         write in one call, then the attention (``paged_attention``: one call for one row)."""
         rows, q_len = qkv.shape[:2]
         q = cpu_kernels.rope_write(
-            qkv, rotary.cos.reshape(-1, rotary.rotary_dim), rotary.sin.reshape(-1, rotary.rotary_dim),
-            meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads, self.head_dim,
+            qkv, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads, self.head_dim,
             self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 1e-6)
         q = q.view(rows, q_len, self.heads, self.head_dim)
@@ -350,9 +357,9 @@ class DecoderLayer(nn.Module):
                 and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
             step = self._cpu_layer()
             if step is not None:  # one row's decode step, draft or verify: one C++ call
-                return step.step(x, delta, rotary.cos.reshape(-1, rotary.rotary_dim),
-                                 rotary.sin.reshape(-1, rotary.rotary_dim), meta.slot_mapping, k_pool, v_pool,
-                                 meta.block_tables[0], meta.positions[0], meta.key_start)
+                table, positions = meta.first_row()
+                return step.step(x, delta, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, table, positions,
+                                 meta.key_start)
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
         return x, self.mlp(h)
