@@ -235,7 +235,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _version(weight: torch.Tensor) -> int | None:
     """The tensor's version counter, or None for an inference tensor (which has none and cannot
-    be changed in place outside inference mode)."""
+    be changed in place outside inference mode; an edit inside it goes unseen by the caches that
+    compare versions: nothing in mtplx edits weights there)."""
     return None if weight.is_inference() else weight._version
 
 
@@ -375,6 +376,7 @@ class DecoderLayer(nn.Module):
             return cached[1]
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not Attention or type(mlp) is not MLP or self.input_layernorm.zero_centered:
+            self.__dict__.pop("_cpu_layer_cache", None)  # (holds the modules it was built from)
             return None
         parts = ((attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
                  (attn.o_proj,),
