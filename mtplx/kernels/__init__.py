@@ -22,6 +22,14 @@ ENABLED = True
 PDL = os.environ.get("MTPLX_PDL", "1") != "0"
 
 
+def version(tensor) -> int | None:
+    """A tensor's version counter (in-place edits move it), or None for an inference tensor, which
+    has none and cannot be edited outside inference mode (an edit inside it goes unseen by the
+    caches of packed or narrowed weight copies that compare versions; nothing in mtplx edits
+    weights there)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def pdl(device) -> bool:
     """Whether kernels launched on ``device`` use programmatic dependent launch: ``PDL`` and
     ``ENABLED`` on, an NVIDIA device of compute capability 9.0 or newer (not ROCm, whose devices

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mtplx import kernels
-from mtplx.kernels import fused
+from mtplx.kernels import fused, gemv, quant_gemv
 
 try:
     import triton
@@ -52,8 +52,18 @@ LANES = 32
 # 32 rows (each product's best configuration, summed) against cuBLAS's 18.7 and 18.8
 # (benchmarks/results/gpu_h200_s23_mma_gemv_sweep_wide.json).
 MIN_ROWS, MAX_ROWS = 5, 16
-SMALL_WEIGHT = 4 * 1024 * 1024  # elements (gemv.SMALL_WEIGHT): larger weights keep cuBLAS
 ENABLED = os.environ.get("MTPLX_MMA_GEMV", "1") != "0"  # "0": 5-16 rows through cuBLAS (A/B runs)
+
+
+def _fragment_index(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each (lane, A register, element) of a tile: its (row, k) in the tile, [32, 4, 2] each
+    (a0: row g, a1: g + 8, a2: g, a3: g + 8; k 4t + 2 (j // 2) + e)."""
+    lane = torch.arange(LANES, device=device)
+    g, t = lane // 4, lane % 4
+    j = torch.arange(4, device=device)
+    row = (g.view(-1, 1) + 8 * (j % 2)).view(LANES, 4, 1).expand(LANES, 4, 2)
+    kk = (4 * t.view(-1, 1) + 2 * (j // 2)).view(LANES, 4, 1) + torch.arange(2, device=device)
+    return row, kk
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -62,12 +72,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     wp = F.pad(w.to(torch.bfloat16), (0, -k % K_TILE, 0, -n % ROW_TILE))
     r, c = wp.shape[0] // ROW_TILE, wp.shape[1] // K_TILE
     tiles = wp.view(r, ROW_TILE, c, K_TILE).transpose(1, 2)  # [R, C, 16 rows, 16 k]
-    lane = torch.arange(LANES, device=w.device)
-    g, t = lane // 4, lane % 4
-    j = torch.arange(4, device=w.device)
-    row = (g.view(-1, 1) + 8 * (j % 2)).view(LANES, 4, 1)  # a0: row g, a1: g + 8, a2: g, a3: g + 8
-    kk = (4 * t.view(-1, 1) + 2 * (j // 2)).view(LANES, 4, 1) + torch.arange(2, device=w.device)
-    pairs = tiles[:, :, row.expand(LANES, 4, 2), kk]  # [R, C, 32, 4, 2] bf16
+    row, kk = _fragment_index(w.device)
+    pairs = tiles[:, :, row, kk]  # [R, C, 32, 4, 2] bf16
     return pairs.contiguous().view(torch.int32).view(r, c, LANES, 4)
 
 
@@ -75,12 +81,8 @@ def unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """``pack``'s inverse: w [n, k] bf16."""
     r, c = words.shape[:2]
     pairs = words.contiguous().view(torch.bfloat16).view(r, c, LANES, 4, 2)
-    lane = torch.arange(LANES, device=words.device)
-    g, t = lane // 4, lane % 4
-    j = torch.arange(4, device=words.device)
-    row = (g.view(-1, 1) + 8 * (j % 2)).view(LANES, 4, 1).expand(LANES, 4, 2)
-    kk = (4 * t.view(-1, 1) + 2 * (j // 2)).view(LANES, 4, 1) + torch.arange(2, device=words.device)
     tiles = torch.zeros(r, c, ROW_TILE, K_TILE, dtype=torch.bfloat16, device=words.device)
+    row, kk = _fragment_index(words.device)
     tiles[:, :, row, kk] = pairs
     return tiles.transpose(1, 2).reshape(r * ROW_TILE, c * K_TILE)[:n, :k]
 
@@ -198,14 +200,15 @@ if triton is not None:
 
 def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
     """Whether ``matmul`` takes x [..., K] for this weight [N, K]: MIN_ROWS to MAX_ROWS bf16 rows on a
-    CUDA device with bf16 mma (sm_80+), a bf16 weight of at most SMALL_WEIGHT elements with K a
+    CUDA device with bf16 mma (sm_80+), a bf16 weight of at most ``gemv.SMALL_WEIGHT`` elements (larger
+    ones keep cuBLAS) with K a
     multiple of 16 (and with silu halves of whole row tiles), kernels on, outside autograd
     (``fused.usable``: the kernel has no backward)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
     return (ENABLED and MIN_ROWS <= rows <= MAX_ROWS and fused.usable(x) and x.is_cuda
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and weight.numel() <= SMALL_WEIGHT and k % K_TILE == 0 and (not silu or (n // 2) % ROW_TILE == 0)
+            and weight.numel() <= gemv.SMALL_WEIGHT and k % K_TILE == 0 and (not silu or (n // 2) % ROW_TILE == 0)
             and not x.requires_grad and _sm80(x.device))
 
 
@@ -242,8 +245,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
     layers add 212 MB). A weight replaced, or edited in a way its version counter records, is packed
     again, into the same tensor where the shape holds, so CUDA graphs captured over it read the new
     one; an edit through ``.data`` is not seen."""
-    version = None if weight.is_inference() else weight._version
-    key = (id(weight), weight.data_ptr(), tuple(weight.shape), version)
+    key = (id(weight), weight.data_ptr(), tuple(weight.shape), kernels.version(weight))
     store = owner.__dict__.setdefault("_mma_packed", {})
     cached = store.get(name)
     if cached is None or cached[0] != key:
@@ -258,8 +260,6 @@ def gemv(x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, *, n: 
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [..., k] (bf16, at most MAX_ROWS rows) @ w.T (+ bias) -> [..., n] bf16, w given by ``pack``;
     silu: w is gate and up stacked ([2 I, k], I a multiple of 16), out silu(gate) * up [..., I]."""
-    from mtplx.kernels import quant_gemv
-
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     n_out = n // 2 if silu else n

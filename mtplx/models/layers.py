@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtplx.cache.attention import ROW_EXACT_QUERIES, AttentionMetadata, paged_attention, write_kv
+from mtplx import kernels
 from mtplx.kernels import cpu as cpu_kernels, fused, gemv, mma_gemv
 from mtplx.models.config import ModelConfig
 from mtplx.models.parallel import reduce_partial
@@ -233,13 +234,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _version(weight: torch.Tensor) -> int | None:
-    """The tensor's version counter, or None for an inference tensor (which has none and cannot
-    be changed in place outside inference mode; an edit inside it goes unseen by the caches that
-    compare versions: nothing in mtplx edits weights there)."""
-    return None if weight.is_inference() else weight._version
-
-
 def _cpu_projection(modules: tuple[nn.Module, ...]):
     """One projection for kernels/cpu.layer from a block's modules (q/k/v or gate/up stacked in
     that order): a QuantLinear's own (``cpu_projection``), or the float32 weights of bias-free
@@ -279,7 +273,7 @@ def cpu_dense(x: torch.Tensor, weight: torch.Tensor, owner: object, max_rows: in
             or weight.dtype != torch.float32 or weight.requires_grad or weight.dim() != 2 or weight.shape[1] % 16:
         return None
     # the weight's identity, storage and (where tracked) version: a replaced or edited weight is re-read
-    key = (id(weight), weight.data_ptr(), tuple(weight.shape), None if weight.is_inference() else weight._version)
+    key = (id(weight), weight.data_ptr(), tuple(weight.shape), kernels.version(weight))
     store = getattr(owner, "__dict__", None)
     cached = store.get("_dense_copy") if store is not None else None  # (key, the copy)
     if cached is None or cached[0] != key:
@@ -383,7 +377,7 @@ class DecoderLayer(nn.Module):
                  (mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
                  (mlp.down_proj,))
         subs = (*attn._modules.values(), *mlp._modules.values())
-        linears = tuple((m, m.weight, _version(m.weight)) for m in subs if type(m) is nn.Linear)
+        linears = tuple((m, m.weight, kernels.version(m.weight)) for m in subs if type(m) is nn.Linear)
         source = (attn, mlp, subs, linears)
         projections = [_cpu_projection(ms) for ms in parts]
         built = None
@@ -406,7 +400,7 @@ class DecoderLayer(nn.Module):
         modules = self._modules
         return (modules["self_attn"] is attn and modules["mlp"] is mlp
                 and subs == (*attn._modules.values(), *mlp._modules.values())
-                and all(m._parameters["weight"] is w and _version(w) == v for m, w, v in linears))
+                and all(m._parameters["weight"] is w and kernels.version(w) == v for m, w, v in linears))
 
     def _decode_fusable(self, x: torch.Tensor, rotary) -> bool:
         """Fused projections on the GPU, and few enough token rows (rows x q_len) that the GEMV
@@ -415,9 +409,7 @@ class DecoderLayer(nn.Module):
         if not fused.usable(x):  # (the CPU's decode steps ask this at every layer: the cheap answer first)
             return False
         attn, mlp = self.self_attn, self.mlp
-        return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
-                and not self.input_layernorm.zero_centered
-                and isinstance(rotary, BoundRotary)
+        return (self._fused_block(rotary)
                 and all(gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
                                                     mlp.down_proj.weight)))
 
@@ -427,10 +419,16 @@ class DecoderLayer(nn.Module):
         if not x.is_cuda or not mma_gemv.MIN_ROWS <= x.numel() // x.shape[-1] <= mma_gemv.MAX_ROWS:
             return False  # (the CPU's decode steps ask this at every layer: the cheap answer first)
         attn, mlp = self.self_attn, self.mlp
-        return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
-                and not self.input_layernorm.zero_centered and isinstance(rotary, BoundRotary)
+        return (self._fused_block(rotary)
                 and all(mma_gemv.usable(x, w) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.down_proj.weight))
                 and mma_gemv.usable(x, mlp.gate_up_weight, silu=True))
+
+    def _fused_block(self, rotary) -> bool:
+        """The shape both GPU blocks below take: a plain Attention and MLP with fused projections,
+        plain norms, RoPE bound for the forward."""
+        attn, mlp = self.self_attn, self.mlp
+        return (type(attn) is Attention and type(mlp) is MLP and attn.is_fused and mlp.is_fused
+                and not self.input_layernorm.zero_centered and isinstance(rotary, BoundRotary))
 
     def _forward_mma(self, x, delta, rotary, meta, k_pool, v_pool):
         """``forward_chain`` for 5-16 token rows: each product on the tensor-core GEMV
