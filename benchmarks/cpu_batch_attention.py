@@ -108,7 +108,7 @@ def products(timed) -> None:
         m = next(x for x in layers if (x.out_features, x.in_features) == shape)
         for rows in (8, 16, 24, 32, 48, 64, 96):
             a = torch.randn(rows, m.in_features)
-            kernel = timed(lambda: ext.quant_matmul(a, m.words, m.scale, m.zero, m.group_size, m.bits, False))
+            kernel = timed(lambda: ext.quant_matmul(a, m.words, m.scale, m.zero, m.group_size, m.bits, m.activation_bits))
             blas = timed(lambda: a @ cpu.dequantize(m.words, m.scale, m.zero, m.group_size, m.bits).T)
             print(f"{shape[0]} x {shape[1]}, {rows} rows: kernel {kernel:.0f} us, dequantize + BLAS {blas:.0f} us", flush=True)
 

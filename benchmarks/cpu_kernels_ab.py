@@ -6,12 +6,13 @@ its GGUF's own blocks (``quantize="gguf"``), AR and MTP depth 1, greedy (and wit
 also temperature 0.7, top-p 0.95, seed 1), chat prompts not used for tuning, decode tok/s after
 the first token. "pytorch" is ``MTPLX_CPU_KERNELS=0``: PyTorch's packed int4 kernel (bf16
 activations) and PyTorch's ops for norms, RoPE, attention and SiLU. "avx2" is
-``MTPLX_CPU_VECTOR_WIDTH=256`` (the AVX2 products on an AVX-512 CPU). ``--baseline-tree DIR``
+``MTPLX_CPU_VECTOR_WIDTH=256`` (the AVX2 products on an AVX-512 CPU); "float32" is
+``MTPLX_CPU_ACTIVATIONS=float32`` (float activations where int16 is the default). ``--baseline-tree DIR``
 adds "baseline": the same runs with the ``mtplx`` package of another checkout (an earlier
 commit's worktree), its kernels built apart.
 
     python benchmarks/cpu_kernels_ab.py [--threads 1] [--rounds 3] [--tokens 96] [--sampled]
-        [--configs kernels,pytorch,avx2] [--baseline-tree DIR] [--json FILE]
+        [--configs kernels,pytorch,avx2,float32] [--baseline-tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def one_run(threads: int, tokens: int, sampled: bool) -> dict:
 
 
 CONFIG_ENV = {"kernels": {"MTPLX_CPU_KERNELS": "1"}, "pytorch": {"MTPLX_CPU_KERNELS": "0"},
-              "avx2": {"MTPLX_CPU_KERNELS": "1", "MTPLX_CPU_VECTOR_WIDTH": "256"}}
+              "avx2": {"MTPLX_CPU_KERNELS": "1", "MTPLX_CPU_VECTOR_WIDTH": "256"},
+              "float32": {"MTPLX_CPU_KERNELS": "1", "MTPLX_CPU_ACTIVATIONS": "float32"}}
 
 
 def main() -> None:
@@ -58,7 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--sampled", action="store_true", help="also temperature 0.7, top-p 0.95")
-    ap.add_argument("--configs", default="kernels,pytorch", help="of: kernels, pytorch, avx2")
+    ap.add_argument("--configs", default="kernels,pytorch", help="of: kernels, pytorch, avx2, float32")
     ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

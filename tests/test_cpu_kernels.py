@@ -191,27 +191,32 @@ def test_a_layer_as_one_call_gives_the_numbers_of_its_calls_one_by_one(monkeypat
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits):
+@pytest.mark.parametrize("k,group", [(192, 64), (576, 32)])
+def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits, k, group):
     """The AVX-512 float-activation products (chosen where the CPU has them) and the AVX2 ones
-    both give a @ dequantize(w)^T within float32 summation error, for 1-6 rows and a group of 64;
-    each row the same alone as among others."""
-    from mtplx.models.quant import quantize_rtn
+    both give a @ dequantize(w)^T within float32 summation error, for 1-6 rows, offsets on
+    every group (3 or 18 of them: the AVX2 pass takes eight at a time); each row the same alone
+    as among others."""
+    from mtplx.models.quant import QuantizedWeight, quantize_rtn
 
-    w = torch.randn(38, 192, generator=_gen(11))
+    w = torch.randn(38, k, generator=_gen(11))
     before = cpu_kernels.vector_width()
     if before != 512:
         pytest.skip("no AVX-512 here")
-    qw = quantize_rtn(w, bits, 64)
-    words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, bits, 64)
-    reference_w = cpu_kernels.dequantize(words, scale, zero, 64, bits).double()
+    qw = quantize_rtn(w, bits, group)
+    zero = torch.randn(qw.scale.shape, generator=_gen(12)) * 0.05
+    qw = QuantizedWeight(qw.q, qw.scale, zero, bits, group)
+    words, scale, zero = cpu_kernels.pack(qw.q, qw.scale, qw.zero, bits, group)
+    reference_w = cpu_kernels.dequantize(words, scale, zero, group, bits).double()
+    torch.testing.assert_close(reference_w[:38].float(), qw.dequantize(), rtol=0, atol=1e-2)  # held in fp16
     try:
         for width in (512, 256):
             cpu_kernels.vector_width(width)
             for rows in range(1, 7):
-                a = torch.randn(rows, 192, generator=_gen(rows))
-                out = cpu_kernels.matmul(a, words, scale, zero, 64, bits)
+                a = torch.randn(rows, k, generator=_gen(rows))
+                out = cpu_kernels.matmul(a, words, scale, zero, group, bits)
                 torch.testing.assert_close(out.double(), a.double() @ reference_w.T, rtol=1e-5, atol=1e-4)
-                assert torch.equal(out[-1], cpu_kernels.matmul(a[-1:], words, scale, zero, 64, bits)[0])
+                assert torch.equal(out[-1], cpu_kernels.matmul(a[-1:], words, scale, zero, group, bits)[0])
     finally:
         cpu_kernels.vector_width(before)
 

@@ -2,7 +2,7 @@
 against the gguf package's own dequantization, and models loaded quantized.
 
 Two CPU backends: "cpu" (kernels/cpu.py's C++ kernel: float32 activations, float16 scales and
-offsets; or int8 activations where asked) and "int4pack" (PyTorch's packed int4 kernel: bf16
+offsets; int16 activations by default where the CPU has AVX-512 VNNI, int8 where asked) and "int4pack" (PyTorch's packed int4 kernel: bf16
 activations and scales, fp32 accumulation). Each reference is the exact (float64) product of
 what the kernel holds: the weight rebuilt from the integers and the rounded scales, times the
 activations as the kernel rounds them; the tolerance is the kernel's own rounding."""
@@ -76,6 +76,16 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
 
 
+def _int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel's int16 activations stand for it: each 32 inputs of a row times
+    32767 / max |x| in float32, rounded to the nearest integer (ties to even), times max |x| /
+    32767 (float32); written out independently of the C++ code."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv).double() * (amax / 32767).double()).reshape(x.shape)
+
+
 def _reference(x: torch.Tensor, qw: QuantizedWeight, backend: str = DEFAULT_CPU) -> torch.Tensor:
     a = x.double() if backend == "cpu" else x.bfloat16().double()
     return a @ _held_weight(qw, backend).T
@@ -86,7 +96,8 @@ def _reference(x: torch.Tensor, qw: QuantizedWeight, backend: str = DEFAULT_CPU)
 @pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (40, 96, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
                                            (33, 64, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 20, 60])  # 60: past cpu.SMALL_ROWS, the dequantized weight's matmul
-def test_quantized_matmul_equals_dequantize_then_matmul(backend, bits, out, inp, group, rows):
+def test_quantized_matmul_equals_dequantize_then_matmul(backend, bits, out, inp, group, rows, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "float32")  # int16: the test below
     if backend == "int4pack" and out % 16:
         out += 16 - out % 16  # (the packed kernel pads rows to 16 itself; keep its cases as they were)
     qw = _random_weight(out, inp, bits, group)
@@ -112,7 +123,7 @@ def test_int8_activations_multiply_the_rounded_activations_exactly(bits, group, 
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "int8")
     qw = _random_weight(40, 128, bits, group)
     layer = QuantLinear(qw, backend="cpu")
-    assert layer.int8_activations
+    assert layer.activation_bits == 8
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     # the integers times the rounded activations; the offsets times the float group sums
     w = _held_weight(qw, "cpu")
@@ -122,6 +133,76 @@ def test_int8_activations_multiply_the_rounded_activations_exactly(bits, group, 
     # integer products are exact; what remains is fp32 rounding of the scaled chunk sums
     bound = 1e-5 * (x.abs().double() @ _held_weight(qw, "cpu").abs().T) + 1e-5
     assert ((layer(x).double() - ref).abs() <= bound).all()
+
+
+needs_vnni = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.extension().quant_has_vnni()),
+                                reason="no AVX-512 VNNI (int16 activations)")
+
+
+@needs_vnni
+@pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
+                                           (33, 1536, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 48])
+def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, group, rows):
+    """int4 weights: the default on a VNNI CPU. The integers times the int16-rounded
+    activations, the offsets times the float group sums; exact integer sums, float32 scaling."""
+    assert cpu_kernels.activation_bits() == 16
+    qw = _random_weight(out, inp, 4, group, seed=rows)
+    layer = QuantLinear(qw, backend="cpu")
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] *= 40  # an outlier chunk: its own scale, the others keep theirs
+    w = _held_weight(qw, "cpu")
+    offset = _held(qw.zero - 8 * qw.scale, "cpu").double()
+    scaled = w - offset.repeat_interleave(group, 1)
+    ref = _int16_rows(x) @ scaled.T + x.double().reshape(rows, -1, group).sum(-1) @ offset.T
+    bound = 2e-6 * (x.abs().double() @ w.abs().T) + 1e-6
+    got = layer(x).double()
+    assert ((got - ref).abs() <= bound).all()
+    # and float32 activations would have missed this reference (the test can tell them apart)
+    floats = x.double() @ w.T
+    assert ((floats - ref).abs() > bound).any()
+
+
+@needs_vnni
+def test_int16_activations_keep_a_non_finite_input_visible():
+    """A row holding inf or NaN gives NaN outputs (as float32 activations would give inf or NaN),
+    the rows beside it their own numbers."""
+    layer = QuantLinear(_random_weight(16, 128, 4, 32), backend="cpu")
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    clean = layer(x)
+    x[0, 70], x[2, 3] = float("inf"), float("nan")
+    got = layer(x)
+    assert got[0].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[1], clean[1])
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits,inp,group", [(8, 128, 32), (4, 96, 32)])
+def test_int16_activations_leave_other_layouts_on_float32(bits, inp, group, monkeypatch):
+    """int8 weights, and an input width not a multiple of 64, take the float32 products."""
+    qw = _random_weight(24, inp, bits, group)
+    x = torch.randn(2, inp, generator=torch.Generator().manual_seed(5))
+    default = QuantLinear(qw, backend="cpu")(x)
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "float32")
+    assert torch.equal(default, QuantLinear(qw, backend="cpu")(x))
+
+
+def test_activation_bits_follow_the_switch(monkeypatch):
+    for mode, bits in (("float32", 32), ("int8", 8)):
+        monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, mode)
+        assert cpu_kernels.activation_bits() == bits
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "fp16")
+    with pytest.raises(ValueError, match="float32, int16 or int8"):
+        cpu_kernels.activation_bits()
+    monkeypatch.delenv(cpu_kernels.ACTIVATIONS_SWITCH)
+    vnni = cpu_kernels.available() and cpu_kernels.extension().quant_has_vnni()
+    assert cpu_kernels.activation_bits() == (16 if vnni else 32)
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "int16")
+    if vnni:
+        assert cpu_kernels.activation_bits() == 16
+    else:
+        with pytest.raises(ValueError, match="VNNI"):
+            cpu_kernels.activation_bits()
 
 
 @needs_kernel

@@ -14,12 +14,13 @@ kernels").
 
 Quantized layout (``pack``): int4 as two nibbles per byte in GGUF's order (byte ``16 c + j`` of
 a row holds inputs ``32 c + j`` low and ``32 c + 16 + j`` high), int8 one per byte; a float16
-scale and offset per group of ``group_size`` inputs (a multiple of 32), the offsets stored
-transposed ([groups, out]): ``w = u * scale + zero`` with ``u`` the stored integer (int4: in
-[0, 15]). Activations stay float32, or (``int8_activations``) each 32 inputs of a row are
-rounded to int8 with one scale, max |a| / 127, and multiplied in integers as llama.cpp does.
-Every kernel computes a token row the same way whatever else is in the batch, so a verify of
-1 + D tokens gives each the numbers an AR step gives it.
+scale and offset per group of ``group_size`` inputs (a multiple of 32), both [out, groups]:
+``w = u * scale + zero`` with ``u`` the stored integer (int4: in [0, 15]). Activations are
+multiplied as float32, or (``activation_bits``) each 32 inputs of a row are rounded to int16
+(AVX-512 VNNI; the default where the CPU has it) or int8 (llama.cpp's rounding) with one scale
+and multiplied in integers; the offsets always see the float sums of the activations. Every
+kernel computes a token row the same way whatever else is in the batch, so a verify of 1 + D
+tokens gives each the numbers an AR step gives it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ log = logging.getLogger("mtplx")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.cpp", "cpu_fused.cpp")]
 ENV_SWITCH = "MTPLX_CPU_KERNELS"  # "0": PyTorch's ops instead
-ACTIVATIONS_SWITCH = "MTPLX_CPU_ACTIVATIONS"  # "float32" / "int8" for every quantized layer
+ACTIVATIONS_SWITCH = "MTPLX_CPU_ACTIVATIONS"  # "float32" / "int16" / "int8" for every quantized layer
 WIDTH_SWITCH = "MTPLX_CPU_VECTOR_WIDTH"  # "256": the AVX2 products on an AVX-512 CPU (A/B runs)
 FLOAT16_MAX = 65504.0
 
@@ -96,15 +97,24 @@ def usable(x: torch.Tensor) -> bool:
 
 # --- quantized matrix products ------------------------------------------------------------------
 
-def int8_activations() -> bool:
-    """Whether a quantized layer rounds its activations to int8: only where
-    ``MTPLX_CPU_ACTIVATIONS=int8`` asks (about 10% faster decoding on the default model, but its
-    greedy output then leaves the float32 model's within a few dozen tokens; float32, the
-    default, kept all 8 of 8 prompts identical for 64 tokens: docs/performance.md)."""
-    mode = os.environ.get(ACTIVATIONS_SWITCH, "float32")
-    if mode not in ("float32", "int8"):
-        raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32 or int8")
-    return mode == "int8"
+def activation_bits() -> int:
+    """The bits a quantized layer's activations are multiplied at: 16 by default where the CPU
+    has AVX-512 VNNI (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
+    and multiplied in integers; int4 weights in groups of 32 or of a multiple of 64, the others
+    stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16``
+    (refused where the CPU lacks VNNI) or ``int8`` (llama.cpp's rounding, about 10% faster than
+    float32 on the default model but its greedy output leaves the float32 model's within a few
+    dozen tokens; int16 and float32 kept 8 of 8 prompts identical for 64 tokens:
+    docs/performance.md)."""
+    mode = os.environ.get(ACTIVATIONS_SWITCH, "")
+    if mode not in ("", "float32", "int16", "int8"):
+        raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32, int16 or int8")
+    if mode in ("float32", "int8"):
+        return 32 if mode == "float32" else 8
+    vnni = available() and extension().quant_has_vnni()
+    if mode == "int16" and not vnni:
+        raise ValueError(f"{ACTIVATIONS_SWITCH}=int16 needs AVX-512 VNNI, which this CPU lacks")
+    return 16 if vnni else 32
 
 
 def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
@@ -134,7 +144,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, gr
         words = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).contiguous()
     else:
         words = q.to(torch.int8).contiguous()
-    return words, scale.half().contiguous(), zero.half().T.contiguous()
+    return words, scale.half().contiguous(), zero.half().contiguous()
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -156,14 +166,14 @@ SMALL_ROWS = 48
 
 
 def matmul(a: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-           group_size: int, bits: int, int8_activations: bool = False) -> torch.Tensor:
+           group_size: int, bits: int, activations: int = 32) -> torch.Tensor:
     """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32. More than
     ``SMALL_ROWS`` rows (a prompt's forward) take the dequantized weight through one float32
     matrix product (BLAS), about twice the kernel's rate there; a row's result then depends on
     the forward it is in only through BLAS's summation order, as in the float model."""
-    if a.shape[0] > SMALL_ROWS and not int8_activations:
+    if a.shape[0] > SMALL_ROWS and activations != 8:
         return a @ dequantize(words, scale, zero, group_size, bits).T
-    return extension().quant_matmul(a, words, scale, zero, group_size, bits, int8_activations)
+    return extension().quant_matmul(a, words, scale, zero, group_size, bits, activations)
 
 
 def dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -219,11 +229,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # --- a whole decoder layer ----------------------------------------------------------------------
 
 def projection(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int,
-               out_features: int):
+               out_features: int, activations: int = 32):
     """A weight as the C++ layer holds it: ``pack``'s layout (bits 4 or 8; ``out_features`` cuts
-    the padding row), or (bits 16 or 32) a dense weight [out, in] for ``dense_matmul``, scale and
-    zero empty."""
-    return extension().Projection(words, scale, zero, group_size, bits, out_features)
+    the padding row; ``activations``: 32 or 16, as ``matmul``), or (bits 16 or 32) a dense weight
+    [out, in] for ``dense_matmul``, scale and zero empty."""
+    return extension().Projection(words, scale, zero, group_size, bits, out_features, activations)
 
 
 def layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, o, gate_up, down, heads: int, kv_heads: int,

@@ -239,10 +239,11 @@ torch::Tensor silu_mul(torch::Tensor x) {
 }  // namespace
 
 torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale, torch::Tensor zero,
-                           int64_t group, int64_t bits, bool int8_activations);
+                           int64_t group, int64_t bits, int64_t activations);
 torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t group,
                                int64_t bits);
 int64_t quant_isa(int64_t want);
+bool quant_has_vnni();
 torch::Tensor bf16_matmul(torch::Tensor a, torch::Tensor w);
 torch::Tensor dense_matmul(torch::Tensor a, torch::Tensor w);
 
@@ -250,13 +251,14 @@ namespace {
 
 // A group-quantized projection in quant_matmul's layout (bits 4 or 8), or a dense weight [N, K]
 // (bfloat16 / float16: bits 16, float32: bits 32) for dense_matmul (scale, zero and group unused);
-// ``out`` cuts pack's padding row.
+// ``out`` cuts pack's padding row; ``activations``: quant_matmul's (32 or 16 bits).
 struct Projection {
   torch::Tensor words, scale, zero;
-  int64_t group, bits, out;
+  int64_t group, bits, out, activations;
 
   torch::Tensor operator()(const torch::Tensor& a) const {
-    torch::Tensor y = bits >= 16 ? dense_matmul(a, words) : quant_matmul(a, words, scale, zero, group, bits, false);
+    torch::Tensor y = bits >= 16 ? dense_matmul(a, words)
+                                 : quant_matmul(a, words, scale, zero, group, bits, activations);
     return y.size(1) == out ? y : y.narrow(1, 0, out).contiguous();
   }
 };
@@ -294,6 +296,7 @@ struct Layer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
+  m.def("quant_has_vnni", &quant_has_vnni, "whether the CPU has AVX-512 VNNI (int16 activations)");
   m.def("quant_isa", &quant_isa, "the float products' vector width (256 or 512); a width forces it, 0 reads it");
   m.def("bf16_matmul", &bf16_matmul, "a [M, K] float32 @ a bfloat16 w [N, K]^T -> [M, N] float32");
   m.def("dense_matmul", &dense_matmul, "a [M, K] float32 @ a bfloat16, float16 or float32 w [N, K]^T -> [M, N] float32");
@@ -303,7 +306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   pybind11::class_<Projection>(m, "Projection")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t>());
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>());
   pybind11::class_<Layer>(m, "Layer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection,
                           int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

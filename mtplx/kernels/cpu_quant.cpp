@@ -1,13 +1,14 @@
 // Group-quantized matrix products on the CPU (AVX2, FMA, F16C; with float activations also an
 // AVX-512 path, chosen at run time where the CPU has it), and bfloat16-weight products.
 //
-//   out[m, n] = sum_k a[m, k] * w[n, k],   w[n, k] = u[n, k] * scale[n, g] + zero[g, n],
-//   g = k / group_size, scale and zero float16
+//   out[m, n] = sum_k a[m, k] * w[n, k],   w[n, k] = u[n, k] * scale[n, g] + zero[n, g],
+//   g = k / group_size, scale and zero float16 [N, groups]
 //
 // int4: u in [0, 15], two per byte; byte 16 c + j of a row holds u[32 c + j] in its low nibble
 // and u[32 c + 16 + j] in its high one (GGUF's Q4_0/Q4_1 order). int8: u in [-128, 127], one
-// per byte. ``zero`` is stored transposed, [groups, N], so that the offset term
-// sum_g zero[g, n] * (sum of group g of a's row) runs as one vector pass over n.
+// per byte. The offset term is sum_g zero[n, g] * (the float sum of group g of a's row): the
+// AVX-512 tiles add it to each output's lanes before summing them (a row's scales and offsets
+// are read in order beside its weights), the AVX2 ones in a pass of their own.
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
 // scaled), or are rounded to int8 with one scale per 32 inputs (max |a| / 127) and multiplied in
@@ -42,6 +43,10 @@ struct Args {
   const uint8_t* w;     // [N, K / 2] (int4) or [N, K] (int8)
   const at::Half* scale;  // [N, K / group]
   float* out;           // [M, N]
+  const float* asum;    // [M, groups] float sums of each group of a's row
+  const at::Half* zero; // [N, groups]
+  const int16_t* qw;    // [M, K / 64, 2, 32] int16 activations (VNNI path), or null
+  const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them
 };
 
 // The 32 weights of chunk c of one row as four vectors of 8 floats.
@@ -162,6 +167,22 @@ MTPLX_AVX512 inline void chunk_float512(const uint8_t* row, int64_t c, __m512 io
   }
 }
 
+// The offset term of rows m0 .. m0 + R and output rows n .. n + O added to their accumulators'
+// lanes: zero[n + o, g] * asum[m, g], 16 groups at a time.
+template <int R, int O>
+MTPLX_AVX512 __attribute__((always_inline)) inline void fold_offsets512(const Args& p, int64_t m0, int64_t n, __m512 acc[O][R]) {
+  const int64_t groups = p.K / p.group;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 live = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_maskz_loadu_ps(live, p.asum + (m0 + r) * groups + g);
+    for (int o = 0; o < O; ++o) {
+      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.zero + (n + o) * groups + g));
+      for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(z, s[r], acc[o][r]);
+    }
+  }
+}
+
 // Rows m0 .. m0 + R of output rows n .. n + O, float activations: per group, each row's products
 // summed in 16 lanes, then scaled into the row's accumulator. O output rows at a time share each
 // activation load and keep O x R accumulator chains in flight.
@@ -200,6 +221,7 @@ MTPLX_AVX512 inline void tile_float512(const Args& p, int64_t m0, int64_t n) {
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(sc, t[o][r], acc[o][r]);
     }
   }
+  fold_offsets512<R, O>(p, m0, n, acc);
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
@@ -229,6 +251,119 @@ MTPLX_AVX512 void rows_range512(const Args& p, int64_t n0, int64_t n1) {
   }
 }
 
+// --- int16 activations, AVX-512 VNNI (runtime-dispatched) ---------------------------------------
+// For int4 weights with groups of 32 or of a multiple of 64. Each 32 inputs of a row are rounded
+// to int16 with one scale (max |a| / 32767; greedy output of the default model then matches
+// float32 activations': docs/performance.md), and the products run in integers: 64 weights
+// (two 32-input chunks, A and B, 32 bytes) widen to 32 words, the low nibbles [A 0..15, B 0..15]
+// and the high ones [A 16..31, B 16..31], each multiplied by the row's words laid out the same
+// way (vpdpwssd: pairs of int16 products summed into int32 lanes, exact), so lanes 0-7 hold
+// chunk A's sums and 8-15 chunk B's. Those lanes become float and are scaled by the weight's
+// and the activations' scales of their chunk into the row's accumulator: per 64 weights, 3
+// instructions to unpack, 2 products per token row and 3 to scale, where the float path takes
+// 8 and 4 and 4. Offsets (Q4_1's zero) still see the float group sums (fold_offsets512).
+
+#define MTPLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+// Rows m0 .. m0 + R of output rows n .. n + O.
+template <int R, int O>
+MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
+  const int64_t K = p.K, pairs = K / 64, groups = K / p.group, row_bytes = K / 2;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[O][R], window[O];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  int64_t first = -16;  // the first group of each output row's 16 scales in ``window``
+  for (int64_t q = 0; q < pairs; ++q) {
+    const int64_t ga = 64 * q / p.group, gb = (64 * q + 32) / p.group;
+    if (gb >= first + 16) {  // the next 16 groups' scales (fewer at the end)
+      first = ga;
+      const __mmask16 live = groups - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - first)) - 1);
+      for (int o = 0; o < O; ++o)
+        window[o] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.scale + (n + o) * groups + first));
+    }
+    // lane i takes scale ga (lanes 0-7) or gb (8-15) from the window
+    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(ga - first)),
+                                          _mm512_mullo_epi32(upper, _mm512_set1_epi32(static_cast<int>(gb - ga))));
+    if ((q & 1) == 0)
+      for (int o = 0; o < O; ++o)
+        _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + q * 32), _MM_HINT_T0);
+    for (int o = 0; o < O; ++o) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p.w + (n + o) * row_bytes + q * 32)));
+      const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_srli_epi16(b, 4);
+      const __m512 ws = _mm512_permutexvar_ps(pick, window[o]);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = p.qw + ((m0 + r) * pairs + q) * 64;
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+        s = _mm512_dpwssd_epi32(s, hi, _mm512_loadu_si512(x + 32));
+        const __m512 d = _mm512_loadu_ps(p.dw + ((m0 + r) * pairs + q) * 16);
+        acc[o][r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(s), acc[o][r]);
+      }
+    }
+  }
+  fold_offsets512<R, O>(p, m0, n, acc);
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
+}
+
+// As rows_range512: one or two token rows four output rows a tile, more up to four a tile over two.
+MTPLX_VNNI void rows_range_int16(const Args& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (p.M <= 2) {
+    for (; n + 4 <= n1; n += 4) {
+      if (p.M == 2) tile_int16<2, 4>(p, 0, n); else tile_int16<1, 4>(p, 0, n);
+    }
+  }
+  for (; n < n1; n += 2) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p.M; m0 += 4) tile_int16<4, 2>(p, m0, n);
+    switch (p.M - m0) {
+      case 3: tile_int16<3, 2>(p, m0, n); break;
+      case 2: tile_int16<2, 2>(p, m0, n); break;
+      case 1: tile_int16<1, 2>(p, m0, n); break;
+      default: break;
+    }
+  }
+}
+
+// Each 32 inputs of a row as int16 with one scale d = max |a| / 32767 (q = round(a * 32767 /
+// max |a|), to nearest even; 0 where the 32 are all 0; d NaN where one is not finite, so that
+// the outputs are NaN as float32 activations would make them), laid out for tile_int16: per 64 inputs
+// (chunks A, B) the words [A 0..15, B 0..15, A 16..31, B 16..31] and 16 floats [d_A x 8, d_B x 8].
+MTPLX_VNNI void quantize_rows_int16(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
+  const int64_t pairs = K / 64;
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t q = 0; q < pairs; ++q) {
+      int16_t* out = qw + (m * pairs + q) * 64;
+      float* ds = dw + (m * pairs + q) * 16;
+      for (int h = 0; h < 2; ++h) {  // chunk A (h 0), then B
+        const float* x = a + m * K + q * 64 + h * 32;
+        const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, magnitude),
+                                                        _mm512_and_ps(x1, magnitude)));
+        if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(x0, x1)))) amax = NAN;  // outputs NaN, as floats'
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, iv))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 + 16 * h),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, iv))));
+        _mm256_storeu_ps(ds + 8 * h, _mm256_set1_ps(amax / 32767.f));
+      }
+    }
+  }
+}
+
+bool detect_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
 int detect_isa() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -240,8 +375,30 @@ int& isa_in_use() {
   return isa;
 }
 
+// out[m, n0:n1] += sum_g asum[m, g] * zero[n, g] (the AVX2 tiles' offsets): each output's
+// offsets eight groups at a time, the lanes summed in a fixed order, a tail of fewer groups after.
+void add_offsets(const Args& p, int64_t n0, int64_t n1) {
+  const int64_t groups = p.K / p.group, full = groups / 8 * 8;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* s = p.asum + m * groups;
+    for (int64_t n = n0; n < n1; ++n) {
+      const at::Half* z = p.zero + n * groups;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t g = 0; g < full; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))),
+                              _mm256_loadu_ps(s + g), acc);
+      float t = hsum(acc);
+      for (int64_t g = full; g < groups; ++g) t = std::fma(s[g], _cvtsh_ss(z[g].x), t);
+      p.out[m * p.N + n] += t;
+    }
+  }
+}
+
 template <int Bits>
 void rows_range(const Args& p, int64_t n0, int64_t n1) {
+  if constexpr (Bits == 4) {
+    if (p.qw) return rows_range_int16(p, n0, n1);
+  }
   if (!p.qa && isa_in_use() == 512) return rows_range512<Bits>(p, n0, n1);
   const int64_t step = p.qa ? 2 : 1;
   for (int64_t n = n0; n < n1; n += step) {
@@ -256,24 +413,7 @@ void rows_range(const Args& p, int64_t n0, int64_t n1) {
       default: break;
     }
   }
-}
-
-// out[m, n0:n1] += sum_g asum[m, g] * zero[g, n0:n1]
-void add_offsets(const float* asum, const at::Half* zero, int64_t M, int64_t groups, int64_t N,
-                 float* out, int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = out + m * N;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_set1_ps(asum[m * groups + g]);
-      const at::Half* z = zero + g * N;
-      int64_t n = n0;
-      for (; n + 8 <= n1; n += 8) {
-        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + n)));
-        _mm256_storeu_ps(o + n, _mm256_fmadd_ps(s, zv, _mm256_loadu_ps(o + n)));
-      }
-      for (; n < n1; ++n) o[n] = std::fma(_mm256_cvtss_f32(s), _cvtsh_ss(z[n].x), o[n]);
-    }
-  }
+  add_offsets(p, n0, n1);
 }
 
 // Each 32 inputs of a row as int8 with one float scale: q = round(a / d), d = max |a| / 127.
@@ -293,6 +433,16 @@ void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) 
 // The vector width the float-activation products use: 512 where the CPU has AVX-512 (F, BW, VL,
 // DQ), else 256 (AVX2); ``quant_isa(256)`` forces AVX2 (tests, benchmarks), 512 is refused where
 // the CPU lacks it. Returns the width now in use.
+// Whether tile_int16 takes this product: int4 weights in groups of 32 or of a multiple of 64,
+// K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
+bool int16_applies(int64_t bits, int64_t group, int64_t K) {
+  static const bool vnni = detect_vnni();
+  return vnni && isa_in_use() == 512 && bits == 4 && K % 64 == 0 && (group == 32 || group % 64 == 0);
+}
+
+// Whether this CPU has AVX-512 VNNI (what int16 activations need).
+bool quant_has_vnni() { return detect_vnni(); }
+
 int64_t quant_isa(int64_t want) {
   if (want == 512) TORCH_CHECK(detect_isa() == 512, "this CPU has no AVX-512 (F, BW, VL, DQ)");
   TORCH_CHECK(want == 0 || want == 256 || want == 512, "isa: 256 or 512 (0 reads it)");
@@ -301,7 +451,8 @@ int64_t quant_isa(int64_t want) {
 }
 
 torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale, torch::Tensor zero,
-                           int64_t group, int64_t bits, bool int8_activations) {
+                           int64_t group, int64_t bits, int64_t activations) {
+  TORCH_CHECK(activations == 32 || activations == 16 || activations == 8, "activations: 32, 16 or 8 bits");
   TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat32, "a: [M, K] float32");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 || w.scalar_type() == torch::kInt8, "w: uint8 or int8");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
@@ -312,7 +463,7 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group: multiples of 32");
   TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
-  TORCH_CHECK(zero.size(0) == groups && zero.size(1) == N, "zero: [K / group, N]");
+  TORCH_CHECK(zero.size(0) == N && zero.size(1) == groups, "zero: [N, K / group]");
   TORCH_CHECK(N % 2 == 0, "an even number of output rows (pack pads an odd one)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
   torch::Tensor asum = torch::empty({M, groups}, a.options());
@@ -326,25 +477,30 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
     }
   }
   torch::Tensor out = torch::empty({M, N}, a.options());
-  torch::Tensor qa, da;
+  torch::Tensor qa, da, qw, dw;
   Args p{a.data_ptr<float>(), nullptr, nullptr, M, K, N, group,
          static_cast<const uint8_t*>(w.data_ptr()), scale.data_ptr<at::Half>(), out.data_ptr<float>()};
-  if (int8_activations) {
+  if (activations == 16 && int16_applies(bits, group, K)) {
+    qw = torch::empty({M, K}, a.options().dtype(torch::kShort));
+    dw = torch::empty({M, K / 64, 16}, a.options());
+    quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    p.qw = qw.data_ptr<int16_t>();
+    p.dw = dw.data_ptr<float>();
+  } else if (activations == 8) {
     qa = torch::empty({M, K}, a.options().dtype(torch::kInt8));
     da = torch::empty({M, K / 32}, a.options());
     quantize_rows(p.a, M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>());
     p.qa = qa.data_ptr<int8_t>();
     p.da = da.data_ptr<float>();
   }
-  const float* sp = asum.data_ptr<float>();
-  const at::Half* zp = zero.data_ptr<at::Half>();
+  p.asum = asum.data_ptr<float>();
+  p.zero = zero.data_ptr<at::Half>();
   // about 32 k multiply-adds per task at least, so that small matrices stay on one thread;
   // tasks start at even rows (int8 activations take output rows in pairs)
   const int64_t grain = std::max<int64_t>(2, 32768 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N / 2, grain / 2, [&](int64_t h0, int64_t h1) {
     const int64_t n0 = 2 * h0, n1 = 2 * h1;
     if (bits == 4) rows_range<4>(p, n0, n1); else rows_range<8>(p, n0, n1);
-    add_offsets(sp, zp, M, groups, N, p.out, n0, n1);
   });
   return out;
 }
@@ -358,8 +514,8 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
   TORCH_CHECK(scale.scalar_type() == torch::kHalf && zero.scalar_type() == torch::kHalf, "scale, zero: float16");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1), groups = K / group;
-  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == groups && zero.size(1) == N,
-              "scale [N, K / group], zero [K / group, N]");
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == N && zero.size(1) == groups,
+              "scale and zero: [N, K / group]");
   torch::Tensor out = torch::empty({N, K}, scale.options().dtype(torch::kFloat32));
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
@@ -372,7 +528,7 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
       for (int64_t c = 0; c < K / 32; ++c) {  // 32 inputs at a time, u * scale + zero in 8 lanes
         const int64_t g = c * 32 / group;
         const __m256 s = _mm256_set1_ps(_cvtsh_ss(sp[n * groups + g].x));
-        const __m256 z = _mm256_set1_ps(_cvtsh_ss(zp[g * N + n].x));
+        const __m256 z = _mm256_set1_ps(_cvtsh_ss(zp[n * groups + g].x));
         __m256 w[4];
         if (bits == 4) chunk_float<4>(row, c, w); else chunk_float<8>(row, c, w);
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + c * 32 + 8 * i, _mm256_fmadd_ps(w[i], s, z));

@@ -154,7 +154,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("words", words, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
             self.register_buffer("zero", zero, persistent=False)
-            self.int8_activations = cpu_kernels.int8_activations()
+            self.activation_bits = cpu_kernels.activation_bits()
         elif self.backend == "int4pack":
             packed, scales_zeros = _pack_cpu(qw)
             self.register_buffer("packed", packed, persistent=False)
@@ -204,7 +204,7 @@ class QuantLinear(nn.Module):
         if self.backend == "cpu":
             a = x.reshape(-1, self.in_features).float()
             out = cpu_kernels.matmul(a, self.words, self.scale, self.zero, self.group_size, self.bits,
-                                   self.int8_activations)
+                                   self.activation_bits)
             if out.shape[1] != self.out_features:  # the padding row
                 out = out[:, : self.out_features]
             out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -227,10 +227,10 @@ class QuantLinear(nn.Module):
     def cpu_projection(self):
         """This weight as ``kernels/cpu.layer`` takes it, or None where that path cannot run it
         (another backend, a bias, int8 activations)."""
-        if self.backend != "cpu" or self.bias is not None or self.int8_activations:
+        if self.backend != "cpu" or self.bias is not None or self.activation_bits == 8:
             return None
         return cpu_kernels.projection(self.words, self.scale, self.zero, self.group_size, self.bits,
-                                      self.out_features)
+                                      self.out_features, self.activation_bits)
 
     def _kernel_args(self) -> dict:
         return dict(k=self.in_features, group=self.group_size, bits=self.bits, fp8=self.fp8)
@@ -279,7 +279,7 @@ class QuantLinear(nn.Module):
         u = cpu_kernels.unpack(self.words, self.bits).index_select(0, ids)
         q = (u - 8 if self.bits == 4 else u).to(torch.int8)
         scale = self.scale.index_select(0, ids).float()
-        zero = self.zero.T.index_select(0, ids).float() + (8 * scale if self.bits == 4 else 0)
+        zero = self.zero.index_select(0, ids).float() + (8 * scale if self.bits == 4 else 0)
         qw = QuantizedWeight(q, scale, zero, self.bits, self.group_size, self.source)
         bias = None if self.bias is None else self.bias.index_select(0, ids)
         return QuantLinear(qw, bias, device=self.words.device, backend="cpu")
