@@ -81,6 +81,62 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
             torch.testing.assert_close(out[i, h * d:(h + 1) * d], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("key_start", [0, 1, 130])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32)])
+def test_row_attention_over_spans_of_keys(key_start, heads, kv_heads, d):
+    """The AVX-512 path (d a multiple of 16): queries over up to 300 keys (three spans of 128),
+    the KV head's query heads sharing its rows, against softmax(q k / sqrt) v in float64; each
+    query the same alone as among others (the spans depend on key positions only)."""
+    if cpu_kernels.vector_width() != 512:
+        pytest.skip("no AVX-512 here")
+    block, blocks = 16, 24
+    k_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(7))
+    v_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(8))
+    table = torch.randperm(blocks, generator=_gen(9))[:20]  # keys 0..319
+    positions = torch.tensor([299, 127, 128, 255, 140])
+    q = torch.randn(len(positions), heads, d, generator=_gen(10)) * 0.5
+    out = cpu_kernels.row_attention(q, k_pool, v_pool, table, positions, key_start, d ** -0.5)
+    keys = k_pool[table].reshape(-1, kv_heads, d).double()
+    values = v_pool[table].reshape(-1, kv_heads, d).double()
+    for i, p in enumerate(positions.tolist()):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            scores = keys[key_start:p + 1, kv] @ q[i, h].double() * d ** -0.5
+            ref = scores.softmax(-1) @ values[key_start:p + 1, kv]
+            torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), ref, rtol=1e-5, atol=2e-6)
+        alone = cpu_kernels.row_attention(q[i:i + 1], k_pool, v_pool, table, positions[i:i + 1], key_start,
+                                          d ** -0.5)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_row_attention_of_a_short_context_splits_the_heads():
+    """One span of keys and few KV heads: a job per query head (more jobs than threads), the
+    same numbers as the reference and as each query alone."""
+    if cpu_kernels.vector_width() != 512:
+        pytest.skip("no AVX-512 here")
+    heads, kv_heads, d = 9, 3, 64
+    k_pool, v_pool = (torch.randn(4, 16, kv_heads, d, generator=_gen(s)) for s in (12, 13))
+    table, positions = torch.tensor([2, 0, 3, 1]), torch.tensor([40, 41])
+    q = torch.randn(2, heads, d, generator=_gen(14))
+    out = cpu_kernels.row_attention(q, k_pool, v_pool, table, positions, 0, 0.125)
+    keys, values = (p[table].reshape(-1, kv_heads, d).double() for p in (k_pool, v_pool))
+    for i, p in enumerate(positions.tolist()):
+        for h in range(heads):
+            ref = (keys[:p + 1, h // 3] @ q[i, h].double() * 0.125).softmax(-1) @ values[:p + 1, h // 3]
+            torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), ref, rtol=1e-5, atol=2e-6)
+        alone = cpu_kernels.row_attention(q[i:i + 1], k_pool, v_pool, table, positions[i:i + 1], 0, 0.125)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_row_attention_of_no_keys_is_zero():
+    """A query whose keys all lie before key_start attends nothing: zeros, as before."""
+    if cpu_kernels.vector_width() != 512:
+        pytest.skip("no AVX-512 here")
+    pool = torch.randn(2, 16, 1, 16, generator=_gen(11))
+    out = cpu_kernels.row_attention(torch.randn(1, 2, 16), pool, pool, torch.tensor([1, 0]), torch.tensor([5]), 6, 0.25)
+    assert torch.equal(out, torch.zeros(1, 32))
+
+
 @pytest.mark.parametrize("key_start", [0, 1])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_a_batchs_attention_on_the_cpu_is_each_rows_own(key_start, q_len):

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+int64_t quant_isa(int64_t want);  // cpu_quant.cpp: the vector width in use (0 reads it)
+
 namespace {
 
 // sum_c a[c] * b[c], eight lanes at a time (d a multiple of 8 in every model here; a tail stays
@@ -155,9 +157,134 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
+// --- attention over many keys: AVX-512, keys in fixed spans of kSpan ----------------------------
+// Each job is one KV head and one span of keys [c kSpan, (c + 1) kSpan): every query head of the
+// KV head, of every query of the row (a verify's 1 + D tokens), shares each key and value row
+// read (grouped-query attention: 3 query heads a KV head on the default model), and a long
+// context's spans run on all threads (4,000 keys are 32 spans a KV head). A job leaves, per query head, the span's maximum score m,
+// its sum of e^(s - m) and its e^(s - m)-weighted values; the spans are then merged in their
+// order. The spans are fixed by key position, not by the batch or the thread count, so a query
+// gets the same numbers alone, in a verify or in a batch.
+
+constexpr int64_t kSpan = 128;
+
+#define MTPLX_ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+struct SpanArgs {
+  const float *q, *k, *v;
+  const int64_t *table, *positions;
+  int64_t heads, kv_heads, d, block, key_start, spans;
+  float scale;
+  float* partial;  // [Q, heads, spans, d + 2]: (m, sum, weighted values)
+};
+
+MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
+                               std::vector<float>& scores) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, first = std::max(a.key_start, c * kSpan);
+  const int64_t head_stride = a.spans * (d + 2);
+  auto row = [&](const float* pool, int64_t key) {
+    return pool + ((a.table[key / a.block] * a.block + key % a.block) * a.kv_heads + kvh) * d;
+  };
+  auto seen = [&](int64_t i) {  // how many of the span's keys query i attends
+    return std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
+  };
+  int64_t most = 0;
+  for (int64_t i = 0; i < Q; ++i) most = std::max(most, seen(i));
+  scores.resize(static_cast<size_t>(Q * group * kSpan));
+  // scores: each key row read once for every query head of the KV head (all the row's queries);
+  // rows are fetched kAhead keys early (a long context's cache streams from memory), and each
+  // value row as its key is read (for the pass after this one)
+  constexpr int64_t kAhead = 8;
+  for (int64_t j = 0; j < std::min(most, kAhead); ++j)
+    for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.k, first + j) + x), _MM_HINT_T0);
+  for (int64_t j = 0; j < most; ++j) {
+    const int64_t key = first + j;
+    const float* kr = row(a.k, key);
+    if (j + kAhead < most)
+      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.k, key + kAhead) + x), _MM_HINT_T0);
+    for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.v, key) + x), _MM_HINT_T1);
+    for (int64_t i = 0; i < Q; ++i) {
+      if (j >= seen(i)) continue;
+      const float* qi = a.q + (i * a.heads + kvh * group) * d;
+      for (int64_t g = g0; g < g1; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * d + x), _mm512_loadu_ps(kr + x), acc);
+        scores[(i * group + g) * kSpan + j] = _mm512_reduce_add_ps(acc) * a.scale;
+      }
+    }
+  }
+  // each (query, head): the span's maximum, e^(s - max) and their sum
+  std::vector<int64_t> live;  // (query, head) pairs that see a key of the span, as i * group + g
+  for (int64_t i = 0; i < Q; ++i) {
+    const int64_t n = seen(i);
+    for (int64_t g = g0; g < g1; ++g) {
+      float* out = a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2);
+      if (n == 0) {
+        out[0] = -INFINITY;
+        out[1] = 0.f;
+        continue;
+      }
+      float* sg = scores.data() + (i * group + g) * kSpan;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
+      out[0] = top;
+      out[1] = exp_shifted(sg, n, top);
+      live.push_back(i * group + g);
+    }
+  }
+  // weighted values: each value row read once for up to 16 (query, head) sums, 16 lanes at a time
+  for (size_t b = 0; b < live.size(); b += 16) {
+    const size_t m = std::min<size_t>(16, live.size() - b);
+    int64_t n[16];
+    for (size_t u = 0; u < m; ++u) n[u] = seen(live[b + u] / group);
+    const int64_t upto = *std::max_element(n, n + m), all = *std::min_element(n, n + m);
+    for (int64_t x = 0; x < d; x += 16) {
+      __m512 acc[16];
+      for (size_t u = 0; u < m; ++u) acc[u] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < all; ++j) {  // keys every sum of the block takes
+        const __m512 vv = _mm512_loadu_ps(row(a.v, first + j) + x);
+        for (size_t u = 0; u < m; ++u)
+          acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(scores[live[b + u] * kSpan + j]), vv, acc[u]);
+      }
+      for (int64_t j = all; j < upto; ++j) {  // a verify's later queries see a few keys more
+        const __m512 vv = _mm512_loadu_ps(row(a.v, first + j) + x);
+        for (size_t u = 0; u < m; ++u)
+          if (j < n[u]) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(scores[live[b + u] * kSpan + j]), vv, acc[u]);
+      }
+      for (size_t u = 0; u < m; ++u) {
+        const int64_t i = live[b + u] / group, g = live[b + u] % group;
+        _mm512_storeu_ps(a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2) + 2 + x, acc[u]);
+      }
+    }
+  }
+}
+
+// The spans' partial results of query i, head h, merged in span order -> out[d].
+void merge_spans(const SpanArgs& a, int64_t i, int64_t h, float* out) {
+  const int64_t d = a.d;
+  const float* part = a.partial + (i * a.heads + h) * a.spans * (d + 2);
+  float top = -INFINITY;
+  for (int64_t c = 0; c < a.spans; ++c)
+    if (part[c * (d + 2) + 1] > 0.f) top = std::max(top, part[c * (d + 2)]);
+  std::fill(out, out + d, 0.f);
+  float total = 0.f;
+  for (int64_t c = 0; c < a.spans; ++c) {
+    const float* pc = part + c * (d + 2);
+    if (!(pc[1] > 0.f)) continue;
+    const float w = std::exp(pc[0] - top);
+    total += pc[1] * w;
+    for (int64_t x = 0; x < d; ++x) out[x] += w * pc[2 + x];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t x = 0; x < d; ++x) out[x] *= inv;
+}
+
 // One row's queries q [Q, heads, d] over its paged keys: query i attends keys
 // key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
-// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]
+// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
+// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else each query
+// head on its own over all its keys.
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                             torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
                             double scale) {
@@ -180,6 +307,26 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
   const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  if (quant_isa(0) == 512 && d % 16 == 0 && heads / kv_heads <= 16) {
+    const int64_t spans = (most + kSpan - 1) / kSpan;
+    torch::Tensor partial = torch::empty({Q, heads, std::max<int64_t>(spans, 1), d + 2}, q.options());
+    SpanArgs a{qp, kp, vp, tp, pp, heads, kv_heads, d, block, key_start, spans, sc, partial.data_ptr<float>()};
+    // a job per KV head and span; where those are fewer than two a thread (a short context), a
+    // job per query head and span (the same numbers: each head's sums are computed alike either way)
+    const int64_t group = heads / kv_heads;
+    const int64_t split = kv_heads * spans < 2 * at::get_num_threads() ? group : 1, per = group / split;
+    at::parallel_for(0, kv_heads * split * spans, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scores;
+      for (int64_t job = b; job < e; ++job) {
+        const int64_t part = job % (kv_heads * split), kvh = part / split, g0 = part % split * per;
+        attend_span(a, Q, kvh, g0, g0 + per, job / (kv_heads * split), scores);
+      }
+    });
+    at::parallel_for(0, Q * heads, spans >= 8 ? 1 : Q * heads, [&](int64_t b, int64_t e) {
+      for (int64_t ih = b; ih < e; ++ih) merge_spans(a, ih / heads, ih % heads, op + ih * d);
+    });
+    return out;
+  }
   at::parallel_for(0, Q * heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
     for (int64_t job = b; job < e; ++job) {
