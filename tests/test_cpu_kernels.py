@@ -128,6 +128,30 @@ def test_row_attention_of_a_short_context_splits_the_heads():
         assert torch.equal(alone[0], out[i])
 
 
+@pytest.mark.parametrize("width", [512, 256])
+def test_row_attention_keeps_a_nan_key_visible(width):
+    """A NaN key makes its KV head's query heads NaN (over spans, and on the per-head path),
+    the other heads their own numbers."""
+    before = cpu_kernels.vector_width()
+    if before != 512:
+        pytest.skip("no AVX-512 here")
+    heads, kv_heads, d = 6, 2, 64
+    k_pool, v_pool = (torch.randn(40, 16, kv_heads, d, generator=_gen(s)) for s in (15, 16))
+    table, positions = torch.randperm(40, generator=_gen(17)), torch.tensor([600])
+    q = torch.randn(1, heads, d, generator=_gen(18))
+    try:
+        cpu_kernels.vector_width(width)
+        clean = cpu_kernels.row_attention(q, k_pool, v_pool, table, positions, 0, 0.125).view(heads, d)
+        for key in (5, 300, 600):
+            k = k_pool.clone()
+            k.view(-1, kv_heads, d)[table[key // 16] * 16 + key % 16, 0] = float("nan")
+            out = cpu_kernels.row_attention(q, k, v_pool, table, positions, 0, 0.125).view(heads, d)
+            assert out[:3].isnan().all(), key
+            assert torch.equal(out[3:], clean[3:]), key
+    finally:
+        cpu_kernels.vector_width(before)
+
+
 def test_row_attention_of_no_keys_is_zero():
     """A query whose keys all lie before key_start attends nothing: zeros, as before."""
     if cpu_kernels.vector_width() != 512:

@@ -82,7 +82,7 @@ def _int16_rows(x: torch.Tensor) -> torch.Tensor:
     32767 (float32); written out independently of the C++ code."""
     groups = x.float().reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))  # a true division
     return (torch.round(groups * inv).double() * (amax / 32767).double()).reshape(x.shape)
 
 
@@ -141,7 +141,7 @@ needs_vnni = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ext
 
 @needs_vnni
 @pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
-                                           (33, 1536, 32)])
+                                           (33, 1536, 32), (8, 64, 32), (16, 576, 192), (6, 576, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 48])
 def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, group, rows):
     """int4 weights: the default on a VNNI CPU. The integers times the int16-rounded
@@ -174,6 +174,32 @@ def test_int16_activations_keep_a_non_finite_input_visible():
     got = layer(x)
     assert got[0].isnan().all() and got[2].isnan().all()
     assert torch.equal(got[1], clean[1])
+
+
+@needs_vnni
+def test_int16_activations_of_tiny_chunks_and_of_no_rows():
+    """A chunk below 2^-60 (32767 / max would overflow float32) is scaled up first: the result
+    still matches the float one to the rounding's precision; a product of no rows is empty."""
+    qw = _random_weight(16, 128, 4, 32)
+    layer = QuantLinear(qw, backend="cpu")
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)) * 1e-36
+    floats = x.double() @ _held_weight(qw, "cpu").T
+    torch.testing.assert_close(layer(x).double(), floats, rtol=1e-3, atol=1e-3 * float(floats.abs().max()))
+    assert layer(torch.empty(0, 128)).shape == (0, 16)
+
+
+@needs_vnni
+def test_int16_activations_run_as_float32_on_the_avx2_width():
+    """With the AVX2 width forced the int4 products take float32 activations, whatever asked."""
+    qw = _random_weight(24, 128, 4, 32)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))
+    before = cpu_kernels.vector_width()
+    try:
+        cpu_kernels.vector_width(256)
+        got = cpu_kernels.matmul(x, *cpu_kernels.pack(qw.q, qw.scale, qw.zero, 4, 32), 32, 4, 16)
+        assert torch.equal(got, cpu_kernels.matmul(x, *cpu_kernels.pack(qw.q, qw.scale, qw.zero, 4, 32), 32, 4, 32))
+    finally:
+        cpu_kernels.vector_width(before)
 
 
 @needs_vnni

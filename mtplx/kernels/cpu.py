@@ -102,7 +102,8 @@ def activation_bits() -> int:
     has AVX-512 VNNI (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
     and multiplied in integers; int4 weights in groups of 32 or of a multiple of 64, the others
     stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16``
-    (refused where the CPU lacks VNNI) or ``int8`` (llama.cpp's rounding, about 10% faster than
+    (refused where the CPU lacks VNNI; with the AVX2 width forced, ``vector_width(256)``, its
+    products run as float32) or ``int8`` (llama.cpp's rounding, about 10% faster than
     float32 on the default model but its greedy output leaves the float32 model's within a few
     dozen tokens; int16 and float32 kept 8 of 8 prompts identical for 64 tokens:
     docs/performance.md)."""
@@ -113,7 +114,8 @@ def activation_bits() -> int:
         return 32 if mode == "float32" else 8
     vnni = available() and extension().quant_has_vnni()
     if mode == "int16" and not vnni:
-        raise ValueError(f"{ACTIVATIONS_SWITCH}=int16 needs AVX-512 VNNI, which this CPU lacks")
+        raise ValueError(f"{ACTIVATIONS_SWITCH}=int16 needs the CPU kernels and AVX-512 VNNI "
+                         f"({'this CPU lacks VNNI' if available() else 'the kernels are not built here'})")
     return 16 if vnni else 32
 
 
@@ -167,10 +169,12 @@ SMALL_ROWS = 48
 
 def matmul(a: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            group_size: int, bits: int, activations: int = 32) -> torch.Tensor:
-    """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32. More than
-    ``SMALL_ROWS`` rows (a prompt's forward) take the dequantized weight through one float32
-    matrix product (BLAS), about twice the kernel's rate there; a row's result then depends on
-    the forward it is in only through BLAS's summation order, as in the float model."""
+    """a [M, in] float32 @ the packed weight [out, in]^T -> [M, out] float32, the activations
+    multiplied at ``activations`` bits (32, 16 or 8: ``activation_bits``; 16 runs as 32 where
+    int16 does not apply). More than ``SMALL_ROWS`` rows (a prompt's forward) take the
+    dequantized weight through one float32 matrix product (BLAS, float32 activations unless 8),
+    about twice the kernel's rate there; a row's result then depends on the forward it is in
+    through that switch and BLAS's summation order, as in the float model."""
     if a.shape[0] > SMALL_ROWS and activations != 8:
         return a @ dequantize(words, scale, zero, group_size, bits).T
     return extension().quant_matmul(a, words, scale, zero, group_size, bits, activations)

@@ -34,7 +34,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
 // n = round(x log2 e), r = x - n ln 2 in two parts, e^r by its degree-6 Taylor polynomial (relative
 // error about 1e-7, as std::exp's float result); below -87 the result is 0.
 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // (a NaN stays NaN: max_ps returns its second operand)
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -269,14 +269,14 @@ void merge_spans(const SpanArgs& a, int64_t i, int64_t h, float* out) {
     if (part[c * (d + 2) + 1] > 0.f) top = std::max(top, part[c * (d + 2)]);
   std::fill(out, out + d, 0.f);
   float total = 0.f;
-  for (int64_t c = 0; c < a.spans; ++c) {
+  for (int64_t c = 0; c < a.spans; ++c) {  // spans of no keys skipped; a NaN span makes NaN
     const float* pc = part + c * (d + 2);
-    if (!(pc[1] > 0.f)) continue;
+    if (pc[1] == 0.f) continue;
     const float w = std::exp(pc[0] - top);
     total += pc[1] * w;
     for (int64_t x = 0; x < d; ++x) out[x] += w * pc[2 + x];
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const float inv = total == 0.f ? 0.f : 1.f / total;  // (NaN stays NaN)
   for (int64_t x = 0; x < d; ++x) out[x] *= inv;
 }
 

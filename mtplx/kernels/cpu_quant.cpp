@@ -11,8 +11,9 @@
 // are read in order beside its weights), the AVX2 ones in a pass of their own.
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
-// scaled), or are rounded to int8 with one scale per 32 inputs (max |a| / 127) and multiplied in
-// integers, as llama.cpp does: u8 x s8 pairs summed to int16, pairs of those to int32, exact.
+// scaled), or are rounded to int16 (AVX-512 VNNI, int4 weights: tile_int16) or int8 (llama.cpp's
+// rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one scale per 32
+// inputs and multiplied in integers.
 // The offsets always see the float sums. Every output is computed by the same instructions in
 // the same order whatever the number of rows m, so a row's result does not depend on the rows
 // beside it.
@@ -336,8 +337,9 @@ MTPLX_VNNI void rows_range_int16(const Args& p, int64_t n0, int64_t n1) {
 }
 
 // Each 32 inputs of a row as int16 with one scale d = max |a| / 32767 (q = round(a * 32767 /
-// max |a|), to nearest even; 0 where the 32 are all 0; d NaN where one is not finite, so that
-// the outputs are NaN as float32 activations would make them), laid out for tile_int16: per 64 inputs
+// max |a|), to nearest even, in float32: (a 2^60) (32767 / (max 2^60)) below max 2^-60; 0 where
+// the 32 are all 0; d NaN where one is not finite, so that the outputs are NaN as float32
+// activations would make them), laid out for tile_int16: per 64 inputs
 // (chunks A, B) the words [A 0..15, B 0..15, A 16..31, B 16..31] and 16 floats [d_A x 8, d_B x 8].
 MTPLX_VNNI void quantize_rows_int16(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
   const int64_t pairs = K / 64;
@@ -352,12 +354,14 @@ MTPLX_VNNI void quantize_rows_int16(const float* a, int64_t M, int64_t K, int16_
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, magnitude),
                                                         _mm512_and_ps(x1, magnitude)));
         if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(x0, x1)))) amax = NAN;  // outputs NaN, as floats'
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        const __m512 iv = _mm512_set1_ps(inv);
+        // a chunk below 2^-60 is scaled up by 2^60 first, so that 32767 / max stays finite
+        const float up = amax > 0.f && amax < 0x1p-60f ? 0x1p60f : 1.f;
+        const float inv = amax > 0.f ? 32767.f / (amax * up) : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv), uv = _mm512_set1_ps(up);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, iv))));
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, uv), iv))));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 + 16 * h),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, iv))));
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, uv), iv))));
         _mm256_storeu_ps(ds + 8 * h, _mm256_set1_ps(amax / 32767.f));
       }
     }
@@ -437,9 +441,6 @@ void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) 
 
 }  // namespace
 
-// The vector width the float-activation products use: 512 where the CPU has AVX-512 (F, BW, VL,
-// DQ), else 256 (AVX2); ``quant_isa(256)`` forces AVX2 (tests, benchmarks), 512 is refused where
-// the CPU lacks it. Returns the width now in use.
 // Whether tile_int16 takes this product: int4 weights in groups of 32 or of a multiple of 64,
 // K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
 bool int16_applies(int64_t bits, int64_t group, int64_t K) {
@@ -450,6 +451,9 @@ bool int16_applies(int64_t bits, int64_t group, int64_t K) {
 // Whether this CPU has AVX-512 VNNI (what int16 activations need).
 bool quant_has_vnni() { return detect_vnni(); }
 
+// The vector width the float-activation products use: 512 where the CPU has AVX-512 (F, BW, VL,
+// DQ), else 256 (AVX2); ``quant_isa(256)`` forces AVX2 (tests, benchmarks; int16 activations
+// then run as float32), 512 is refused where the CPU lacks it. Returns the width now in use.
 int64_t quant_isa(int64_t want) {
   if (want == 512) TORCH_CHECK(detect_isa() == 512, "this CPU has no AVX-512 (F, BW, VL, DQ)");
   TORCH_CHECK(want == 0 || want == 256 || want == 512, "isa: 256 or 512 (0 reads it)");
@@ -468,6 +472,7 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   a = a.contiguous();
   const int64_t M = a.size(0), K = a.size(1), N = w.size(0), groups = group > 0 ? K / group : 0;
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group: multiples of 32");
+  if (M == 0) return torch::empty({0, N}, a.options());
   TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
   TORCH_CHECK(zero.size(0) == N && zero.size(1) == groups, "zero: [N, K / group]");
