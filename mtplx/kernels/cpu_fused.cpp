@@ -161,9 +161,9 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 // Each job is one KV head and one span of keys [c kSpan, (c + 1) kSpan): every query head of the
 // KV head, of every query of the row (a verify's 1 + D tokens), shares each key and value row
 // read (grouped-query attention: 3 query heads a KV head on the default model), and a long
-// context's spans run on all threads (4,000 keys are 32 spans a KV head). A job leaves, per query head, the span's maximum score m,
-// its sum of e^(s - m) and its e^(s - m)-weighted values; the spans are then merged in their
-// order. The spans are fixed by key position, not by the batch or the thread count, so a query
+// context's spans run on all threads (4,000 keys are 32 spans a KV head). A job leaves, per
+// query head, the span's maximum score m, its sum of e^(s - m) and its e^(s - m)-weighted
+// values; the spans are then merged in their order. The spans are fixed by key position, not by the batch or the thread count, so a query
 // gets the same numbers alone, in a verify or in a batch.
 
 constexpr int64_t kSpan = 128;
@@ -181,15 +181,18 @@ struct SpanArgs {
 MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
                                std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, first = std::max(a.key_start, c * kSpan);
-  const int64_t head_stride = a.spans * (d + 2);
   auto row = [&](const float* pool, int64_t key) {
     return pool + ((a.table[key / a.block] * a.block + key % a.block) * a.kv_heads + kvh) * d;
   };
-  auto seen = [&](int64_t i) {  // how many of the span's keys query i attends
-    return std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
+  auto slot = [&](int64_t i, int64_t g) {  // query i, head g of this KV head: its partial result
+    return a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2);
   };
+  std::vector<int64_t> seen(static_cast<size_t>(Q));  // how many of the span's keys each query attends
   int64_t most = 0;
-  for (int64_t i = 0; i < Q; ++i) most = std::max(most, seen(i));
+  for (int64_t i = 0; i < Q; ++i) {
+    seen[i] = std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
+    most = std::max(most, seen[i]);
+  }
   scores.resize(static_cast<size_t>(Q * group * kSpan));
   // scores: each key row read once for every query head of the KV head (all the row's queries);
   // rows are fetched kAhead keys early (a long context's cache streams from memory), and each
@@ -204,7 +207,7 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
       for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.k, key + kAhead) + x), _MM_HINT_T0);
     for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.v, key) + x), _MM_HINT_T1);
     for (int64_t i = 0; i < Q; ++i) {
-      if (j >= seen(i)) continue;
+      if (j >= seen[i]) continue;
       const float* qi = a.q + (i * a.heads + kvh * group) * d;
       for (int64_t g = g0; g < g1; ++g) {
         __m512 acc = _mm512_setzero_ps();
@@ -217,9 +220,9 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
   // each (query, head): the span's maximum, e^(s - max) and their sum
   std::vector<int64_t> live;  // (query, head) pairs that see a key of the span, as i * group + g
   for (int64_t i = 0; i < Q; ++i) {
-    const int64_t n = seen(i);
+    const int64_t n = seen[i];
     for (int64_t g = g0; g < g1; ++g) {
-      float* out = a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2);
+      float* out = slot(i, g);
       if (n == 0) {
         out[0] = -INFINITY;
         out[1] = 0.f;
@@ -237,7 +240,7 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
   for (size_t b = 0; b < live.size(); b += 16) {
     const size_t m = std::min<size_t>(16, live.size() - b);
     int64_t n[16];
-    for (size_t u = 0; u < m; ++u) n[u] = seen(live[b + u] / group);
+    for (size_t u = 0; u < m; ++u) n[u] = seen[live[b + u] / group];
     const int64_t upto = *std::max_element(n, n + m), all = *std::min_element(n, n + m);
     for (int64_t x = 0; x < d; x += 16) {
       __m512 acc[16];
@@ -252,10 +255,7 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
         for (size_t u = 0; u < m; ++u)
           if (j < n[u]) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(scores[live[b + u] * kSpan + j]), vv, acc[u]);
       }
-      for (size_t u = 0; u < m; ++u) {
-        const int64_t i = live[b + u] / group, g = live[b + u] % group;
-        _mm512_storeu_ps(a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2) + 2 + x, acc[u]);
-      }
+      for (size_t u = 0; u < m; ++u) _mm512_storeu_ps(slot(live[b + u] / group, live[b + u] % group) + 2 + x, acc[u]);
     }
   }
 }

@@ -168,13 +168,18 @@ MTPLX_AVX512 inline void chunk_float512(const uint8_t* row, int64_t c, __m512 io
   }
 }
 
+// The first n of 16 lanes (all 16 from n = 16 on): a masked load's tail of groups.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // The offset term of rows m0 .. m0 + R and output rows n .. n + O added to their accumulators'
 // lanes: zero[n + o, g] * asum[m, g], 16 groups at a time.
 template <int R, int O>
 MTPLX_AVX512 __attribute__((always_inline)) inline void fold_offsets512(const Args& p, int64_t m0, int64_t n, __m512 acc[O][R]) {
   const int64_t groups = p.K / p.group;
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 live = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __mmask16 live = first_lanes(groups - g);
     __m512 s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_maskz_loadu_ps(live, p.asum + (m0 + r) * groups + g);
     for (int o = 0; o < O; ++o) {
@@ -280,7 +285,7 @@ MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
     const int64_t ga = 64 * q / p.group, gb = (64 * q + 32) / p.group;
     if (gb >= first + 16) {  // the next 16 groups' scales (fewer at the end)
       first = ga;
-      const __mmask16 live = groups - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - first)) - 1);
+      const __mmask16 live = first_lanes(groups - first);
       for (int o = 0; o < O; ++o)
         window[o] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.scale + (n + o) * groups + first));
     }
@@ -368,18 +373,13 @@ MTPLX_VNNI void quantize_rows_int16(const float* a, int64_t M, int64_t K, int16_
   }
 }
 
-bool detect_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
 int detect_isa() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") ? 512 : 256;
 }
+
+bool detect_vnni() { return detect_isa() == 512 && __builtin_cpu_supports("avx512vnni"); }
 
 int& isa_in_use() {
   static int isa = detect_isa();
