@@ -57,6 +57,7 @@ def test_pack_round_trip_and_fragment_arithmetic(n, k):
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()  # (under autograd the kernel is never usable: it has no backward)
 def test_usable_only_for_5_to_16_bf16_rows_of_small_weights_on_cuda():
     w = torch.randn(64, 32).bfloat16()
     assert not mma_gemv.usable(torch.randn(6, 32).bfloat16(), w)  # the CPU: no

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from mtplx import kernels
-from mtplx.kernels import fused, gemv, quant_gemv
+from mtplx.kernels import fused, quant_gemv
+from mtplx.kernels.gemv import SMALL_WEIGHT  # (this module defines its own ``gemv``)
 
 try:
     import triton
@@ -200,16 +201,16 @@ if triton is not None:
 
 def usable(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
     """Whether ``matmul`` takes x [..., K] for this weight [N, K]: MIN_ROWS to MAX_ROWS bf16 rows on a
-    CUDA device with bf16 mma (sm_80+), a bf16 weight of at most ``gemv.SMALL_WEIGHT`` elements (larger
-    ones keep cuBLAS) with K a
-    multiple of 16 (and with silu halves of whole row tiles), kernels on, outside autograd
-    (``fused.usable``: the kernel has no backward)."""
+    CUDA device with bf16 mma (sm_80+), a bf16 weight of at most ``SMALL_WEIGHT`` (gemv's) elements
+    (larger ones keep cuBLAS) with K a multiple of 16 (and with silu halves of whole row tiles),
+    kernels on, outside autograd (``fused.usable``: the kernel has no backward). The checks of
+    shape and dtype come before the device's, so that the CPU's tests run them too."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
-    return (ENABLED and MIN_ROWS <= rows <= MAX_ROWS and fused.usable(x) and x.is_cuda
-            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and weight.numel() <= gemv.SMALL_WEIGHT and k % K_TILE == 0 and (not silu or (n // 2) % ROW_TILE == 0)
-            and not x.requires_grad and _sm80(x.device))
+    return (ENABLED and MIN_ROWS <= rows <= MAX_ROWS and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and weight.numel() <= SMALL_WEIGHT and k % K_TILE == 0
+            and (not silu or (n // 2) % ROW_TILE == 0) and not x.requires_grad
+            and fused.usable(x) and x.is_cuda and _sm80(x.device))
 
 
 def _sm80(device: torch.device) -> bool:
