@@ -143,16 +143,21 @@ needs_vnni = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ext
 @pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
                                            (33, 1536, 32), (8, 64, 32), (16, 576, 192), (6, 576, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 48])
-def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, group, rows):
-    """int4 weights: the default on a VNNI CPU. The integers times the int16-rounded
-    activations, the offsets times the float group sums; exact integer sums, float32 scaling."""
+@pytest.mark.parametrize("bits,offsets", [(4, True), (8, True), (8, False)])
+def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, group, rows, bits, offsets):
+    """int4 and int8 weights: the default on a VNNI CPU. The integers times the int16-rounded
+    activations, the offsets times the float group sums; exact integer sums, float32 scaling.
+    int8 without offsets is GGUF's Q8_0 (the default model's output matrix)."""
     assert cpu_kernels.activation_bits() == 16
-    qw = _random_weight(out, inp, 4, group, seed=rows)
+    qw = _random_weight(out, inp, bits, group, seed=rows)
+    if not offsets:
+        qw = QuantizedWeight(qw.q, qw.scale, torch.zeros_like(qw.zero), bits, group)
     layer = QuantLinear(qw, backend="cpu")
+    assert layer.zero.shape[1] == (qw.zero.shape[1] if offsets else 0)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] *= 40  # an outlier chunk: its own scale, the others keep theirs
     w = _held_weight(qw, "cpu")
-    offset = _held(qw.zero - 8 * qw.scale, "cpu").double()
+    offset = _held(qw.zero - 8 * qw.scale if bits == 4 else qw.zero, "cpu").double()
     scaled = w - offset.repeat_interleave(group, 1)
     ref = _int16_rows(x) @ scaled.T + x.double().reshape(rows, -1, group).sum(-1) @ offset.T
     bound = 2e-6 * (x.abs().double() @ w.abs().T) + 1e-6
@@ -189,23 +194,26 @@ def test_int16_activations_of_tiny_chunks_and_of_no_rows():
 
 
 @needs_vnni
-def test_int16_activations_run_as_float32_on_the_avx2_width():
-    """With the AVX2 width forced the int4 products take float32 activations, whatever asked."""
-    qw = _random_weight(24, 128, 4, 32)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int16_activations_run_as_float32_on_the_avx2_width(bits):
+    """With the AVX2 width forced the int4 and int8 products take float32 activations, whatever asked."""
+    qw = _random_weight(24, 128, bits, 32)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))
     before = cpu_kernels.vector_width()
     try:
         cpu_kernels.vector_width(256)
-        got = cpu_kernels.matmul(x, *cpu_kernels.pack(qw.q, qw.scale, qw.zero, 4, 32), 32, 4, 16)
-        assert torch.equal(got, cpu_kernels.matmul(x, *cpu_kernels.pack(qw.q, qw.scale, qw.zero, 4, 32), 32, 4, 32))
+        packed = cpu_kernels.pack(qw.q, qw.scale, qw.zero, bits, 32)
+        got = cpu_kernels.matmul(x, *packed, 32, bits, 16)
+        assert torch.equal(got, cpu_kernels.matmul(x, *packed, 32, bits, 32))
     finally:
         cpu_kernels.vector_width(before)
 
 
 @needs_vnni
-@pytest.mark.parametrize("bits,inp,group", [(8, 128, 32), (4, 96, 32)])
+@pytest.mark.parametrize("bits,inp,group", [(8, 96, 32), (4, 96, 32), (4, 192, 96)])
 def test_int16_activations_leave_other_layouts_on_float32(bits, inp, group, monkeypatch):
-    """int8 weights, and an input width not a multiple of 64, take the float32 products."""
+    """An input width not a multiple of 64, or groups of neither 32 nor a multiple of 64, take
+    the float32 products."""
     qw = _random_weight(24, inp, bits, group)
     x = torch.randn(2, inp, generator=torch.Generator().manual_seed(5))
     default = QuantLinear(qw, backend="cpu")(x)
@@ -261,12 +269,31 @@ def test_dequantize_gives_the_kernels_weight(backend, bits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
-def test_selected_rows_give_the_layers_outputs_at_those_rows(bits):
-    layer = QuantLinear(_random_weight(50, 64, bits, 32), torch.randn(50), backend="cpu")
+@pytest.mark.parametrize("bits,offsets", [(4, True), (8, True), (8, False)])
+def test_selected_rows_give_the_layers_outputs_at_those_rows(bits, offsets):
+    qw = _random_weight(50, 64, bits, 32)
+    if not offsets:  # Q8_0: no offsets stored
+        qw = QuantizedWeight(qw.q, qw.scale, torch.zeros_like(qw.zero), bits, 32)
+    layer = QuantLinear(qw, torch.randn(50), backend="cpu")
     ids = torch.tensor([0, 3, 4, 17, 49])
     x = torch.randn(2, 64)
-    assert torch.equal(layer.select_rows(ids)(x), layer(x)[:, ids])
+    rows = layer.select_rows(ids)
+    assert rows.zero.shape[1] == (2 if offsets else 0)
+    assert torch.equal(rows(x), layer(x)[:, ids])
+
+
+@needs_kernel
+def test_int8_weights_without_offsets_store_none_and_dequantize_to_their_integers():
+    """GGUF's Q8_0 (every offset 0): the packed layout keeps no offsets (the kernels then read
+    none), and the weight it stands for is q * scale."""
+    qw = _random_weight(40, 96, 8, 32)
+    qw = QuantizedWeight(qw.q, qw.scale, torch.zeros_like(qw.zero), 8, 32)
+    layer = QuantLinear(qw, backend="cpu")
+    assert tuple(layer.zero.shape) == (40, 0)
+    assert torch.equal(layer.dequantize(), _held_weight(qw, "cpu").float())
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(8))
+    with_zeros = cpu_kernels.matmul(x, layer.words, layer.scale, torch.zeros(40, 3).half(), 32, 8, 32)
+    assert torch.equal(cpu_kernels.matmul(x, layer.words, layer.scale, layer.zero, 32, 8, 32), with_zeros)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -100,8 +100,8 @@ def usable(x: torch.Tensor) -> bool:
 def activation_bits() -> int:
     """The bits a quantized layer's activations are multiplied at: 16 by default where the CPU
     has AVX-512 VNNI (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
-    and multiplied in integers; int4 weights in groups of 32 or of a multiple of 64, the others
-    stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16``
+    and multiplied in integers; int4 and int8 weights in groups of 32 or of a multiple of 64 with
+    a multiple of 64 inputs, the others stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16``
     (refused where the CPU lacks VNNI; with the AVX2 width forced, ``vector_width(256)``, its
     products run as float32) or ``int8`` (llama.cpp's rounding, about 10% faster than
     float32 on the default model but its greedy output leaves the float32 model's within a few
@@ -130,8 +130,10 @@ def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int):
     """(weights, scale, zero) for ``matmul`` from the portable form: q [out, in] int8 (int4 values
     in [-8, 7]), ``w = q * scale + zero`` per group; for int4 the stored nibble is q + 8, so the
-    offset becomes ``zero - 8 * scale``. An odd number of rows gets one more row of zeros (the
-    kernel takes rows in pairs): the caller cuts its output."""
+    offset becomes ``zero - 8 * scale``. int8 weights whose offsets are all 0 (GGUF's Q8_0, a
+    symmetric rounding) get zero [out, 0]: the kernels then neither read offsets nor sum the
+    activations' groups for them. An odd number of rows gets one more row of zeros (the kernel
+    takes rows in pairs): the caller cuts its output."""
     out, k = q.shape
     if k % 32 or group_size % 32:
         raise ValueError(f"in_features {k} and group_size {group_size} must be multiples of 32")
@@ -146,6 +148,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, gr
         words = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).contiguous()
     else:
         words = q.to(torch.int8).contiguous()
+        if not bool(zero.half().any()):
+            zero = zero[:, :0]
     return words, scale.half().contiguous(), zero.half().contiguous()
 
 

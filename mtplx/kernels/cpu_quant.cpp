@@ -13,7 +13,8 @@
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
 // scaled), or are rounded to int16 (AVX-512 VNNI, int4 weights: tile_int16) or int8 (llama.cpp's
 // rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one scale per 32
-// inputs and multiplied in integers.
+// inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
+// [N, 0]: no offset term and no group sums.
 // The offsets always see the float sums. Every output is computed by the same instructions in
 // the same order whatever the number of rows m, so a row's result does not depend on the rows
 // beside it.
@@ -44,8 +45,8 @@ struct Args {
   const uint8_t* w;     // [N, K / 2] (int4) or [N, K] (int8)
   const at::Half* scale;  // [N, K / group]
   float* out;           // [M, N]
-  const float* asum;    // [M, groups] float sums of each group of a's row
-  const at::Half* zero; // [N, groups]
+  const float* asum;    // [M, groups] float sums of each group of a's row (null with zero)
+  const at::Half* zero; // [N, groups], or null: every offset 0 (pack stores int8's so)
   const int16_t* qw;    // [M, K / 64, 2, 32] int16 activations (VNNI path), or null
   const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them
 };
@@ -173,10 +174,30 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// The scales and offsets of output rows n .. n + O, which a tile further on reads: their own
+// streams beside the weights', fetched ahead like the weights (each row's first and last byte).
+// Without this the tiles waited on them: 30 layers' products of one token row, one thread,
+// 4.36 -> 2.89 ms in the int16 tile (with its division per pair counted away, below); the float
+// tiles 5.24 -> 4.67 ms, and 4.8 -> 4.35 with their weights too fetched four tiles ahead, not one.
+template <int O>
+MTPLX_AVX512 __attribute__((always_inline)) inline void prefetch_scales(const Args& p, int64_t n) {
+  const int64_t groups = p.K / p.group;
+  for (int o = 0; o < O; ++o) {
+    const int64_t row = (n + o) * groups;
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + groups - 1), _MM_HINT_T0);
+    if (p.zero) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.zero + row), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + groups - 1), _MM_HINT_T0);
+    }
+  }
+}
+
 // The offset term of rows m0 .. m0 + R and output rows n .. n + O added to their accumulators'
-// lanes: zero[n + o, g] * asum[m, g], 16 groups at a time.
+// lanes: zero[n + o, g] * asum[m, g], 16 groups at a time (nothing without offsets).
 template <int R, int O>
 MTPLX_AVX512 __attribute__((always_inline)) inline void fold_offsets512(const Args& p, int64_t m0, int64_t n, __m512 acc[O][R]) {
+  if (!p.zero) return;
   const int64_t groups = p.K / p.group;
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 live = first_lanes(groups - g);
@@ -201,6 +222,7 @@ MTPLX_AVX512 inline void tile_float512(const Args& p, int64_t m0, int64_t n) {
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  prefetch_scales<O>(p, n + 4 * O);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 t[O][R];
     for (int o = 0; o < O; ++o)
@@ -212,9 +234,9 @@ MTPLX_AVX512 inline void tile_float512(const Args& p, int64_t m0, int64_t n) {
         x[r][0] = _mm512_loadu_ps(ar);
         x[r][1] = _mm512_loadu_ps(ar + 16);
       }
-      if ((c & (Bits == 4 ? 3 : 1)) == 0)  // each cache line of the next tile's rows, one ahead
+      if ((c & (Bits == 4 ? 3 : 1)) == 0)  // each cache line of the rows four tiles on
         for (int o = 0; o < O; ++o)
-          _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + O + o) * row_bytes + c * (Bits == 4 ? 16 : 32)),
+          _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + c * (Bits == 4 ? 16 : 32)),
                        _MM_HINT_T0);
       for (int o = 0; o < O; ++o) {
         __m512 u[2];
@@ -258,7 +280,7 @@ MTPLX_AVX512 void rows_range512(const Args& p, int64_t n0, int64_t n1) {
 }
 
 // --- int16 activations, AVX-512 VNNI (runtime-dispatched) ---------------------------------------
-// For int4 weights with groups of 32 or of a multiple of 64. Each 32 inputs of a row are rounded
+// For int4 and int8 weights with groups of 32 or of a multiple of 64. Each 32 inputs of a row are rounded
 // to int16 with one scale (max |a| / 32767; greedy output of the default model then matches
 // float32 activations': docs/performance.md), and the products run in integers: 64 weights
 // (two 32-input chunks, A and B, 32 bytes) widen to 32 words, the low nibbles [A 0..15, B 0..15]
@@ -267,22 +289,55 @@ MTPLX_AVX512 void rows_range512(const Args& p, int64_t n0, int64_t n1) {
 // chunk A's sums and 8-15 chunk B's. Those lanes become float and are scaled by the weight's
 // and the activations' scales of their chunk into the row's accumulator: per 64 weights, 3
 // instructions to unpack, 2 products per token row and 3 to scale, where the float path takes
-// 8 and 4 and 4. Offsets (Q4_1's zero) still see the float group sums (fold_offsets512).
+// 8 and 4 and 4. int8 weights (Q8_0, the default model's output matrix) widen the same way from
+// two 32-byte loads (6 instructions per 64 against the float path's 8, with the same savings in
+// the products and the scaling: the output matrix at one row 1.17 -> 0.65 ms, one thread).
+// Offsets (Q4_1's zero) still see the float group sums (fold_offsets512).
 
 #define MTPLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
+// The 64 weights of pair q of one row as tile_int16's two vectors of 32 words: int4, the low
+// nibbles of its 32 bytes and the high ones (the bytes hold chunk A's and B's in that order
+// already); int8, [A 0..15, B 0..15] and [A 16..31, B 16..31], sign-extended.
+template <int Bits>
+MTPLX_VNNI __attribute__((always_inline)) inline void pair_words(const uint8_t* row, int64_t q, __m512i& lo,
+                                                                  __m512i& hi) {
+  if constexpr (Bits == 4) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + q * 32)));
+    lo = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));
+    hi = _mm512_srli_epi16(b, 4);
+  } else {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + q * 64));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + q * 64 + 32));
+    lo = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, b, 0x20));
+    hi = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, b, 0x31));
+  }
+}
+
 // Rows m0 .. m0 + R of output rows n .. n + O.
-template <int R, int O>
+template <int Bits, int R, int O>
 MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
-  const int64_t K = p.K, pairs = K / 64, groups = K / p.group, row_bytes = K / 2;
-  const __m512i low = _mm512_set1_epi16(0x0F);
+  const int64_t K = p.K, pairs = K / 64, groups = K / p.group, row_bytes = Bits == 4 ? K / 2 : K;
   const __m512i upper = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[O][R], window[O];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  prefetch_scales<O>(p, n + 4 * O);
+  // chunk A of pair q is in group ga, chunk B in gb: 2q and 2q + 1 in groups of 32, else both
+  // q / (group / 64), counted rather than divided (a division per pair cost more than its products)
+  const int64_t pairs_per_group = p.group == 32 ? 0 : p.group / 64;
+  int64_t ga = 0, gb = pairs_per_group ? 0 : 1, left = pairs_per_group;
   int64_t first = -16;  // the first group of each output row's 16 scales in ``window``
   for (int64_t q = 0; q < pairs; ++q) {
-    const int64_t ga = 64 * q / p.group, gb = (64 * q + 32) / p.group;
+    if (q) {
+      if (!pairs_per_group) {
+        ga += 2;
+        gb += 2;
+      } else if (--left == 0) {
+        ga = ++gb;
+        left = pairs_per_group;
+      }
+    }
     if (gb >= first + 16) {  // the next 16 groups' scales (fewer at the end)
       first = ga;
       const __mmask16 live = first_lanes(groups - first);
@@ -291,14 +346,14 @@ MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
     }
     // lane i takes scale ga (lanes 0-7) or gb (8-15) from the window
     const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(ga - first)),
-                                          _mm512_mullo_epi32(upper, _mm512_set1_epi32(static_cast<int>(gb - ga))));
-    if ((q & 1) == 0)
+                                          gb != ga ? upper : _mm512_setzero_si512());
+    if (Bits == 8 || (q & 1) == 0)  // each cache line of the rows four tiles on
       for (int o = 0; o < O; ++o)
-        _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + q * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + q * (Bits == 4 ? 32 : 64)),
+                     _MM_HINT_T0);
     for (int o = 0; o < O; ++o) {
-      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(p.w + (n + o) * row_bytes + q * 32)));
-      const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_srli_epi16(b, 4);
+      __m512i lo, hi;
+      pair_words<Bits>(p.w + (n + o) * row_bytes, q, lo, hi);
       const __m512 ws = _mm512_permutexvar_ps(pick, window[o]);
       for (int r = 0; r < R; ++r) {
         const int16_t* x = p.qw + ((m0 + r) * pairs + q) * 64;
@@ -317,25 +372,26 @@ MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
 // Up to four token rows: four output rows a tile; more: four token rows at a time over two
 // output rows (four output rows at three and four token rows: gate/up 1.03x -> 1.25x the float
 // path's speed at 2 threads, o 1.02x -> 0.94x).
+template <int Bits>
 MTPLX_VNNI void rows_range_int16(const Args& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (p.M <= 4) {
     for (; n + 4 <= n1; n += 4) {
       switch (p.M) {
-        case 4: tile_int16<4, 4>(p, 0, n); break;
-        case 3: tile_int16<3, 4>(p, 0, n); break;
-        case 2: tile_int16<2, 4>(p, 0, n); break;
-        default: tile_int16<1, 4>(p, 0, n); break;
+        case 4: tile_int16<Bits, 4, 4>(p, 0, n); break;
+        case 3: tile_int16<Bits, 3, 4>(p, 0, n); break;
+        case 2: tile_int16<Bits, 2, 4>(p, 0, n); break;
+        default: tile_int16<Bits, 1, 4>(p, 0, n); break;
       }
     }
   }
   for (; n < n1; n += 2) {
     int64_t m0 = 0;
-    for (; m0 + 4 <= p.M; m0 += 4) tile_int16<4, 2>(p, m0, n);
+    for (; m0 + 4 <= p.M; m0 += 4) tile_int16<Bits, 4, 2>(p, m0, n);
     switch (p.M - m0) {
-      case 3: tile_int16<3, 2>(p, m0, n); break;
-      case 2: tile_int16<2, 2>(p, m0, n); break;
-      case 1: tile_int16<1, 2>(p, m0, n); break;
+      case 3: tile_int16<Bits, 3, 2>(p, m0, n); break;
+      case 2: tile_int16<Bits, 2, 2>(p, m0, n); break;
+      case 1: tile_int16<Bits, 1, 2>(p, m0, n); break;
       default: break;
     }
   }
@@ -389,6 +445,7 @@ int& isa_in_use() {
 // out[m, n0:n1] += sum_g asum[m, g] * zero[n, g] (the AVX2 tiles' offsets): each output's
 // offsets eight groups at a time, the lanes summed in a fixed order, a tail of fewer groups after.
 void add_offsets(const Args& p, int64_t n0, int64_t n1) {
+  if (!p.zero) return;
   const int64_t groups = p.K / p.group, full = groups / 8 * 8;
   for (int64_t m = 0; m < p.M; ++m) {
     const float* s = p.asum + m * groups;
@@ -407,9 +464,7 @@ void add_offsets(const Args& p, int64_t n0, int64_t n1) {
 
 template <int Bits>
 void rows_range(const Args& p, int64_t n0, int64_t n1) {
-  if constexpr (Bits == 4) {
-    if (p.qw) return rows_range_int16(p, n0, n1);
-  }
+  if (p.qw) return rows_range_int16<Bits>(p, n0, n1);
   if (!p.qa && isa_in_use() == 512) return rows_range512<Bits>(p, n0, n1);
   const int64_t step = p.qa ? 2 : 1;
   for (int64_t n = n0; n < n1; n += step) {
@@ -441,11 +496,11 @@ void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) 
 
 }  // namespace
 
-// Whether tile_int16 takes this product: int4 weights in groups of 32 or of a multiple of 64,
+// Whether tile_int16 takes this product: int4 or int8 weights in groups of 32 or of a multiple of 64,
 // K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
 bool int16_applies(int64_t bits, int64_t group, int64_t K) {
   static const bool vnni = detect_vnni();
-  return vnni && isa_in_use() == 512 && bits == 4 && K % 64 == 0 && (group == 32 || group % 64 == 0);
+  return vnni && isa_in_use() == 512 && (bits == 4 || bits == 8) && K % 64 == 0 && (group == 32 || group % 64 == 0);
 }
 
 // Whether this CPU has AVX-512 VNNI (what int16 activations need).
@@ -475,11 +530,13 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   if (M == 0) return torch::empty({0, N}, a.options());
   TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
-  TORCH_CHECK(zero.size(0) == N && zero.size(1) == groups, "zero: [N, K / group]");
+  const bool offsets = zero.size(1) != 0;
+  TORCH_CHECK(zero.size(0) == N && (!offsets || zero.size(1) == groups),
+              "zero: [N, K / group], or [N, 0] where every offset is 0");
   TORCH_CHECK(N % 2 == 0, "an even number of output rows (pack pads an odd one)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
-  torch::Tensor asum = torch::empty({M, groups}, a.options());
-  {
+  torch::Tensor asum = torch::empty({M, offsets ? groups : 0}, a.options());
+  if (offsets) {
     const float* ap = a.data_ptr<float>();
     float* sp = asum.data_ptr<float>();
     for (int64_t i = 0; i < M * groups; ++i) {
@@ -505,8 +562,8 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
     p.qa = qa.data_ptr<int8_t>();
     p.da = da.data_ptr<float>();
   }
-  p.asum = asum.data_ptr<float>();
-  p.zero = zero.data_ptr<at::Half>();
+  p.asum = offsets ? asum.data_ptr<float>() : nullptr;
+  p.zero = offsets ? zero.data_ptr<at::Half>() : nullptr;
   // about 32 k multiply-adds per task at least, so that small matrices stay on one thread;
   // tasks start at even rows (int8 activations take output rows in pairs)
   const int64_t grain = std::max<int64_t>(2, 32768 / std::max<int64_t>(1, K * M));
@@ -526,12 +583,13 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
   TORCH_CHECK(scale.scalar_type() == torch::kHalf && zero.scalar_type() == torch::kHalf, "scale, zero: float16");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1), groups = K / group;
-  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == N && zero.size(1) == groups,
-              "scale and zero: [N, K / group]");
+  const bool offsets = zero.size(1) != 0;
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == N &&
+              (!offsets || zero.size(1) == groups), "scale and zero: [N, K / group] (zero [N, 0]: no offsets)");
   torch::Tensor out = torch::empty({N, K}, scale.options().dtype(torch::kFloat32));
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
-  const at::Half* zp = zero.data_ptr<at::Half>();
+  const at::Half* zp = offsets ? zero.data_ptr<at::Half>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -540,7 +598,7 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
       for (int64_t c = 0; c < K / 32; ++c) {  // 32 inputs at a time, u * scale + zero in 8 lanes
         const int64_t g = c * 32 / group;
         const __m256 s = _mm256_set1_ps(_cvtsh_ss(sp[n * groups + g].x));
-        const __m256 z = _mm256_set1_ps(_cvtsh_ss(zp[n * groups + g].x));
+        const __m256 z = _mm256_set1_ps(zp ? _cvtsh_ss(zp[n * groups + g].x) : 0.f);
         __m256 w[4];
         if (bits == 4) chunk_float<4>(row, c, w); else chunk_float<8>(row, c, w);
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + c * 32 + 8 * i, _mm256_fmadd_ps(w[i], s, z));
@@ -589,9 +647,15 @@ MTPLX_AVX512 inline void tile_dense_512(const float* a, const void* w, float* ou
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  // the rows four tiles on, a cache line at a time: the MTP head's bf16 products (10.4 MB), one
+  // token row, one thread, from memory 379 -> 180 us (AVX2: 419 -> 186)
+  constexpr int64_t size = D == Dense::F32 ? 4 : 2;  // bytes a weight
+  const char* ahead = static_cast<const char*>(w) + (n + 4 * O) * K * size;
   for (int64_t k = 0; k < K; k += 16) {
     __m512 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_ps(a + (m0 + r) * K + k);
+    if ((k * size) % 64 == 0)
+      for (int o = 0; o < O; ++o) _mm_prefetch(ahead + (o * K + k) * size, _MM_HINT_T0);
     for (int o = 0; o < O; ++o) {
       const __m512 u = load16<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(u, x[r], acc[o][r]);
@@ -615,9 +679,13 @@ inline void tile_dense_256(const float* a, const void* w, float* out, int64_t K,
   __m256 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
+  constexpr int64_t size = D == Dense::F32 ? 4 : 2;
+  const char* ahead = static_cast<const char*>(w) + (n + 4 * O) * K * size;
   for (int64_t k = 0; k < K; k += 8) {
     __m256 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(a + (m0 + r) * K + k);
+    if ((k * size) % 64 == 0)
+      for (int o = 0; o < O; ++o) _mm_prefetch(ahead + (o * K + k) * size, _MM_HINT_T0);
     for (int o = 0; o < O; ++o) {
       const __m256 u = load8<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm256_fmadd_ps(u, x[r], acc[o][r]);

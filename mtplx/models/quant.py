@@ -279,7 +279,10 @@ class QuantLinear(nn.Module):
         u = cpu_kernels.unpack(self.words, self.bits).index_select(0, ids)
         q = (u - 8 if self.bits == 4 else u).to(torch.int8)
         scale = self.scale.index_select(0, ids).float()
-        zero = self.zero.index_select(0, ids).float() + (8 * scale if self.bits == 4 else 0)
+        if self.zero.shape[1]:
+            zero = self.zero.index_select(0, ids).float() + (8 * scale if self.bits == 4 else 0)
+        else:  # int8 without offsets (``cpu_kernels.pack``)
+            zero = torch.zeros_like(scale)
         qw = QuantizedWeight(q, scale, zero, self.bits, self.group_size, self.source)
         bias = None if self.bias is None else self.bias.index_select(0, ids)
         return QuantLinear(qw, bias, device=self.words.device, backend="cpu")
