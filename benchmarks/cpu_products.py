@@ -67,6 +67,9 @@ def decode_order(engine, ext, rows_list: list[int]) -> None:
     trunk = [m for name, m in engine.runner.model.named_modules()
              if isinstance(m, QuantLinear) and m.backend == "cpu" and ".layers." in name]
     head = engine.runner.model.lm_head
+    if not (isinstance(head, QuantLinear) and head.backend == "cpu"):
+        raise SystemExit("--decode-order times a quantized output matrix on the CPU kernel; this model's is not one")
+    layers = engine.runner.model.config.num_hidden_layers
     size = lambda ms: sum(t.numel() * t.element_size() for m in ms for t in (m.words, m.scale, m.zero))  # noqa: E731
     with torch.inference_mode():
         for rows in rows_list:
@@ -87,7 +90,7 @@ def decode_order(engine, ext, rows_list: list[int]) -> None:
                         best[bits, "output"] = min(best[bits, "output"], t2 - t1)
             for bits in (32, 16):
                 tr, out = best[bits, "trunk"], best[bits, "output"]
-                print(f"{rows} rows, activations {bits}: 30 layers' products {tr * 1e3:.3f} ms "
+                print(f"{rows} rows, activations {bits}: {layers} layers' products {tr * 1e3:.3f} ms "
                       f"({size(trunk) / tr / 1e9:.1f} GB/s), then the output matrix {out * 1e3:.3f} ms "
                       f"({size([head]) / out / 1e9:.1f} GB/s)", flush=True)
 

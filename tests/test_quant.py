@@ -286,14 +286,25 @@ def test_selected_rows_give_the_layers_outputs_at_those_rows(bits, offsets):
 def test_int8_weights_without_offsets_store_none_and_dequantize_to_their_integers():
     """GGUF's Q8_0 (every offset 0): the packed layout keeps no offsets (the kernels then read
     none), and the weight it stands for is q * scale."""
-    qw = _random_weight(40, 96, 8, 32)
+    qw = _random_weight(40, 128, 8, 32)
     qw = QuantizedWeight(qw.q, qw.scale, torch.zeros_like(qw.zero), 8, 32)
     layer = QuantLinear(qw, backend="cpu")
     assert tuple(layer.zero.shape) == (40, 0)
     assert torch.equal(layer.dequantize(), _held_weight(qw, "cpu").float())
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(8))
-    with_zeros = cpu_kernels.matmul(x, layer.words, layer.scale, torch.zeros(40, 3).half(), 32, 8, 32)
-    assert torch.equal(cpu_kernels.matmul(x, layer.words, layer.scale, layer.zero, 32, 8, 32), with_zeros)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(8))
+    zeros = torch.zeros(40, 4).half()
+    for activations in (32, 16, 8):  # (16: the int16 tile where the CPU has VNNI)
+        with_zeros = cpu_kernels.matmul(x, layer.words, layer.scale, zeros, 32, 8, activations)
+        assert torch.equal(cpu_kernels.matmul(x, layer.words, layer.scale, layer.zero, 32, 8, activations), with_zeros)
+
+
+@needs_kernel
+def test_a_group_of_zero_inputs_is_refused():
+    words, scale, zero = cpu_kernels.pack(torch.zeros(2, 64, dtype=torch.int8), torch.ones(2, 2), torch.zeros(2, 2), 8, 32)
+    with pytest.raises(RuntimeError, match="multiple"):
+        cpu_kernels.extension().quant_matmul(torch.randn(1, 64), words, scale[:, :0], zero, 0, 8, 16)
+    with pytest.raises(RuntimeError, match="multiple"):
+        cpu_kernels.extension().quant_dequantize(words, scale[:, :0], zero, 0, 8)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -14,7 +14,8 @@ kernels").
 
 Quantized layout (``pack``): int4 as two nibbles per byte in GGUF's order (byte ``16 c + j`` of
 a row holds inputs ``32 c + j`` low and ``32 c + 16 + j`` high), int8 one per byte; a float16
-scale and offset per group of ``group_size`` inputs (a multiple of 32), both [out, groups]:
+scale and offset per group of ``group_size`` inputs (a multiple of 32), both [out, groups]
+(offsets [out, 0] for int8 weights whose offsets are all 0, GGUF's Q8_0: none stored or read):
 ``w = u * scale + zero`` with ``u`` the stored integer (int4: in [0, 15]). Activations are
 multiplied as float32, or (``activation_bits``) each 32 inputs of a row are rounded to int16
 (AVX-512 VNNI; the default where the CPU has it) or int8 (llama.cpp's rounding) with one scale
@@ -101,9 +102,9 @@ def activation_bits() -> int:
     """The bits a quantized layer's activations are multiplied at: 16 by default where the CPU
     has AVX-512 VNNI (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
     and multiplied in integers; int4 and int8 weights in groups of 32 or of a multiple of 64 with
-    a multiple of 64 inputs, the others stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16``
-    (refused where the CPU lacks VNNI; with the AVX2 width forced, ``vector_width(256)``, its
-    products run as float32) or ``int8`` (llama.cpp's rounding, about 10% faster than
+    a multiple of 64 inputs, the others stay float32), else 32 (float32).
+    ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16`` (refused where the CPU lacks VNNI;
+    with the AVX2 width forced, ``vector_width(256)``, its products run as float32) or ``int8`` (llama.cpp's rounding, about 10% faster than
     float32 on the default model but its greedy output leaves the float32 model's within a few
     dozen tokens; int16 and float32 kept 8 of 8 prompts identical for 64 tokens:
     docs/performance.md)."""

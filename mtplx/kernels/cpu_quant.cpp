@@ -11,7 +11,7 @@
 // are read in order beside its weights), the AVX2 ones in a pass of their own.
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
-// scaled), or are rounded to int16 (AVX-512 VNNI, int4 weights: tile_int16) or int8 (llama.cpp's
+// scaled), or are rounded to int16 (AVX-512 VNNI, int4 and int8 weights: tile_int16) or int8 (llama.cpp's
 // rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one scale per 32
 // inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
 // [N, 0]: no offset term and no group sums.
@@ -45,7 +45,7 @@ struct Args {
   const uint8_t* w;     // [N, K / 2] (int4) or [N, K] (int8)
   const at::Half* scale;  // [N, K / group]
   float* out;           // [M, N]
-  const float* asum;    // [M, groups] float sums of each group of a's row (null with zero)
+  const float* asum;    // [M, groups] float sums of each group of a's row (null without offsets)
   const at::Half* zero; // [N, groups], or null: every offset 0 (pack stores int8's so)
   const int16_t* qw;    // [M, K / 64, 2, 32] int16 activations (VNNI path), or null
   const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them
@@ -175,7 +175,7 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 
 // The scales and offsets of output rows n .. n + O, which a tile further on reads: their own
-// streams beside the weights', fetched ahead like the weights (each row's first and last byte).
+// streams beside the weights', fetched ahead like the weights (every cache line of each row).
 // Without this the tiles waited on them: 30 layers' products of one token row, one thread,
 // 4.36 -> 2.89 ms in the int16 tile (with its division per pair counted away, below); the float
 // tiles 5.24 -> 4.67 ms, and 4.8 -> 4.35 with their weights too fetched four tiles ahead, not one.
@@ -184,12 +184,12 @@ MTPLX_AVX512 __attribute__((always_inline)) inline void prefetch_scales(const Ar
   const int64_t groups = p.K / p.group;
   for (int o = 0; o < O; ++o) {
     const int64_t row = (n + o) * groups;
-    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + groups - 1), _MM_HINT_T0);
-    if (p.zero) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.zero + row), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + groups - 1), _MM_HINT_T0);
+    for (int64_t g = 0; g < groups; g += 32) {  // 32 float16 values a cache line
+      _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + g), _MM_HINT_T0);
+      if (p.zero) _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + g), _MM_HINT_T0);
     }
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + groups - 1), _MM_HINT_T0);  // (a row's lines
+    if (p.zero) _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + groups - 1), _MM_HINT_T0);  // straddle)
   }
 }
 
@@ -526,7 +526,7 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
               "scale, zero: float16");
   a = a.contiguous();
   const int64_t M = a.size(0), K = a.size(1), N = w.size(0), groups = group > 0 ? K / group : 0;
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group: multiples of 32");
+  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0, "K and group: multiples of 32");
   if (M == 0) return torch::empty({0, N}, a.options());
   TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
@@ -582,7 +582,10 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
   TORCH_CHECK(scale.scalar_type() == torch::kHalf && zero.scalar_type() == torch::kHalf, "scale, zero: float16");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
-  const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1), groups = K / group;
+  TORCH_CHECK(group > 0 && group % 32 == 0, "group: a multiple of 32");
+  const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1);
+  TORCH_CHECK(K % group == 0, "K: a multiple of group");
+  const int64_t groups = K / group;
   const bool offsets = zero.size(1) != 0;
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == N &&
               (!offsets || zero.size(1) == groups), "scale and zero: [N, K / group] (zero [N, 0]: no offsets)");
