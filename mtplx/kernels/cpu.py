@@ -104,10 +104,10 @@ def activation_bits() -> int:
     and multiplied in integers; int4 and int8 weights in groups of 32 or of a multiple of 64 with
     a multiple of 64 inputs, the others stay float32), else 32 (float32).
     ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16`` (refused where the CPU lacks VNNI;
-    with the AVX2 width forced, ``vector_width(256)``, its products run as float32) or ``int8`` (llama.cpp's rounding, about 10% faster than
-    float32 on the default model but its greedy output leaves the float32 model's within a few
-    dozen tokens; int16 and float32 kept 8 of 8 prompts identical for 64 tokens:
-    docs/performance.md)."""
+    with the AVX2 width forced, ``vector_width(256)``, its products run as float32) or ``int8``
+    (llama.cpp's rounding, about 10% faster than float32 on the default model but its greedy
+    output leaves the float32 model's within a few dozen tokens; int16 and float32 kept 8 of 8
+    prompts identical for 64 tokens: docs/performance.md)."""
     mode = os.environ.get(ACTIVATIONS_SWITCH, "")
     if mode not in ("", "float32", "int16", "int8"):
         raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32, int16 or int8")
@@ -149,9 +149,10 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, gr
         words = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).contiguous()
     else:
         words = q.to(torch.int8).contiguous()
-        if not bool(zero.half().any()):
-            zero = zero[:, :0]
-    return words, scale.half().contiguous(), zero.half().contiguous()
+    zero = zero.half()
+    if bits == 8 and not bool(zero.any()):
+        zero = zero[:, :0]
+    return words, scale.half().contiguous(), zero.contiguous()
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -11,9 +11,9 @@
 // are read in order beside its weights), the AVX2 ones in a pass of their own.
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
-// scaled), or are rounded to int16 (AVX-512 VNNI, int4 and int8 weights: tile_int16) or int8 (llama.cpp's
-// rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one scale per 32
-// inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
+// scaled), or are rounded to int16 (AVX-512 VNNI, int4 and int8 weights: tile_int16) or int8
+// (llama.cpp's rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one
+// scale per 32 inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
 // [N, 0]: no offset term and no group sums.
 // The offsets always see the float sums. Every output is computed by the same instructions in
 // the same order whatever the number of rows m, so a row's result does not depend on the rows
@@ -184,12 +184,13 @@ MTPLX_AVX512 __attribute__((always_inline)) inline void prefetch_scales(const Ar
   const int64_t groups = p.K / p.group;
   for (int o = 0; o < O; ++o) {
     const int64_t row = (n + o) * groups;
-    for (int64_t g = 0; g < groups; g += 32) {  // 32 float16 values a cache line
+    // 32 float16 values a cache line, and the row's last value (its lines need not be aligned)
+    for (int64_t g = 0; g < groups; g += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + g), _MM_HINT_T0);
       if (p.zero) _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + g), _MM_HINT_T0);
     }
-    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + groups - 1), _MM_HINT_T0);  // (a row's lines
-    if (p.zero) _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + groups - 1), _MM_HINT_T0);  // straddle)
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + row + groups - 1), _MM_HINT_T0);
+    if (p.zero) _mm_prefetch(reinterpret_cast<const char*>(p.zero + row + groups - 1), _MM_HINT_T0);
   }
 }
 
@@ -208,6 +209,15 @@ MTPLX_AVX512 __attribute__((always_inline)) inline void fold_offsets512(const Ar
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(z, s[r], acc[o][r]);
     }
   }
+}
+
+// A quantized tile's end: the offset term folded in, each output's lanes summed into out.
+template <int R, int O>
+MTPLX_AVX512 __attribute__((always_inline)) inline void store_tile512(const Args& p, int64_t m0, int64_t n,
+                                                                       __m512 acc[O][R]) {
+  fold_offsets512<R, O>(p, m0, n, acc);
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
 
 // Rows m0 .. m0 + R of output rows n .. n + O, float activations: per group, each row's products
@@ -249,9 +259,7 @@ MTPLX_AVX512 inline void tile_float512(const Args& p, int64_t m0, int64_t n) {
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(sc, t[o][r], acc[o][r]);
     }
   }
-  fold_offsets512<R, O>(p, m0, n, acc);
-  for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
+  store_tile512<R, O>(p, m0, n, acc);
 }
 
 // Every row of the tile is computed by the same instructions in the same order whatever R and O
@@ -280,8 +288,8 @@ MTPLX_AVX512 void rows_range512(const Args& p, int64_t n0, int64_t n1) {
 }
 
 // --- int16 activations, AVX-512 VNNI (runtime-dispatched) ---------------------------------------
-// For int4 and int8 weights with groups of 32 or of a multiple of 64. Each 32 inputs of a row are rounded
-// to int16 with one scale (max |a| / 32767; greedy output of the default model then matches
+// For int4 and int8 weights with groups of 32 or of a multiple of 64. Each 32 inputs of a row are
+// rounded to int16 with one scale (max |a| / 32767; greedy output of the default model then matches
 // float32 activations': docs/performance.md), and the products run in integers: 64 weights
 // (two 32-input chunks, A and B, 32 bytes) widen to 32 words, the low nibbles [A 0..15, B 0..15]
 // and the high ones [A 16..31, B 16..31], each multiplied by the row's words laid out the same
@@ -364,9 +372,7 @@ MTPLX_VNNI inline void tile_int16(const Args& p, int64_t m0, int64_t n) {
       }
     }
   }
-  fold_offsets512<R, O>(p, m0, n, acc);
-  for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
+  store_tile512<R, O>(p, m0, n, acc);
 }
 
 // Up to four token rows: four output rows a tile; more: four token rows at a time over two
@@ -494,13 +500,22 @@ void quantize_rows(const float* a, int64_t M, int64_t K, int8_t* qa, float* da) 
   }
 }
 
+// Whether a layout's offsets are stored: zero [N, groups], or [N, 0] where every offset is 0.
+bool has_offsets(const torch::Tensor& zero, int64_t N, int64_t groups) {
+  const bool offsets = zero.size(1) != 0;
+  TORCH_CHECK(zero.size(0) == N && (!offsets || zero.size(1) == groups),
+              "zero: [N, K / group], or [N, 0] where every offset is 0");
+  return offsets;
+}
+
 }  // namespace
 
-// Whether tile_int16 takes this product: int4 or int8 weights in groups of 32 or of a multiple of 64,
-// K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
+// Whether tile_int16 takes this product: int4 or int8 weights in groups of 32 or of a multiple of
+// 64, K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
 bool int16_applies(int64_t bits, int64_t group, int64_t K) {
   static const bool vnni = detect_vnni();
-  return vnni && isa_in_use() == 512 && (bits == 4 || bits == 8) && K % 64 == 0 && (group == 32 || group % 64 == 0);
+  return vnni && isa_in_use() == 512 && (bits == 4 || bits == 8) && K % 64 == 0 &&
+         (group == 32 || group % 64 == 0);
 }
 
 // Whether this CPU has AVX-512 VNNI (what int16 activations need).
@@ -530,9 +545,7 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   if (M == 0) return torch::empty({0, N}, a.options());
   TORCH_CHECK(w.size(1) == (bits == 4 ? K / 2 : K), "w: [N, K / 2] for int4, [N, K] for int8");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
-  const bool offsets = zero.size(1) != 0;
-  TORCH_CHECK(zero.size(0) == N && (!offsets || zero.size(1) == groups),
-              "zero: [N, K / group], or [N, 0] where every offset is 0");
+  const bool offsets = has_offsets(zero, N, groups);
   TORCH_CHECK(N % 2 == 0, "an even number of output rows (pack pads an odd one)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "contiguous weights");
   torch::Tensor asum = torch::empty({M, offsets ? groups : 0}, a.options());
@@ -586,9 +599,8 @@ torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tens
   const int64_t N = w.size(0), K = bits == 4 ? w.size(1) * 2 : w.size(1);
   TORCH_CHECK(K % group == 0, "K: a multiple of group");
   const int64_t groups = K / group;
-  const bool offsets = zero.size(1) != 0;
-  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups && zero.size(0) == N &&
-              (!offsets || zero.size(1) == groups), "scale and zero: [N, K / group] (zero [N, 0]: no offsets)");
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == groups, "scale: [N, K / group]");
+  const bool offsets = has_offsets(zero, N, groups);
   torch::Tensor out = torch::empty({N, K}, scale.options().dtype(torch::kFloat32));
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
@@ -644,21 +656,27 @@ inline __m256 load8(const void* w, int64_t i) {
   }
 }
 
+// Where input k starts a cache line of the weight rows, that line of the rows four tiles on (a
+// tile reads rows n .. n + O): the MTP head's bf16 products (10.4 MB), one token row, one
+// thread, after 64 MB written elsewhere 379 -> 180 us (AVX2: 419 -> 186).
+template <Dense D, int O>
+__attribute__((always_inline)) inline void prefetch_dense(const void* w, int64_t K, int64_t n, int64_t k) {
+  constexpr int64_t size = D == Dense::F32 ? 4 : 2;  // bytes a weight
+  if ((k * size) % 64) return;
+  const char* ahead = static_cast<const char*>(w) + ((n + 4 * O) * K + k) * size;
+  for (int o = 0; o < O; ++o) _mm_prefetch(ahead + o * K * size, _MM_HINT_T0);
+}
+
 template <Dense D, int R, int O>
 MTPLX_AVX512 inline void tile_dense_512(const float* a, const void* w, float* out, int64_t K, int64_t N,
                                         int64_t m0, int64_t n) {
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
-  // the rows four tiles on, a cache line at a time: the MTP head's bf16 products (10.4 MB), one
-  // token row, one thread, after 64 MB written elsewhere 379 -> 180 us (AVX2: 419 -> 186)
-  constexpr int64_t size = D == Dense::F32 ? 4 : 2;  // bytes a weight
-  const char* ahead = static_cast<const char*>(w) + (n + 4 * O) * K * size;
   for (int64_t k = 0; k < K; k += 16) {
     __m512 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_ps(a + (m0 + r) * K + k);
-    if ((k * size) % 64 == 0)
-      for (int o = 0; o < O; ++o) _mm_prefetch(ahead + (o * K + k) * size, _MM_HINT_T0);
+    prefetch_dense<D, O>(w, K, n, k);
     for (int o = 0; o < O; ++o) {
       const __m512 u = load16<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fmadd_ps(u, x[r], acc[o][r]);
@@ -682,13 +700,10 @@ inline void tile_dense_256(const float* a, const void* w, float* out, int64_t K,
   __m256 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
-  constexpr int64_t size = D == Dense::F32 ? 4 : 2;
-  const char* ahead = static_cast<const char*>(w) + (n + 4 * O) * K * size;
   for (int64_t k = 0; k < K; k += 8) {
     __m256 x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(a + (m0 + r) * K + k);
-    if ((k * size) % 64 == 0)
-      for (int o = 0; o < O; ++o) _mm_prefetch(ahead + (o * K + k) * size, _MM_HINT_T0);
+    prefetch_dense<D, O>(w, K, n, k);
     for (int o = 0; o < O; ++o) {
       const __m256 u = load8<D>(w, (n + o) * K + k);
       for (int r = 0; r < R; ++r) acc[o][r] = _mm256_fmadd_ps(u, x[r], acc[o][r]);
