@@ -5,7 +5,7 @@ time) means the host, not the GPU, sets the pace.
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--cprofile]
+        [--cprofile] [--graph-time]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -70,14 +70,58 @@ def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30)
     finally:
         Scheduler._run = inner
     stats = pstats.Stats(prof).stats
-    rows = sorted(((f"{Path(f).name}:{line} {fn}", calls, tt, ct) for (f, line, fn), (_, calls, tt, ct, _) in
-                   stats.items()), key=lambda r: -r[2])
-    return [{"function": name, "calls_per_step": round(calls / steps, 2), "own_us": round(tt * 1e6 / steps, 1),
-             "cumulative_us": round(ct * 1e6 / steps, 1)} for name, calls, tt, ct in rows[:lines]]
+    rows = [(f"{Path(f).name}:{line} {fn}", calls, tt, ct) for (f, line, fn), (_, calls, tt, ct, _) in stats.items()]
+
+    def listed(key):
+        return [{"function": name, "calls_per_step": round(calls / steps, 2), "own_us": round(tt * 1e6 / steps, 1),
+                 "cumulative_us": round(ct * 1e6 / steps, 1)} for name, calls, tt, ct in sorted(rows, key=key)[:lines]]
+    return {"by_own": listed(lambda r: -r[2]), "by_cumulative": listed(lambda r: -r[3])}
+
+
+class GraphTimer:
+    """The GPU's own time in each chained cycle's graph and in the noise drawn before it: CUDA
+    events around the draws and the replay of every ``CudaGraphs.run_chained``. Against the
+    wall time per step it says whether the device or the host sets the pace (events queued
+    behind a busy stream still time only the work between them)."""
+
+    def __init__(self, graphs):
+        self.graphs, self.inner, self.pairs = graphs, graphs.run_chained, []
+
+    def __enter__(self):
+        import torch
+
+        def run_chained(seqs, depth, variant="greedy"):
+            g = self.graphs.chained(len(seqs), depth, variant)
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
+            g.buffers.draw_noise(seqs)
+            marks[1].record()
+            draw, replay = g.buffers.draw_noise, g.graph.replay
+            g.buffers.draw_noise = lambda seqs: None  # drawn above
+            g.graph.replay = lambda: (replay(), marks[2].record())
+            try:
+                return self.inner(seqs, depth, variant)
+            finally:
+                g.buffers.draw_noise, g.graph.replay = draw, replay
+                self.pairs.append(marks)
+        self.graphs.run_chained = run_chained
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self.graphs.run_chained = self.inner
+        torch.cuda.synchronize()
+
+    def per_step(self, steps: int) -> dict:
+        noise = sum(a.elapsed_time(b) for a, b, _ in self.pairs) * 1e3
+        graph = sum(b.elapsed_time(c) for _, b, c in self.pairs) * 1e3
+        return {"chained_launches_per_step": len(self.pairs) / steps, "gpu_noise_us_per_step": noise / steps,
+                "gpu_graph_us_per_step": graph / steps}
 
 
 def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, cprofile: bool = False,
-        draft_policy: str = "auto") -> dict:
+        draft_policy: str = "auto", graph_time: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,6 +143,10 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
     kernel_us = sum(r[2] for r in rows)
     wall_us = elapsed * 1e6 / plain.calls
     extra = {"host_profile": host_profile(engine, mode, requests(), plain.calls)} if cprofile else {}
+    if graph_time and engine.runner.graphs is not None:
+        with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
+            run_jobs(engine, mode, requests())
+        extra["graph_time"] = timer.per_step(timed.calls)
     return {**extra, "tok_s": tokens / elapsed, "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
             "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
             "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
@@ -118,6 +166,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-policy", default="auto", help="the MTP requests' draft policy")
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
+    ap.add_argument("--graph-time", action="store_true",
+                    help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
@@ -137,17 +187,20 @@ def main() -> None:
         for width in (int(w) for w in args.widths.split(",")):
             for mode in ("mtp_batch", "ar_batch"):
                 r = report["runs"][f"{regime}/{mode}/x{width}"] = one(engine, mode, width, REGIMES[regime], depth,
-                                                                     args.max_tokens, args.cprofile, args.draft_policy)
+                                                                     args.max_tokens, args.cprofile, args.draft_policy,
+                                                                     args.graph_time)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
                       f"busy {r['busy_share']:.2f}", flush=True)
                 for k in r["top"][:8]:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
-                for f in r.get("host_profile", [])[:25]:
-                    print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum "
-                          f"{f['calls_per_step']:6.1f}x"
-                          f"  {f['function']}")
+                if "graph_time" in r:
+                    print("    GPU per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["graph_time"].items()))
+                for order in ("by_own", "by_cumulative"):
+                    for f in r.get("host_profile", {}).get(order, [])[:25]:
+                        print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum "
+                              f"{f['calls_per_step']:6.1f}x  {f['function']}")
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 
