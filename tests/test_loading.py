@@ -147,6 +147,24 @@ def test_hf_dir_tokenizer_round_trips_gguf_tokenizer(tokenizer, tmp_path):
     assert reloaded.eos_token_ids == {0, 2}
 
 
+def test_decode_is_transformers_decode(tokenizer):
+    """The default tokenizer decodes through its Rust tokenizer directly (no clean-up of spaces to
+    apply); the text is transformers' own for random ids, special tokens included."""
+    assert tokenizer._backend_decode is not None
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 40))]
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf.backend_tokenizer, clean_up_tokenization_spaces=True)
+    assert Tokenizer(hf)._backend_decode is None
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_incremental_decoder_pieces_join_to_decode(tokenizer, skip_special_tokens):
     text = "<|im_start|>Emoji 🙂👍🏽🇫🇷, CJK 你好世界，こんにちは 한국어 — Ünïcödé<|im_end|>"
