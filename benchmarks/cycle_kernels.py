@@ -24,8 +24,7 @@ from mtplx.engine.sequence import Sequence
 
 def measure(engine, context: int = 128) -> dict:
     runner = engine.runner
-    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device=engine.device))
+    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     runner.blocks.ensure_capacity(seq.seq_id, context + 8)
     out = {}

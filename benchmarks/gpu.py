@@ -125,8 +125,7 @@ def timed(fn, repeats=20, warmup=3) -> float:
 def step_costs(engine: Engine, context: int = 128) -> dict:
     """Median time of one trunk forward of q tokens (q = 1 AR, 1+D verify) and of one head step."""
     runner = engine.runner
-    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device=engine.device))
+    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     runner.blocks.ensure_capacity(seq.seq_id, context + 8)  # the steps, verifies and drafts timed below
     with torch.inference_mode():
@@ -215,8 +214,7 @@ def check_against_reference(engine: Engine) -> dict:
     with torch.inference_mode():
         for name, eng in engines.items():
             kernels.ENABLED = name == "fast"
-            seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1,
-                           generator=torch.Generator(device=eng.device))
+            seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1)
             eng.runner.blocks.allocate(seq.seq_id, prompt)
             eng.runner.blocks.ensure_capacity(seq.seq_id, 48)  # the verifies and the head step below
             outs = [eng.runner.logits(eng.runner.trunk([seq], [prompt], [0])).float()]
@@ -361,8 +359,7 @@ def check_prefill_graphs(engine: Engine) -> dict:
                 seqs, rows = [], []
                 for n in lengths:
                     ids = torch.randint(10, engine.config.vocab_size, (start + n,), generator=g).tolist()
-                    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1,
-                                   generator=torch.Generator(device=engine.device))
+                    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1)
                     runner.blocks.allocate(seq.seq_id, ids)
                     seqs.append(seq)
                     rows.append(ids)
@@ -595,8 +592,7 @@ def prefill_costs(engine: Engine, lengths=(16, 64, 256, 1024, 4096)) -> dict:
 
         request()
         whole = sorted(request() for _ in range(7))[3]
-        seq = Sequence(prompt_ids=list(ids), params=SamplingParams(), max_tokens=1,
-                       generator=torch.Generator(device=engine.device))
+        seq = Sequence(prompt_ids=list(ids), params=SamplingParams(), max_tokens=1)
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
         with torch.inference_mode():
             forward = timed(lambda: runner.trunk([seq], [seq.prompt_ids], [0]), repeats=7, warmup=2)
@@ -724,8 +720,7 @@ def check_quantized_logits(engine: Engine) -> dict:
     with torch.inference_mode():
         for name, eng in (("fast", engine), ("reference", reference)):
             kernels.ENABLED = name == "fast"
-            seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1,
-                           generator=torch.Generator(device=eng.device))
+            seq = Sequence(prompt_ids=prompt, params=SamplingParams(), max_tokens=1)
             eng.runner.blocks.allocate(seq.seq_id, prompt)
             eng.runner.blocks.ensure_capacity(seq.seq_id, 48)
             outs = [eng.runner.logits(eng.runner.trunk([seq], [prompt], [0])).float()]

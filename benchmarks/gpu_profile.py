@@ -199,8 +199,7 @@ def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
 
 def prefilled(engine, context: int = 128) -> Sequence:
     """A sequence holding ``context`` prompt tokens in the engine's cache (free it after)."""
-    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device=engine.device))
+    seq = Sequence(prompt_ids=list(range(1, context + 1)), params=SamplingParams(), max_tokens=1)
     engine.runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     engine.runner.blocks.ensure_capacity(seq.seq_id, context + 8)  # the steps profiled after it
     with torch.inference_mode():

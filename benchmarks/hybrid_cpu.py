@@ -87,8 +87,7 @@ def step_costs(model, repeats: int) -> dict:
                for mode in ("capture", "reforward")}
     seqs = {}
     for mode, runner in runners.items():
-        seq = Sequence(prompt_ids=list(range(1, PROMPT_TOKENS + 1)), params=SamplingParams(), max_tokens=1,
-                       generator=torch.Generator())
+        seq = Sequence(prompt_ids=list(range(1, PROMPT_TOKENS + 1)), params=SamplingParams(), max_tokens=1)
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
         runner.blocks.ensure_capacity(seq.seq_id, PROMPT_TOKENS + 16)  # the verifies' slots
         seq.state_slot = runner.states.allocate()

@@ -54,8 +54,7 @@ def negative_log_likelihood(engine, ids: list[int], window: int) -> tuple[float,
         chunk = ids[start:start + window]
         if len(chunk) < 2:
             break
-        seq = Sequence(prompt_ids=chunk, params=SamplingParams(), max_tokens=1,
-                       generator=torch.Generator(device=engine.device))
+        seq = Sequence(prompt_ids=chunk, params=SamplingParams(), max_tokens=1)
         runner.blocks.allocate(seq.seq_id, chunk)
         with torch.inference_mode():
             logits = runner.logits(runner.trunk([seq], [chunk], [0]))[0, :-1].float()

@@ -110,8 +110,7 @@ def _logits(engine, ids: torch.Tensor) -> torch.Tensor:
     from mtplx.engine.sequence import Sequence
 
     runner = engine.runner
-    seq = Sequence(prompt_ids=ids[0].tolist(), params=SamplingParams(), max_tokens=1,
-                   generator=torch.Generator(device="cuda"))
+    seq = Sequence(prompt_ids=ids[0].tolist(), params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     try:
         with torch.inference_mode():

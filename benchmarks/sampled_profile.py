@@ -132,6 +132,7 @@ def pieces(engine) -> dict:
     the PyTorch path against the Triton kernels (checked against each other first)."""
     from mtplx import kernels
     from mtplx.engine.sampling import SamplerTensors, SamplingParams, process_logits
+    from mtplx.engine.sampling import NoiseStream
     from mtplx.engine.speculative import draw_noise, rejection_outcome
 
     model = engine.runner.model
@@ -173,13 +174,11 @@ def pieces(engine) -> dict:
             entry["kernel_rejection"] = graph_us(lambda: rejection_outcome(probs, None, drafts, depths, uniforms, race))
             out[key] = {k: round(v, 2) for k, v in entry.items()}
             print(key, out[key], flush=True)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(0)
-    u, r = torch.zeros(1, device=dev), torch.zeros(vocab, device=dev)
+    stream = NoiseStream(0)
 
     def host_draw():
         for _ in range(100):
-            draw_noise(1, vocab, gen, dev, out=(u, r))
+            draw_noise(1, vocab, stream, dev)
         torch.cuda.synchronize()
 
     host_draw()

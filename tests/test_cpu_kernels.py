@@ -215,7 +215,7 @@ def _tiny_quantized_model(tmp: str):
 
     def logits(engine, chunks):
         runner = engine.runner
-        seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+        seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1)
         runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
         outs, start = [], 0
         with torch.inference_mode():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtplx.engine.sampling import (DRAFT_SHARPENING, SamplerBatch, SamplingParams, draft_params, logits_to_probs,
-                                   make_generator, sample)
+                                   NoiseStream, sample)
 from tests.test_mtp_chained import PROMPTS, start
 from tests.test_mtp_chained import chained_engine as repeat_head_engine
 from tests.tiny_models import tiny_engine
@@ -132,7 +132,7 @@ ROW_PARAMS = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(),
 def test_the_batched_sampler_processes_each_row_as_the_per_row_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(ROW_PARAMS), 3, 64, generator=g) * 3
-    batch = SamplerBatch(ROW_PARAMS, [make_generator(i) for i in range(len(ROW_PARAMS))], torch.device("cpu"))
+    batch = SamplerBatch(ROW_PARAMS, [NoiseStream(i) for i in range(len(ROW_PARAMS))], torch.device("cpu"))
     got = batch.probs(logits)
     for r, params in enumerate(ROW_PARAMS):
         ref = logits_to_probs(logits[r], params)
@@ -151,7 +151,7 @@ def test_mirror_drafts_come_from_the_sharpened_head_distribution_without_filters
     for params in ROW_PARAMS:
         assert draft_params(params) == (params if params.greedy else
                                          SamplingParams(temperature=params.temperature * DRAFT_SHARPENING))
-    host = SamplerBatch(ROW_PARAMS, [make_generator(i) for i in range(len(ROW_PARAMS))],
+    host = SamplerBatch(ROW_PARAMS, [NoiseStream(i) for i in range(len(ROW_PARAMS))],
                         torch.device("cpu")).draft_probs(logits)
     cycle = CycleSampling(len(ROW_PARAMS), 1, 64, "mirror_filters", torch.device("cpu"))
     cycle.write_params(ROW_PARAMS, [not p.greedy for p in ROW_PARAMS])
@@ -172,12 +172,12 @@ def test_the_batched_sampler_draws_what_each_row_draws_alone():
     rows run beside it."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(len(ROW_PARAMS), 64, generator=g) * 2
-    batch = SamplerBatch(ROW_PARAMS, [make_generator(100 + i) for i in range(len(ROW_PARAMS))],
+    batch = SamplerBatch(ROW_PARAMS, [NoiseStream(100 + i) for i in range(len(ROW_PARAMS))],
                          torch.device("cpu"))
     probs = batch.probs(logits)
     drawn = [batch.sample(probs).tolist() for _ in range(20)]
     for r, params in enumerate(ROW_PARAMS):
-        alone = make_generator(100 + r)
+        alone = NoiseStream(100 + r)
         ref = [int(sample(logits_to_probs(logits[r:r + 1], params), alone)) if not params.greedy
                else int(logits[r].argmax()) for _ in range(20)]
         assert [d[r] for d in drawn] == ref, r
@@ -223,7 +223,7 @@ def test_the_batched_sampler_keeps_the_top_token_for_a_top_p_below_float32s_rang
     """top_p = 1e-165 (valid: in (0, 1]) is 0.0 as a float32 tensor; the top token stays."""
     logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=1.0, top_p=1e-165), SamplingParams(temperature=0.5, top_p=0.5)]
-    batch = SamplerBatch(params, [make_generator(0), make_generator(1)], torch.device("cpu"))
+    batch = SamplerBatch(params, [NoiseStream(0), NoiseStream(1)], torch.device("cpu"))
     probs = batch.probs(logits)
     assert torch.equal(probs[0], logits_to_probs(logits[:1], params[0])[0])
     assert probs[0].max() == 1.0 and int(probs[0].argmax()) == int(logits[0].argmax())

@@ -21,7 +21,7 @@ def _one_thread():
 
 
 def _seq(prompt):
-    return Sequence(prompt_ids=list(prompt), params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+    return Sequence(prompt_ids=list(prompt), params=SamplingParams(), max_tokens=1)
 
 
 def _admit(runner, prompt, room: int = 40):

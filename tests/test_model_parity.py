@@ -21,7 +21,7 @@ TOL = 1e-4
 
 
 def _seq(prompt):
-    return Sequence(prompt_ids=list(prompt), params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+    return Sequence(prompt_ids=list(prompt), params=SamplingParams(), max_tokens=1)
 
 
 def _hf_logits(hf, ids):

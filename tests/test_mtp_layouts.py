@@ -20,21 +20,21 @@ H = 64
 def _head_tensors(g: torch.Generator, prefix_names: dict[str, str], layer_prefix: str) -> dict:
     """Random head weights under a layout's names; also returns them under canonical names."""
     canon = {
-        "fc.weight": torch.randn(H, 2 * H, generator=g) * 0.1,
-        "pre_fc_norm_embedding.weight": 1 + 0.1 * torch.randn(H, generator=g),
-        "pre_fc_norm_hidden.weight": 1 + 0.1 * torch.randn(H, generator=g),
-        "norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+        "fc.weight": torch.randn(H, 2 * H) * 0.1,
+        "pre_fc_norm_embedding.weight": 1 + 0.1 * torch.randn(H),
+        "pre_fc_norm_hidden.weight": 1 + 0.1 * torch.randn(H),
+        "norm.weight": 1 + 0.1 * torch.randn(H),
     }
     layer = {
-        "input_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
-        "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
-        "self_attn.q_proj.weight": torch.randn(64, H, generator=g) * 0.1,
-        "self_attn.k_proj.weight": torch.randn(32, H, generator=g) * 0.1,
-        "self_attn.v_proj.weight": torch.randn(32, H, generator=g) * 0.1,
-        "self_attn.o_proj.weight": torch.randn(H, 64, generator=g) * 0.1,
-        "mlp.gate_proj.weight": torch.randn(128, H, generator=g) * 0.1,
-        "mlp.up_proj.weight": torch.randn(128, H, generator=g) * 0.1,
-        "mlp.down_proj.weight": torch.randn(H, 128, generator=g) * 0.1,
+        "input_layernorm.weight": 1 + 0.1 * torch.randn(H),
+        "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H),
+        "self_attn.q_proj.weight": torch.randn(64, H) * 0.1,
+        "self_attn.k_proj.weight": torch.randn(32, H) * 0.1,
+        "self_attn.v_proj.weight": torch.randn(32, H) * 0.1,
+        "self_attn.o_proj.weight": torch.randn(H, 64) * 0.1,
+        "mlp.gate_proj.weight": torch.randn(128, H) * 0.1,
+        "mlp.up_proj.weight": torch.randn(128, H) * 0.1,
+        "mlp.down_proj.weight": torch.randn(H, 128) * 0.1,
     }
     on_disk = {prefix_names[k]: v for k, v in canon.items()}
     on_disk.update({layer_prefix + k: v for k, v in layer.items()})
@@ -122,9 +122,9 @@ def test_native_mtp_layout_loads_and_matches_reference_formula(tmp_path, layout)
     runner = engine.runner
     g = torch.Generator().manual_seed(3)
     T = 6
-    hidden = torch.randn(1, T, H, generator=g)
-    tokens = torch.randint(0, 96, (1, T), generator=g)
-    seq = Sequence(prompt_ids=[0] * (T + 1), params=SamplingParams(), max_tokens=1, generator=g)
+    hidden = torch.randn(1, T, H)
+    tokens = torch.randint(0, 96, (1, T))
+    seq = Sequence(prompt_ids=[0] * (T + 1), params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     ours = runner.head_forward([seq], hidden, [tokens[0].tolist()], [1])
     with torch.no_grad():

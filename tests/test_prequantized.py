@@ -33,7 +33,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 def _logits(engine, ids: list[int]) -> torch.Tensor:
     runner = engine.runner
-    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+    seq = Sequence(prompt_ids=ids, params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     with torch.inference_mode():
         return runner.logits(runner.trunk([seq], [ids], [0]))[0]

@@ -520,7 +520,7 @@ def test_int4_model_gives_the_round_to_nearest_models_logits(tmp_path):
                 module.weight.copy_(_rtn_reference(module.weight, 4))
         ref = hf(ids).logits[0]
     runner = engine.runner
-    seq = Sequence(prompt_ids=ids[0].tolist(), params=SamplingParams(), max_tokens=1, generator=torch.Generator())
+    seq = Sequence(prompt_ids=ids[0].tolist(), params=SamplingParams(), max_tokens=1)
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)
     with torch.inference_mode():
         ours = runner.logits(runner.trunk([seq], [ids[0].tolist()], [0]))[0]

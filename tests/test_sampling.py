@@ -15,7 +15,7 @@ from mtplx.engine.sampling import (
     apply_penalties,
     exponential_,
     logits_to_probs,
-    make_generator,
+    NoiseStream,
     sample,
 )
 from mtplx.errors import InvalidParameter
@@ -170,28 +170,28 @@ def test_filters_never_remove_every_token_and_always_keep_the_argmax(seed, tempe
     assert torch.all(top > 0)
 
 
-# --- generators and sampling ----------------------------------------------------------------
+# --- noise streams and sampling ----------------------------------------------------------------
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0])
 
 
 def test_same_seed_gives_same_samples_and_different_seeds_differ():
     probs = PROBS.expand(200, -1)
-    first = sample(probs, make_generator(123, "cpu"))
-    again = sample(probs, make_generator(123, "cpu"))
-    other = sample(probs, make_generator(124, "cpu"))
+    first = sample(probs, NoiseStream(123))
+    again = sample(probs, NoiseStream(123))
+    other = sample(probs, NoiseStream(124))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
 
-def test_unseeded_generators_differ():
+def test_unseeded_streams_differ():
     probs = PROBS.expand(200, -1)
-    assert not torch.equal(sample(probs, make_generator(None)), sample(probs, make_generator(None)))
+    assert not torch.equal(sample(probs, NoiseStream(None)), sample(probs, NoiseStream(None)))
 
 
 def test_sample_frequencies_match_probs_chi_square():
     n = 50_000
-    tokens = sample(PROBS.expand(n, -1), make_generator(7, "cpu"))
+    tokens = sample(PROBS.expand(n, -1), NoiseStream(7))
     assert tokens.dtype == torch.long and tokens.shape == (n,)
     counts = torch.bincount(tokens, minlength=len(PROBS)).numpy()
     assert counts[-1] == 0  # a zero-probability token is never drawn
@@ -201,22 +201,22 @@ def test_sample_frequencies_match_probs_chi_square():
 
 def test_sample_accepts_unnormalised_weights():
     weights = torch.tensor([3.0, 1.0, 0.0]).expand(40_000, -1)
-    counts = torch.bincount(sample(weights, make_generator(3)), minlength=3).numpy()
+    counts = torch.bincount(sample(weights, NoiseStream(3)), minlength=3).numpy()
     assert counts[2] == 0
     assert chisquare(counts[:2], np.array([0.75, 0.25]) * 40_000).pvalue > 0.001
 
 
 def test_race_noise_is_exponential_never_zero_and_fixed_by_the_seed():
-    """The CPU draws -log(U) from float64 uniforms: Exp(1) by a Kolmogorov-Smirnov test
-    against scipy's exponential, no draw of 0 (it would hand the race to any token), the same
-    draws for the same seed, filled in place (a view of a larger buffer too)."""
-    draws = exponential_(torch.empty(400_000), make_generator(5))
+    """A stream's exponential fills (-log of Philox uniforms, kernels/noise.py): Exp(1) by a
+    Kolmogorov-Smirnov test against scipy's exponential, no draw of 0 (it would hand the race to
+    any token), the same draws for the same seed, filled in place (a view of a larger buffer too)."""
+    draws = exponential_(torch.empty(400_000), NoiseStream(5))
     assert kstest(draws.double().numpy(), "expon").pvalue > 0.001
     assert float(draws.min()) > 0 and bool(torch.isfinite(draws).all())
     buffer = torch.zeros(3, 1000)
-    out = exponential_(buffer[1], make_generator(9))
+    out = exponential_(buffer[1], NoiseStream(9))
     assert out.data_ptr() == buffer[1].data_ptr()
-    assert torch.equal(buffer[1], exponential_(torch.empty(1000), make_generator(9)))
+    assert torch.equal(buffer[1], exponential_(torch.empty(1000), NoiseStream(9)))
     assert bool((buffer[0] == 0).all() and (buffer[2] == 0).all())
 
 
@@ -227,7 +227,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_processing_and_sampling_never_sync_with_the_host_on_cuda():
-    generator = make_generator(0, "cuda")
+    generator = NoiseStream(0)
     logits = torch.randn(4, 1000, device="cuda")
     counts = torch.randint(0, 3, (4, 1000), device="cuda")
     per_row = torch.tensor([0.0, 0.5, 1.0, -1.0], device="cuda")
@@ -246,7 +246,7 @@ def test_processing_and_sampling_never_sync_with_the_host_on_cuda():
 @needs_cuda
 def test_sample_frequencies_match_probs_on_cuda():
     n = 50_000
-    tokens = sample(PROBS.cuda().expand(n, -1), make_generator(7, "cuda"))
+    tokens = sample(PROBS.cuda().expand(n, -1), NoiseStream(7))
     counts = torch.bincount(tokens, minlength=len(PROBS)).cpu().numpy()
     assert counts[-1] == 0
     assert chisquare(counts[:-1], PROBS[:-1].double().numpy() * n).pvalue > 0.001
@@ -280,11 +280,11 @@ def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temper
 
 
 def test_a_batch_draws_each_row_as_that_row_alone_and_greedy_rows_take_the_argmax():
-    """SamplerBatch.sample races every row at once, each row's noise from its own generator:
-    the tokens ``sample`` gives each row alone from a copy of that generator, step after step."""
+    """SamplerBatch.sample races every row at once, each row's noise from its own stream: the
+    tokens ``sample`` gives each row alone from a stream of the same seed, step after step."""
     params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 0.0, 1.3)]
-    gens = [torch.Generator().manual_seed(100 + r) for r in range(len(params))]
-    alone = [torch.Generator().manual_seed(100 + r) for r in range(len(params))]
+    gens = [NoiseStream(100 + r) for r in range(len(params))]
+    alone = [NoiseStream(100 + r) for r in range(len(params))]
     batch = SamplerBatch(params, gens, torch.device("cpu"))
     logits = torch.randn(len(params), 300, generator=torch.Generator().manual_seed(5))
     for _ in range(20):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from mtplx.engine.sampling import SamplingParams, logits_to_probs, make_generator
+from mtplx.engine.sampling import NoiseStream, SamplingParams, logits_to_probs
 from mtplx.engine.speculative import (
     VerifyOutcome,
     acceptance_probs,
@@ -233,7 +233,7 @@ def draw(row: np.ndarray, rng: np.random.Generator) -> int:
 
 def run_steps(case: Case, k: int, n: int, seed: int) -> tuple[Counter, Counter]:
     """Sample n verify steps; count emitted sequences and their AR-continued streams (length k+1)."""
-    generator, rng = make_generator(seed, "cpu"), np.random.default_rng(seed)
+    generator, rng = NoiseStream(seed), np.random.default_rng(seed)
     emitted_counts, stream_counts = Counter(), Counter()
     for _ in range(n):
         drafts = ()
@@ -281,7 +281,7 @@ def test_sampled_verify_matches_exact_distributions_chi_square(name):
 
 def test_sampled_verify_with_no_drafts_samples_p():
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0]], dtype=torch.float64)
-    generator = make_generator(5)
+    generator = NoiseStream(5)
     tokens = Counter(verify_sampled(p, None, torch.zeros(0, dtype=torch.long), generator).next_token
                      for _ in range(3000))
     assert chi_square_pvalue(tokens, {0: 0.5, 1: 0.3, 2: 0.2, 3: 0.0}) > 0.001
@@ -292,7 +292,7 @@ def test_same_seed_gives_the_same_outcomes():
     args = case.tensors((1, 3, 0))
 
     def outcomes(seed):
-        generator = make_generator(seed)
+        generator = NoiseStream(seed)
         return [verify_sampled(*args, generator) for _ in range(50)]
 
     assert outcomes(9) == outcomes(9)
@@ -330,7 +330,7 @@ def test_all_accepted_samples_the_bonus_from_the_last_row():
 
 def test_sampled_verify_with_one_hot_target_equals_greedy_verify():
     rng = torch.Generator().manual_seed(0)
-    generator = make_generator(0)
+    generator = NoiseStream(0)
     for trial in range(200):
         k = trial % 4
         logits = torch.randn(k + 1, 6, generator=rng)
@@ -346,7 +346,7 @@ def test_shape_mismatch_is_reported():
     with pytest.raises(ValueError, match=r"\[k\+1, V\]"):
         verify_greedy(torch.zeros(2, 4), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="draft_probs"):
-        verify_sampled(torch.full((2, 4), 0.25), torch.full((2, 4), 0.25), torch.tensor([0]), make_generator(0))
+        verify_sampled(torch.full((2, 4), 0.25), torch.full((2, 4), 0.25), torch.tensor([0]), NoiseStream(0))
 
 
 # --- greedy verification --------------------------------------------------------------------
@@ -383,10 +383,10 @@ def test_greedy_verify_breaks_ties_toward_the_lowest_index():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_verify_syncs_with_the_host_exactly_once_on_cuda():
-    generator = make_generator(0, "cuda")
+    generator = NoiseStream(0)
     target = torch.softmax(torch.randn(4, 1000, device="cuda"), dim=-1)
     draft = torch.softmax(torch.randn(3, 1000, device="cuda"), dim=-1)
-    tokens = torch.multinomial(draft, 1, generator=generator).squeeze(1)
+    tokens = torch.multinomial(draft, 1, generator=torch.Generator(device="cuda").manual_seed(0)).squeeze(1)
     calls = [lambda: verify_sampled(target, draft, tokens, generator),
              lambda: verify_sampled(target, None, tokens, generator),
              lambda: verify_greedy(target, tokens)]

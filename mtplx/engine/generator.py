@@ -429,7 +429,7 @@ class Generator:
             if seq.params.greedy:
                 return greedy_outcome(logits[r, : n + 1].argmax(-1)[None], tokens[None])[0, n:]
             q = None if not draft_probs[r] or draft_probs[r][0] is None else torch.stack(draft_probs[r])
-            return torch.stack(sampled_outcome(probs[r, : n + 1], q, tokens, seq.generator))
+            return torch.stack(sampled_outcome(probs[r, : n + 1], q, tokens, seq.noise))
 
         return self._gather_outcomes(seqs, drafts, [self._row_work(seq, "accept", lambda: accept(r, seq), faults)
                                                     for r, seq in enumerate(seqs)])
@@ -450,7 +450,7 @@ class Generator:
             if seq.params.greedy:
                 return packed[r, k:]
             n = seq.depth
-            return torch.stack(sampled_outcome(probs[r, : n + 1], None, packed[r, :n], seq.generator))
+            return torch.stack(sampled_outcome(probs[r, : n + 1], None, packed[r, :n], seq.noise))
 
         work = [self._row_work(seq, "accept", lambda: accept(r, seq), faults) for r, seq in enumerate(seqs)]
         return self._gather_outcomes(seqs, None, work, packed)
@@ -493,7 +493,7 @@ class Generator:
         """The rows' sampler settings as tensors, rebuilt only when the rows change."""
         key = tuple(s.seq_id for s in seqs)
         if self._sampler is None or self._sampler[0] != key:
-            self._sampler = key, SamplerBatch([s.params for s in seqs], [s.generator for s in seqs],
+            self._sampler = key, SamplerBatch([s.params for s in seqs], [s.noise for s in seqs],
                                               self.runner.device)
         return self._sampler[1]
 
@@ -515,7 +515,7 @@ class Generator:
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor,
                      faults: dict[int, BaseException] | None = None) -> list[int | None]:
-        """One token per row from logits [rows, V], each with its own sampler and generator;
+        """One token per row from logits [rows, V], each with its own sampler and noise stream;
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
         recorded there (its token is None); without, the exception propagates."""
         if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
@@ -525,18 +525,22 @@ class Generator:
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
                                  [1] * len(seqs))[:, 0]
         probs = sampler.probs(logits)
-        race, failed = torch.ones_like(probs), set()
-        for r, s in enumerate(seqs):  # each row's noise from its own generator; the races run at once
+        failed = set()
+        for r, s in enumerate(seqs):
             try:
                 self._stage("sample", s)
-                sampler.draw_race(race[r], r)
             except Exception as exc:
                 if faults is None:
                     raise
                 faults[s.seq_id] = exc
                 failed.add(r)
-        tokens = race_winners(probs, race).tolist()  # the step's one host sync
-        return [None if r in failed else t for r, t in enumerate(tokens)]
+        rows = [r for r in range(len(seqs)) if r not in failed]  # each its own stream's noise, one launch
+        if not rows:
+            return [None] * len(seqs)
+        if failed:
+            probs = probs[rows]
+        tokens = iter(race_winners(probs, sampler.races(rows, probs.shape[-1], probs.device)).tolist())  # one sync
+        return [None if r in failed else next(tokens) for r in range(len(seqs))]
 
     # -- commit --------------------------------------------------------------------------
     def _append(self, seq: Sequence, new_tokens: list[int]) -> None:

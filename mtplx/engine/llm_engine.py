@@ -12,7 +12,7 @@ from mtplx.engine.faults import FaultHook
 from mtplx.engine.generator import Generator, StepResult
 from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import ModelRunner
-from mtplx.engine.sampling import SamplingParams, make_generator
+from mtplx.engine.sampling import NoiseStream, SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.tensor_parallel import TensorParallel
 from mtplx.errors import InvalidParameter
@@ -221,7 +221,7 @@ class Engine:
     def new_sequence(self, req: Request) -> Sequence:
         plan = self.auto_depth.plan(req.params.greedy) if req.adaptive and req.mode == "mtp" else None
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
-                        generator=make_generator(req.params.seed, self.device), mode=req.mode,
+                        noise=NoiseStream(req.params.seed), mode=req.mode,
                         depth=plan.first_depth if plan else req.depth, depth_plan=plan,
                         draft_policy=req.draft_policy, ignore_eos=req.ignore_eos,
                         constraint=req.grammar.matcher() if req.grammar is not None else None,

@@ -15,9 +15,9 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, exponential_, process_logits
-from mtplx.kernels import cycle as cycle_kernels, sampling as sampling_kernels
-from mtplx.engine.speculative import draw_noise, greedy_outcome, rejection_outcome
+from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, process_logits
+from mtplx.kernels import cycle as cycle_kernels, noise, sampling as sampling_kernels
+from mtplx.engine.speculative import greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
@@ -401,6 +401,8 @@ class ModelRunner:
         head's distribution q (``sampling.draft_params``), kept for their acceptance. None:
         greedy acceptance."""
         tokens, draft_probs = [], []
+        if sampling is not None:
+            sampling.generate()
         if depth:
             out = self.head(self.model, backlog, c.catch_up_ids, c.catch_up, self.cache)
             h = out[torch.arange(out.shape[0], device=out.device), c.last]
@@ -444,11 +446,13 @@ class ModelRunner:
 
 class CycleSampling:
     """What a chained cycle whose rows may sample reads besides its integers (static inputs of
-    its graph): the rows' sampler settings (written when the rows change), and the noise each
-    sampling row draws from its own generator before every launch (``draw``), in the order the
-    host path draws it: a mirror row's draft races depth by depth, then the uniforms of the
-    acceptance and the race of the emitted token (``speculative.draw_noise``). The same draws,
-    so a seed gives the same tokens chained or not."""
+    its graph): the rows' sampler settings (written when the rows change), and the noise of each
+    sampling row, from its own stream (``sampling.NoiseStream``). Before every launch the host
+    plans each row's fills (``draw``: one copy of [rows, depth + 3] int64: the row's key, its
+    draft races' fills (a mirror row's), its acceptance uniforms' fill and its race's fill), the
+    fills the host path draws, in its order; the cycle draws them on the device (``generate``,
+    inside the captured graph: three launches for all rows). The same numbers, so a seed gives the
+    same tokens chained or not."""
 
     def __init__(self, rows: int, depth: int, vocab: int, variant: str, device: torch.device):
         self.depth, self.filters, self.mirror = depth, variant.endswith("_filters"), variant.startswith("mirror")
@@ -456,6 +460,7 @@ class CycleSampling:
         self.draft_sampler = SamplerTensors(rows, device) if self.mirror else None  # mirror drafts' q
         self.uniforms = torch.zeros(rows, max(depth, 1), dtype=torch.float32, device=device)
         self.race = torch.ones(rows, vocab, dtype=torch.float32, device=device)
+        self.plan = torch.tensor([_idle_plan(depth)] * rows, dtype=torch.long, device=device)
         if self.mirror:
             self.mirror_rows = torch.zeros(rows, 1, dtype=torch.bool, device=device)
             self.onehot_rows = torch.ones(rows, 1, dtype=torch.bool, device=device)  # drafts an argmax
@@ -476,16 +481,31 @@ class CycleSampling:
             torch.logical_not(self.mirror_rows, out=self.onehot_rows)
 
     def draw(self, seqs: list[Sequence]) -> None:
-        """Each sampling row's noise for the cycle about to launch. Queued on the stream after
-        the cycle before it, which read the last noise."""
-        for r, seq in enumerate(seqs):
+        """Plan each sampling row's fills for the cycle about to launch (``generate`` draws them):
+        a mirror row's draft races, depth by depth, then the acceptance uniforms (none at depth
+        0), then the emitted token's race (``speculative.draw_noise``'s order). Greedy and padding
+        rows take none (their noise, from fills no stream uses, is never read). Queued on the
+        stream after the cycle before it, which read the last plan."""
+        plan = []
+        for seq in seqs:
             if seq.params.greedy:
+                plan.append(_idle_plan(self.depth))
                 continue
-            n = min(seq.depth, self.depth)
-            if self.mirror and _mirrors(seq):
-                for j in range(n):
-                    exponential_(self.draft_race[r, j], seq.generator)
-            draw_noise(n, self.race.shape[1], seq.generator, self.race.device, out=(self.uniforms[r], self.race[r]))
+            n, stream = min(seq.depth, self.depth), seq.noise
+            mirror = self.mirror and _mirrors(seq)
+            drafts = [stream.take() if mirror and j < n else -1 - j for j in range(self.depth)]
+            uniforms = stream.take() if n else -1 - self.depth
+            plan.append([noise.signed_key(stream.key), *drafts, uniforms, stream.take()])
+        plan += [_idle_plan(self.depth)] * (self.plan.shape[0] - len(seqs))
+        self.plan.copy_(torch.tensor(plan, dtype=torch.long), non_blocking=True)
+
+    def generate(self) -> None:
+        """The planned noise into the buffers the cycle reads (the first work of a cycle)."""
+        keys, d = self.plan[:, 0], self.depth
+        if self.mirror and d:
+            noise.fill(self.draft_race, keys, self.plan[:, 1: d + 1], exponential=True)
+        noise.fill(self.uniforms[:, None], keys, self.plan[:, d + 1: d + 2], exponential=False)
+        noise.fill(self.race[:, None], keys, self.plan[:, d + 2:], exponential=True)
 
     def draft(self, head_logits: torch.Tensor, j: int, ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -514,6 +534,12 @@ class CycleSampling:
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum over the vocabulary: one Triton pass on CUDA (``kernels.sampling.argmax``)."""
     return sampling_kernels.argmax(logits) if sampling_kernels.usable(logits) else logits.argmax(-1)
+
+
+def _idle_plan(depth: int) -> list[int]:
+    """A row's noise plan that takes no stream's fills (greedy and padding rows): key 0, fills
+    below 0, which no stream draws."""
+    return [0, *(-1 - j for j in range(depth + 2))]
 
 
 def _mirrors(seq: Sequence) -> bool:

@@ -24,11 +24,13 @@ processed exactly like the target, and need no top-p threshold search on every d
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 from mtplx.errors import InvalidParameter
+from mtplx.kernels import noise
 from mtplx.kernels import sampling as sampling_kernels
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's allowed range for presence/frequency penalties
@@ -173,14 +175,57 @@ def _renormalise(weights: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on ``device``: seeded with ``seed`` when given, else from a fresh OS seed."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()  # non-deterministic: runs without a seed differ
-    else:
-        generator.manual_seed(seed % 2**64)  # any Python int maps into torch's seed range
-    return generator
+class NoiseStream:
+    """A request's random numbers (``kernels.noise``: Philox4x32-10 keyed by the seed, a fresh
+    64-bit key from the OS without one): a counter of the fills drawn so far. Every draw takes
+    the next fill (``take``), whatever its size and wherever it is drawn (host path, a CUDA graph,
+    beside other rows), so a seed fixes the output as long as each path draws the same fills in
+    the same order: a mirror row's draft races, then the cycle's acceptance uniforms, then the
+    emitted token's race."""
+
+    def __init__(self, seed: int | None = None):
+        self.key = secrets.randbits(64) if seed is None else seed % 2 ** 64  # any Python int maps in
+        self.fills = 0
+
+    def take(self, n: int = 1) -> int:
+        """The first of the next ``n`` fills (now drawn)."""
+        first = self.fills
+        self.fills += n
+        return first
+
+
+def draw_fill(out: torch.Tensor, stream: NoiseStream, exponential: bool) -> torch.Tensor:
+    """Fill ``out`` (float32, contiguous) in place with the stream's next fill: uniforms in (0, 1),
+    or Exp(1) draws (never 0, never infinite). Returns out."""
+    keys, fills = noise.indices([noise.signed_key(stream.key)], out.device), noise.indices([[stream.take()]], out.device)
+    noise.fill(out.view(1, 1, -1), keys, fills, exponential)
+    return out
+
+
+def exponential_(out: torch.Tensor, stream: NoiseStream) -> torch.Tensor:
+    """Fill ``out`` in place with i.i.d. Exp(1) draws, the stream's next fill: the noise of an
+    exponential race (``kernels.noise``: one launch on CUDA; 49,152 draws 0.10 ms on the CPU's C++
+    kernel against 0.23 ms for float64 uniforms through PyTorch's generator, one AMD EPYC core).
+    No draw is 0, which would hand the race to any token with p > 0, nor infinite."""
+    return draw_fill(out, stream, exponential=True)
+
+
+def uniform_(out: torch.Tensor, stream: NoiseStream) -> torch.Tensor:
+    """Fill ``out`` in place with uniforms in (0, 1), the stream's next fill."""
+    return draw_fill(out, stream, exponential=False)
+
+
+def sample(probs: torch.Tensor, stream: NoiseStream) -> torch.Tensor:
+    """Draw one token per row: probs [rows, V] (non-negative, need not sum to 1) -> [rows] long.
+
+    Exponential race: with E_v ~ Exp(1) i.i.d., argmax_v p_v / E_v is v with probability
+    p_v / sum(p) exactly (E_v / p_v ~ Exp(p_v), and the smallest of independent exponentials
+    is the one with rate p_v with probability proportional to p_v). Tokens with p_v = 0 never
+    win. It needs no host sync, unlike a CPU-side draw. E is the stream's next fill
+    (``exponential_``, which never draws 0: E = 0 would hand the win to any token with p_v > 0).
+    """
+    return race_winners(probs, exponential_(torch.empty(probs.shape, dtype=torch.float32, device=probs.device),
+                                            stream))
 
 
 # A mirror row's draft distribution q: softmax of the head's logits (penalties and grammar masks
@@ -201,34 +246,6 @@ def draft_params(params: SamplingParams) -> SamplingParams:
     if params.greedy:
         return params
     return SamplingParams(temperature=params.temperature * DRAFT_SHARPENING)
-
-
-def exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill ``out`` in place with i.i.d. Exp(1) draws from ``generator`` (on out's device) and
-    return it: the noise of every exponential race. CUDA: torch's ``exponential_``. CPU:
-    -log(U) with U uniform on [0, 1) drawn in float64, the same distribution in half the time or
-    less (49,152 draws, one thread: 0.41 ms against torch's CPU ``exponential_``'s 0.83 ms on an
-    AMD EPYC VM, 0.44 against 1.9 ms on an Intel Xeon one; torch computes each draw in a scalar
-    loop, and a sampled token's race took up to a tenth of a CPU decode step). float64 so that no draw is 0 (U = 1 cannot occur; the smallest draw is about 1e-16),
-    which would hand the race to any token with p > 0; U = 0 (probability 2**-53) gives an
-    infinite draw, a token that cannot win that race."""
-    if out.device.type != "cpu":
-        return out.exponential_(generator=generator)
-    uniforms = torch.empty(out.shape, dtype=torch.float64).uniform_(generator=generator)
-    return out.copy_(uniforms.log_().neg_())
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row: probs [rows, V] (non-negative, need not sum to 1) -> [rows] long.
-
-    Exponential race: with E_v ~ Exp(1) i.i.d., argmax_v p_v / E_v is v with probability
-    p_v / sum(p) exactly (E_v / p_v ~ Exp(p_v), and the smallest of independent exponentials
-    is the one with rate p_v with probability proportional to p_v). Tokens with p_v = 0 never
-    win. It needs no host sync, unlike a CPU-side draw. E is drawn with ``generator`` on the
-    probs' device (``exponential_``, which never draws 0: E = 0 would hand the win to any
-    token with p_v > 0).
-    """
-    return race_winners(probs, exponential_(torch.empty_like(probs), generator))
 
 
 def race_winners(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
@@ -317,12 +334,12 @@ class SamplerBatch:
     ``probs`` call processes every row's logits (``process_logits``), one ``sample`` call draws
     every row's token.
 
-    Each row still draws its noise from its own generator, in row order, the same draws as
-    ``sample`` on that row alone, so a seed fixes a row's output whatever rows run beside it.
-    Filters no row asks for are skipped."""
+    Each row draws its noise from its own stream (all rows' in one launch: ``kernels.noise``), the
+    fills ``sample`` draws for that row alone, so a seed fixes a row's output whatever rows run
+    beside it. Filters no row asks for are skipped."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device):
-        self.params, self.generators = params, generators
+    def __init__(self, params: list[SamplingParams], streams: list[NoiseStream], device: torch.device):
+        self.params, self.streams = params, streams
         self.tensors = SamplerTensors(len(params), device)
         self.tensors.write(params)
         self._draft_tensors: SamplerTensors | None = None  # ``draft_probs``'s, built on first use
@@ -354,19 +371,23 @@ class SamplerBatch:
 
     def sample(self, probs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """One token per row from probs [rows, V] -> [rows] long on the device (no host sync):
-        greedy rows take the argmax, the others an exponential race with their own
-        generator's noise. ``rows``: the batch rows ``probs`` holds (default: all)."""
+        greedy rows take the argmax, the others an exponential race with their own stream's
+        noise. ``rows``: the batch rows ``probs`` holds (default: all)."""
         rows = list(range(len(self.params))) if rows is None else rows
         if all(self.greedy_rows[r] for r in rows):
             return probs.argmax(dim=-1)
-        race = torch.ones_like(probs)
-        for i, r in enumerate(rows):
-            self.draw_race(race[i], r)
-        return race_winners(probs, race)
+        return race_winners(probs, self.races(rows, probs.shape[-1], probs.device))
 
-    def draw_race(self, out: torch.Tensor, r: int) -> None:
-        """Row r's noise for one token's exponential race, into ``out`` [V] (which holds 1.0):
-        Exp(1) draws from its own generator, the draws ``sample`` makes for that row alone;
-        a greedy row draws nothing (its race of ones leaves the argmax)."""
-        if not self.greedy_rows[r]:
-            exponential_(out, self.generators[r])
+    def races(self, rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        """These rows' noise for one token's exponential race each, [len(rows), vocab]: the next
+        fill of each sampling row's stream, drawn in one launch; ones for a greedy row (which
+        draws nothing: its race leaves the argmax)."""
+        sampled = [not self.greedy_rows[r] for r in rows]
+        keys = [noise.signed_key(self.streams[r].key) if s else 0 for r, s in zip(rows, sampled)]
+        fills = [[self.streams[r].take() if s else -1] for r, s in zip(rows, sampled)]
+        race = torch.empty(len(rows), 1, vocab, dtype=torch.float32, device=device)
+        noise.fill(race, noise.indices(keys, device), noise.indices(fills, device), exponential=True)
+        race = race[:, 0]
+        if not all(sampled):
+            race = torch.where(torch.tensor(sampled).to(device, non_blocking=True)[:, None], race, 1.0)
+        return race

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mtplx.engine.adaptive_depth import DepthPlan
-from mtplx.engine.sampling import SamplingParams
+from mtplx.engine.sampling import NoiseStream, SamplingParams
 from mtplx.engine.stats import DecodeStats
 
 _ids = itertools.count()
@@ -28,7 +28,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    generator: torch.Generator
+    noise: NoiseStream = field(default_factory=NoiseStream)  # its random numbers (unseeded by default)
     mode: str = "ar"  # "ar" or "mtp"
     depth: int = 0  # this cycle's draft depth (0: AR)
     depth_plan: DepthPlan | None = None  # depth="auto": its acceptance, for each cycle's depth (adaptive_depth.py)

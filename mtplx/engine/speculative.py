@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from mtplx.engine.sampling import exponential_
+from mtplx.engine.sampling import NoiseStream, exponential_, uniform_
 from mtplx.kernels import cycle as cycle_kernels, sampling as sampling_kernels
 
 
@@ -98,47 +98,44 @@ def verify_sampled(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator,
+    stream: NoiseStream,
 ) -> VerifyOutcome:
     """Exact rejection sampling of k drafts; see the module docstring for the shapes.
 
-    Draws k uniforms and one exponential race over V with ``generator`` (on the probs' device),
-    always the same amount, so a seeded run is reproducible.
+    Draws k uniforms and one exponential race over V from ``stream`` (on the probs' device),
+    always the same fills, so a seeded run is reproducible.
     """
-    return _to_host(*sampled_outcome(target_probs, draft_probs, draft_tokens, generator))
+    return _to_host(*sampled_outcome(target_probs, draft_probs, draft_tokens, stream))
 
 
 def sampled_outcome(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator,
+    stream: NoiseStream,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``verify_sampled`` left on the device: (accepted, next token) as 0-dim long tensors, for
     a caller that brings several rows' outcomes to the host in one transfer. Draws k uniforms,
-    then one exponential race over V, with ``generator`` (``draw_noise``), and decides with
+    then one exponential race over V, from ``stream`` (``draw_noise``), and decides with
     ``rejection_outcome``, as a CUDA cycle graph does for many rows."""
     _check_shapes(target_probs, draft_probs, draft_tokens)
     k, vocab = draft_tokens.shape[0], target_probs.shape[1]
-    uniforms, race = draw_noise(k, vocab, generator, target_probs.device, target_probs.dtype)
+    uniforms, race = draw_noise(k, vocab, stream, target_probs.device)
+    uniforms, race = uniforms.to(target_probs.dtype), race.to(target_probs.dtype)
     packed = rejection_outcome(target_probs[None], None if draft_probs is None else draft_probs[None],
                                draft_tokens.long()[None], None, uniforms[None], race[None])
     return packed[0, k], packed[0, k + 1]
 
 
-def draw_noise(k: int, vocab: int, generator: torch.Generator, device: torch.device,
-               dtype: torch.dtype = torch.float32, out: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_noise(k: int, vocab: int, stream: NoiseStream, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's noise for one exact rejection-sampling decision, in the order every path draws
-    it: k uniforms (one per draft), then an exponential race over the vocabulary (the emitted
-    token's sample). ``out``: (uniforms [>= k], race [vocab]) buffers to draw into in place (a
-    CUDA graph's static inputs), else new tensors of ``dtype`` (the probabilities')."""
-    uniforms, race = out if out is not None else (torch.empty(k, device=device, dtype=dtype),
-                                                  torch.empty(vocab, device=device, dtype=dtype))
+    it (``runner.CycleSampling`` plans the same fills for a chained cycle): k uniforms (one per
+    draft; no fill when k is 0), then an exponential race over the vocabulary (the emitted
+    token's sample). float32 tensors [k], [vocab]."""
+    uniforms = torch.empty(k, device=device, dtype=torch.float32)
     if k:
-        uniforms[:k].uniform_(0, 1, generator=generator)
-    exponential_(race, generator)
-    return uniforms, race
+        uniform_(uniforms, stream)
+    return uniforms, exponential_(torch.empty(vocab, device=device, dtype=torch.float32), stream)
 
 
 def rejection_outcome(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, drafts: torch.Tensor,

@@ -439,6 +439,51 @@ struct Layer {
   }
 };
 
+// Philox4x32-10 fills (kernels/noise.py): out [R, F, n] float32, contiguous in n, gets fill
+// fills[r, f] of the stream keyed keys[r]: element i is word i % 4 of Philox at counter
+// (i / 4, 0, fill low, fill high), made a uniform (floor(x / 2^9) + 1/2) / 2^23 (exact in float32,
+// never 0 or 1), then -log of it
+// for exponential draws (PyTorch's vectorised log over the rows written).
+torch::Tensor philox_fill(torch::Tensor out, const torch::Tensor& keys, const torch::Tensor& fills, bool exponential) {
+  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kFloat32 && out.stride(2) == 1,
+              "philox_fill: out must be [R, F, n] float32, contiguous in n");
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && fills.scalar_type() == torch::kInt64 &&
+              keys.dim() == 1 && fills.dim() == 2 && fills.stride(1) == 1,
+              "philox_fill: keys [R] and fills [R, F] int64");
+  const int64_t R = out.size(0), F = out.size(1), n = out.size(2);
+  TORCH_CHECK(keys.size(0) == R && fills.size(0) == R && fills.size(1) == F, "philox_fill: shapes disagree");
+  float* o = out.data_ptr<float>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t* fl = fills.data_ptr<int64_t>();
+  const int64_t so_r = out.stride(0), so_f = out.stride(1), sk = keys.stride(0), sf = fills.stride(0);
+  at::parallel_for(0, R * F, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rf = begin; rf < end; ++rf) {
+      const int64_t r = rf / F, f = rf % F;
+      const uint64_t key = static_cast<uint64_t>(k[r * sk]), at = static_cast<uint64_t>(fl[r * sf + f]);
+      float* row = o + r * so_r + f * so_f;
+      for (int64_t b = 0; 4 * b < n; ++b) {
+        uint32_t c0 = static_cast<uint32_t>(b), c1 = 0, c2 = static_cast<uint32_t>(at),
+                 c3 = static_cast<uint32_t>(at >> 32);
+        uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+        for (int round = 0; round < 10; ++round) {
+          const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
+          c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+          c1 = static_cast<uint32_t>(p1);
+          c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+          c3 = static_cast<uint32_t>(p0);
+          k0 += 0x9E3779B9u;
+          k1 += 0xBB67AE85u;
+        }
+        const uint32_t word[4] = {c0, c1, c2, c3};
+        for (int j = 0; j < 4 && 4 * b + j < n; ++j)
+          row[4 * b + j] = (static_cast<float>(word[j] >> 9) + 0.5f) * 1.1920928955078125e-07f;
+      }
+    }
+  });
+  if (exponential) out.log_().neg_();
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -452,6 +497,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "q/k norms, RoPE and the KV write of a fused qkv projection");
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("philox_fill", &philox_fill, "Philox4x32-10 uniforms or exponentials of many streams' fills");
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>());
   pybind11::class_<Layer>(m, "Layer")
