@@ -413,7 +413,7 @@ class Generator:
                 faults: dict[int, BaseException]) -> CycleOutcome:
         """Each row's acceptance of its host-side drafts against the verify's logits
         [rows, depth + 1, V]: greedy rows by argmax match, sampled rows by exact rejection
-        sampling (its own generator), queued on the device; one transfer brings them all."""
+        sampling (its own noise stream), queued on the device; one transfer brings them all."""
         sampler = self._sampler_for(seqs)
         k = logits.shape[1] - 1
         if any(s.counts is not None for s in seqs):  # position i's penalties count the drafts before it
