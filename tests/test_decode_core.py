@@ -168,8 +168,8 @@ def test_mirror_drafts_come_from_the_sharpened_head_distribution_without_filters
 
 
 def test_the_batched_sampler_draws_what_each_row_draws_alone():
-    """Each row's noise comes from its own generator, so a seed fixes a row's tokens whatever
-    rows run beside it."""
+    """Each row's noise comes from its own stream, so a seed fixes a row's tokens whatever rows
+    run beside it."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(len(ROW_PARAMS), 64, generator=g) * 2
     batch = SamplerBatch(ROW_PARAMS, [NoiseStream(100 + i) for i in range(len(ROW_PARAMS))],

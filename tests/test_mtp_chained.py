@@ -180,8 +180,8 @@ SAMPLED = [dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=1.0, top_k
                                           ("auto", False), ("auto", True)])
 def test_sampled_rows_chain_and_decode_what_unchained_cycles_decode(depth, mirror):
     """Rows at temperature > 0 chain too: exact rejection sampling of their drafts (or, AR,
-    their token's sample) runs on the device from noise each row draws from its own generator
-    just before the launch, in the host path's order; mirror rows (drafts sampled from the
+    their token's sample) runs on the device from noise of each row's own stream, the fills the
+    host path draws, in its order; mirror rows (drafts sampled from the
     head's distribution) draft there too. A seed gives the same tokens chained or not, for rows
     of different settings (a greedy one among them) in one batch; with depth="auto", rows
     whose depths change cycle by cycle."""

@@ -49,14 +49,25 @@ def fills_for(rows: int, per_row: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("exponential", [False, True])
-@pytest.mark.parametrize("n", [1, 5, 64, 1001])
-def test_every_fill_path_gives_the_reference_numbers(exponential, n, monkeypatch):
-    """The C++ kernel (where it builds) and the PyTorch path: uniforms bit for bit, exponentials
-    to float32's rounding, into rows with strides of their own (a view of a wider buffer)."""
+@pytest.mark.parametrize("n", [1, 5, 64, 1001, 4097, 8195])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_fill_path_gives_the_reference_numbers(exponential, n, threads, monkeypatch):
+    """The C++ kernel (where it builds; a fill cut into chunks of 1,024 counters across threads:
+    n past one and two chunks) and the PyTorch path: uniforms bit for bit, exponentials to
+    float32's rounding, into rows with strides of their own (a view of a wider buffer)."""
     keys = torch.tensor(KEYS)
     fills = fills_for(len(KEYS), 3)
     want = reference(keys, fills, n, exponential)
     paths = [True, False] if cpu_kernels.available() else [False]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_paths(paths, keys, fills, n, exponential, want, monkeypatch)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def check_paths(paths, keys, fills, n, exponential, want, monkeypatch):
     for compiled in paths:
         monkeypatch.setattr(cpu_kernels, "available", lambda compiled=compiled: compiled)
         buffer = torch.full((len(KEYS), 4, n + 3), -7.0)

@@ -1,7 +1,8 @@
 """Chained cycles: the next cycle starts on the device before the host reads the last one.
 
 A cycle whose whole work runs on the device (argmax drafts, verify, and acceptance: greedy, or
-for rows that sample exact rejection sampling from noise drawn just before the launch; depth 0
+for rows that sample exact rejection sampling from their own streams' noise, drawn inside the
+cycle from fills the host plans before the launch; depth 0
 is an AR step) ends by writing the next cycle's inputs from its own
 outcome (``runner.advance_cycle``). So the host can launch cycle n+1 and only then read and
 commit cycle n: its commit, detokenizing and streaming overlap the device's next cycle. The

@@ -403,7 +403,7 @@ class Generator:
     def _draft_token(self, seq: Sequence, logits: torch.Tensor, previous: list[int], q: torch.Tensor | None, draw):
         """One row's draft from the head's logits [1, V] (penalties applied, counting
         ``previous`` drafts) as a [1] device tensor and its q: the argmax (one-hot q: None), or
-        under the mirror policy ``draw()``, a sample from q [1, V] with the row's generator."""
+        under the mirror policy ``draw()``, a sample from q [1, V] with the row's noise stream."""
         if q is None:
             return logits.argmax(-1), None
         return draw(), q[0]

@@ -328,8 +328,8 @@ class ModelRunner:
         """A cycle from the host's state (``greedy_cycle``'s contract, argmax drafts; the
         catch-up at most depth + 1 pairs), leaving the next cycle's inputs on the device.
         variant "sample" / "sample_filters" (mirror too): rows may sample (exact rejection sampling of their
-        drafts, all on the device; their settings are written now, their noise drawn before
-        each launch). The rows' tables
+        drafts, all on the device; their settings are written now, their noise planned before
+        each launch and drawn inside the cycle). The rows' tables
         must cover ``lookahead`` (``CycleChain.reserve``)."""
         b = self.cycle_buffers(len(seqs), depth, variant)
         if b.sampling is not None:
@@ -484,8 +484,9 @@ class CycleSampling:
         """Plan each sampling row's fills for the cycle about to launch (``generate`` draws them):
         a mirror row's draft races, depth by depth, then the acceptance uniforms (none at depth
         0), then the emitted token's race (``speculative.draw_noise``'s order). Greedy and padding
-        rows take none (their noise, from fills no stream uses, is never read). Queued on the
-        stream after the cycle before it, which read the last plan."""
+        rows take none: their noise comes from fills no stream uses (finite and above 0, and their
+        one-hot distributions decide their tokens whatever it is). Queued on the stream after the
+        cycle before it, which read the last plan."""
         plan = []
         for seq in seqs:
             if seq.params.greedy:

@@ -450,6 +450,8 @@ torch::Tensor philox_fill(torch::Tensor out, const torch::Tensor& keys, const to
   TORCH_CHECK(keys.scalar_type() == torch::kInt64 && fills.scalar_type() == torch::kInt64 &&
               keys.dim() == 1 && fills.dim() == 2 && fills.stride(1) == 1,
               "philox_fill: keys [R] and fills [R, F] int64");
+  TORCH_CHECK(out.device().is_cpu() && keys.device().is_cpu() && fills.device().is_cpu(),
+              "philox_fill: CPU tensors only");
   const int64_t R = out.size(0), F = out.size(1), n = out.size(2);
   TORCH_CHECK(keys.size(0) == R && fills.size(0) == R && fills.size(1) == F, "philox_fill: shapes disagree");
   float* o = out.data_ptr<float>();

@@ -95,7 +95,7 @@ def fill(out: torch.Tensor, keys: torch.Tensor, fills: torch.Tensor, exponential
             EXPONENTIAL=exponential, BLOCK=BLOCK, num_warps=4)
         return out
     if out.device.type == "cpu" and cpu_kernels.available():
-        return cpu_kernels.extension().philox_fill(out, keys, fills, exponential)
+        return cpu_kernels.extension().philox_fill(out, keys.cpu(), fills.cpu(), exponential)
     u = uniforms_of(words(keys.to(out.device), fills.to(out.device), n))
     return out.copy_(u.log_().neg_() if exponential else u)
 
