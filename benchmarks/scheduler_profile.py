@@ -80,7 +80,7 @@ def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30)
 
 class GraphTimer:
     """The GPU's own time in each chained cycle's graph and in the host's noise work before it
-    (each sampling row's draws up to ff6f30d; since 8e4e50c one copy of the rows' noise plan,
+    (each sampling row's draws up to 79ea6e6; since 8e4e50c one copy of the rows' noise plan,
     the draws being in the graph): CUDA events around that work and the replay of every
     ``CudaGraphs.run_chained``. Against the wall time per step it says whether the device or
     the host sets the pace (events queued behind a busy stream still time only the work between
