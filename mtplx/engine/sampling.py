@@ -197,8 +197,8 @@ class NoiseStream:
 def draw_fill(out: torch.Tensor, stream: NoiseStream, exponential: bool) -> torch.Tensor:
     """Fill ``out`` (float32, contiguous) in place with the stream's next fill: uniforms in (0, 1),
     or Exp(1) draws (never 0, never infinite). Returns out."""
-    keys, fills = noise.indices([noise.signed_key(stream.key)], out.device), noise.indices([[stream.take()]], out.device)
-    noise.fill(out.view(1, 1, -1), keys, fills, exponential)
+    keys = noise.indices([noise.signed_key(stream.key)], out.device)
+    noise.fill(out.view(1, 1, -1), keys, noise.indices([[stream.take()]], out.device), exponential)
     return out
 
 
