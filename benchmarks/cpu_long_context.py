@@ -1,8 +1,16 @@
 """Decode speed on the CPU as the context grows: the default model from its GGUF, a prompt of
-``--contexts`` tokens (held-out prose, not a tuning prompt), then ``--tokens`` greedy tokens past
-EOS, AR and MTP depth 1, decode tok/s after the first token. Each configuration runs in its own
-process, alternating ``--rounds`` times; ``--baseline-tree DIR`` adds the same runs with another
-checkout's ``mtplx`` package (an earlier commit's worktree, its kernels built apart).
+``--contexts`` tokens (held-out prose, not a tuning prompt; each context's its own heading, so
+that none starts with another's), then ``--tokens`` greedy tokens past
+EOS, AR and MTP depth 1. Each mode decodes the prompt twice: fresh, and again with it in the
+prefix cache (AR's and MTP's blocks are cached apart, so neither reuses the other's). Reported:
+decode tok/s after the first token (``decode_tok_s``), the time to the first token and the whole
+request's seconds, for the fresh prompt; decode tok/s for the cached one; MTP over AR (for the
+whole request, AR's seconds over MTP's). An MTP request's head
+reads the prompt in its first cycle (after the first token), so its fresh decode figure holds that
+pass; with the prompt cached the pass covers only the last, uncached block, which leaves the
+steady decode rate. Each configuration runs in its own process, alternating ``--rounds`` times;
+``--baseline-tree DIR`` adds the same runs with another checkout's ``mtplx`` package (an earlier
+commit's worktree, its kernels built apart).
 
     python benchmarks/cpu_long_context.py [--threads 2] [--contexts 100,1000,4000] [--tokens 64]
         [--rounds 3] [--baseline-tree DIR] [--json FILE]
@@ -33,9 +41,17 @@ def one_run(threads: int, contexts: list[int], tokens: int) -> dict:
     text = engine.tokenizer.encode(LONG_TEXT * (max(contexts) // 20 + 1))
     out = {}
     for n in contexts:
+        # a heading of its own, so that no context's prompt starts with a shorter one's (the prefix
+        # cache would serve that part)
+        heading = engine.tokenizer.encode(f"Document {n}:\n")
+        prompt = heading + text[: n - len(heading)]
         for mode in ("ar", "mtp"):
-            r = engine.generate(text[:n], mode=mode, depth=1, max_tokens=tokens, ignore_eos=True, temperature=0)
-            out[f"{mode}@{n}"] = r.stats["decode_tok_s"]
+            for cached in ("", "_cached"):
+                r = engine.generate(prompt, mode=mode, depth=1, max_tokens=tokens, ignore_eos=True, temperature=0)
+                out[f"{mode}@{n}{cached}"] = r.stats["decode_tok_s"]
+                if not cached:
+                    out[f"{mode}@{n}_ttft_s"] = r.stats["ttft_s"]
+                    out[f"{mode}@{n}_request_s"] = r.stats["ttft_s"] + r.stats["decode_s"]
     return out
 
 
@@ -67,11 +83,19 @@ def main() -> None:
                                             text=True).stdout.splitlines()[-1])
             for key, value in res.items():
                 runs[name].setdefault(key, []).append(value)
-    mean = {name: {k: round(statistics.mean(v), 1) for k, v in r.items()} for name, r in runs.items()}
+    mean = {name: {k: round(statistics.mean(v), 3 if k.endswith("_s") else 1) for k, v in r.items()}
+            for name, r in runs.items()}
     for name, values in mean.items():
         print(f"{name:9s} " + "  ".join(f"{k} {v:6.1f}" for k, v in values.items()) + "  tok/s")
     report = {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds, "contexts": contexts,
               "baseline_tree": args.baseline_tree, "runs": runs, "mean_tok_s": mean}
+    # MTP's speed over AR's: decode rates divided, and for the whole request AR's seconds over MTP's
+    report["mtp_x_ar"] = {name: {k[4:]: round(values["ar" + k[3:]] / values[k] if k.endswith("_request_s")
+                                              else values[k] / values["ar" + k[3:]], 3)
+                                 for k in values if k.startswith("mtp@") and not k.endswith("_ttft_s")}
+                          for name, values in mean.items()}
+    for name, ratios in report["mtp_x_ar"].items():
+        print(f"{name:9s} MTP / AR: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     if "baseline" in mean:
         report["this_x_baseline"] = {k: round(v / mean["baseline"][k], 3) for k, v in mean["this tree"].items()}
         print("this tree x baseline: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["this_x_baseline"].items()))

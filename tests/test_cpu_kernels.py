@@ -394,23 +394,32 @@ def test_a_head_shipped_in_bf16_runs_in_one_call_and_decodes_exactly():
             assert engine.generate(prompt, mode="mtp", depth=depth, max_tokens=24).token_ids == ar
 
 
-def test_a_prompt_from_its_first_token_attends_as_with_an_explicit_causal_mask():
-    """A prompt's forward from position 0 on the CPU takes SDPA's own causal mask over its paged
-    keys (blocks out of order in the pool); each query still attends exactly keys 0..its
-    position: the result matches attention written out with softmax over those keys."""
+@pytest.mark.parametrize("key_start", [0, 1])
+def test_a_prompt_from_its_first_entry_attends_as_with_an_explicit_causal_mask(monkeypatch, key_start):
+    """A prompt's forward from its first entry on the CPU (the trunk's from position 0, the MTP
+    head's from 1) takes SDPA's own causal mask over its paged keys (blocks out of order in the
+    pool), not the explicit mask; each query still attends exactly keys key_start..its position:
+    the result matches attention written out with softmax over those keys."""
+    from mtplx.cache import attention
     from mtplx.cache.attention import AttentionMetadata, paged_attention_reference
 
+    def explicit_mask(*args):
+        raise AssertionError("a prompt from its first entry took the explicit mask")
+
+    monkeypatch.setattr(attention, "_gathered", explicit_mask)
     q_len, heads, kv_heads, d, block = 37, 6, 2, 16, 8
     k_pool = torch.randn(9, block, kv_heads, d, generator=_gen(40))
     v_pool = torch.randn(9, block, kv_heads, d, generator=_gen(41))
     table = torch.tensor([[7, 2, 5, 0, 8, 3]])
     q = torch.randn(1, q_len, heads, d, generator=_gen(42))
-    meta = AttentionMetadata(positions=torch.arange(q_len)[None], slot_mapping=torch.zeros(1, q_len, dtype=torch.long),
-                             block_tables=table)
+    positions = torch.arange(key_start, key_start + q_len)[None]
+    meta = AttentionMetadata(positions=positions, slot_mapping=torch.zeros(1, q_len, dtype=torch.long),
+                             block_tables=table, key_start=key_start)
     out = paged_attention_reference(q, k_pool, v_pool, meta, 0.25)
-    keys = k_pool[table[0]].reshape(-1, kv_heads, d)[:q_len].double()
-    values = v_pool[table[0]].reshape(-1, kv_heads, d)[:q_len].double()
-    for i in range(q_len):
+    keys = k_pool[table[0]].reshape(-1, kv_heads, d).double()
+    values = v_pool[table[0]].reshape(-1, kv_heads, d).double()
+    for i, p in enumerate(positions[0].tolist()):
         for h in range(heads):
-            w = torch.softmax(keys[: i + 1, h // 3] @ q[0, i, h].double() * 0.25, dim=0)
-            torch.testing.assert_close(out[0, i, h].double(), w @ values[: i + 1, h // 3], rtol=1e-5, atol=1e-5)
+            w = torch.softmax(keys[key_start: p + 1, h // 3] @ q[0, i, h].double() * 0.25, dim=0)
+            torch.testing.assert_close(out[0, i, h].double(), w @ values[key_start: p + 1, h // 3],
+                                       rtol=1e-5, atol=1e-5)

@@ -112,8 +112,8 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             return (out[0] if rows == 1 else torch.stack(out)).view(rows, q_len, heads, head_dim)
         if rows == 1:
             return _one_row_by_query(q, k_pool, v_pool, meta, scale)
-    if not q.is_cuda and rows == 1 and meta.key_start == 0 and _whole_prompt(meta.positions[0], q_len):
-        return _causal_prompt(q, k_pool, v_pool, meta.block_tables[0], scale)
+    if not q.is_cuda and rows == 1 and _whole_prompt(meta.positions[0], q_len, meta.key_start):
+        return _causal_prompt(q, k_pool, v_pool, meta.block_tables[0], meta.key_start, scale)
     return _gathered(q, k_pool, v_pool, meta, scale)
 
 
@@ -141,20 +141,24 @@ def _gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta:
 ROW_EXACT_QUERIES = 16  # decode, draft and verify forwards on the CPU, each row's queries up to this
 
 
-def _whole_prompt(positions: torch.Tensor, q_len: int) -> bool:
-    """Whether one row's q_len queries are positions 0 .. q_len - 1 (a prompt's forward from its
-    first token; host reads: on the CPU there is no device to wait for)."""
-    return q_len > ROW_EXACT_QUERIES and int(positions[0]) == 0 and int(positions[-1]) == q_len - 1
+def _whole_prompt(positions: torch.Tensor, q_len: int, key_start: int) -> bool:
+    """Whether one row's q_len queries are positions key_start .. key_start + q_len - 1: a
+    prompt's forward from its first token (the trunk's, key_start 0; the MTP head's, whose first
+    entry sits at 1). Host reads: on the CPU there is no device to wait for."""
+    return (q_len > ROW_EXACT_QUERIES and int(positions[0]) == key_start
+            and int(positions[-1]) == key_start + q_len - 1)
 
 
 def _causal_prompt(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``paged_attention_reference`` for a prompt's forward from its first token on the CPU: its
-    keys are exactly its queries' positions, so SDPA's own causal mask applies and its flash
-    kernel skips the masked half (a 1,908-token prompt: 0.068 s a layer against 0.14 s with an
-    explicit mask, one thread, the same outputs). q [1, q_len, heads, head_dim] -> the same shape."""
+                   key_start: int, scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` for a prompt's forward from its first entry (``_whole_prompt``)
+    on the CPU: its keys are exactly its queries' positions, so SDPA's own causal mask applies and
+    its flash kernel skips the masked half (a 1,908-token prompt: 0.068 s a layer against 0.14 s
+    with an explicit mask, one thread, the same outputs; the head's 3,998 entries of a 4,000-token
+    prompt, two threads: 338 ms through the mask). q [1, q_len, heads, head_dim] -> the same shape."""
     q_len, kv_heads = q.shape[1], k_pool.shape[2]
-    keys, values = (_row_keys(pool, table, q_len).transpose(0, 1)[None] for pool in (k_pool, v_pool))
+    keys, values = (_row_keys(pool, table, key_start + q_len)[key_start:].transpose(0, 1)[None]
+                    for pool in (k_pool, v_pool))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=scale,
                                          enable_gqa=kv_heads != q.shape[2])
     return out.transpose(1, 2)
