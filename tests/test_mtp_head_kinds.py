@@ -68,3 +68,45 @@ def test_pruned_draft_logits_are_the_trunks_rows_of_the_draft_vocabulary():
     assert all(p in VOCAB_IDS for p in picks)
     assert picks == [VOCAB_IDS[i] for i in full[:, VOCAB_IDS].argmax(-1).tolist()]
     assert torch.softmax(got, -1)[:, outside].sum() == 0  # a sampled draft's q is zero outside it
+
+
+@pytest.mark.parametrize("arch,layers,fused", [("qwen3", 1, False), ("llama", 2, False), ("llama", 1, True)])
+def test_feeding_pairs_writes_the_cache_entries_forward_writes_without_the_last_layers_attention(
+        monkeypatch, arch, layers, fused):
+    """``MTPHead.feed`` (a prompt's pairs before the first draft) leaves the head's cache as its
+    ``forward`` over the same pairs does, entry for entry: q/k norms (qwen3), a first layer run
+    whole (two layers), a fused q/k/v weight. The last layer writes only its keys and values:
+    a one-layer head's feed attends nothing."""
+    from mtplx.cache.attention import AttentionMetadata
+    from mtplx.models import layers as layer_module
+
+    engine, _ = tiny_engine(arch, num_hidden_layers=4,
+                            mtp=MTPConfig(layout="sidecar", features="fuse3", head_layers=layers))
+    model, head, cache = engine.loaded.model, engine.runner.head, engine.runner.cache
+    if fused:
+        for layer in head.layers:
+            layer.self_attn.fuse()
+    g = torch.Generator().manual_seed(3)
+    q = 21
+    hidden = torch.randn(1, q, head.trunk_width, generator=g)
+    tokens = torch.randint(0, 96, (1, q), generator=g)
+    positions = torch.arange(1, q + 1)[None]
+    table = torch.arange(cache.k[0].shape[0])[None]
+    meta = AttentionMetadata(positions=positions, slot_mapping=positions.clone(), block_tables=table)
+    pools = [pool[head.cache_layer + i] for pool in (cache.k, cache.v) for i in range(layers)]
+    with torch.inference_mode():
+        for p in pools:
+            p.zero_()
+        head(model, hidden, tokens, meta, cache)
+        written = [p.clone() for p in pools]
+        for p in pools:
+            p.fill_(7.0)
+        if layers == 1:
+            def attends(*args, **kwargs):
+                raise AssertionError("the last layer's attention ran")
+            monkeypatch.setattr(layer_module, "paged_attention", attends)
+        assert head.feed(model, hidden, tokens, meta, cache) is None
+    for got, want in zip(pools, written):
+        flat_got, flat_want = got.flatten(0, 1)[1: q + 1], want.flatten(0, 1)[1: q + 1]
+        assert torch.equal(flat_got, flat_want), float((flat_got - flat_want).abs().max())
+        assert bool((got.flatten(0, 1)[q + 1:] == 7.0).all()) and bool((got.flatten(0, 1)[0] == 7.0).all())

@@ -343,7 +343,8 @@ class Generator:
         if not rows:
             return
         hidden = stack_padded([s.hidden_backlog[: len(r)] for s, r in rows])
-        self.runner.head_forward([s for s, _ in rows], hidden, [r for _, r in rows], [s.head_len for s, _ in rows])
+        self.runner.head_forward([s for s, _ in rows], hidden, [r for _, r in rows], [s.head_len for s, _ in rows],
+                                 outputs=False)
         for s, r in rows:
             s.head_len += len(r)
             s.hidden_backlog = s.hidden_backlog[len(r):]

@@ -233,16 +233,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def head_forward(self, seqs: list[Sequence], hidden: torch.Tensor, token_rows: list[list[int]],
-                     starts: list[int]) -> torch.Tensor:
+                     starts: list[int], outputs: bool = True) -> torch.Tensor | None:
         """MTP head over pairs (hidden[r, i], token_rows[r][i]); the pair's entry goes to the
-        token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H]."""
+        token's slot starts[r] + i. hidden: [rows, q, H]. Returns head output [rows, q, H]; with
+        ``outputs`` False, only the cache entries (``MTPHead.feed``, where no graph fits) and None."""
         # a head fed its own output (narrower than the trunk's where it reads feature layers)
         # replays graphs of its own
         kind = "head" if hidden.shape[-1] == self.trunk_width else "head_own"
         if self.graphs is not None and (out := self.graphs.forward(kind, seqs, token_rows, starts, hidden)) is not None:
-            return out
+            return out if outputs else None
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
+        if not outputs:
+            return self.head.feed(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
         return self.head(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()

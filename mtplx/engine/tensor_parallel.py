@@ -156,6 +156,11 @@ class MirroredHead:
         return self.group.run("head", lambda: self.inner(trunk.inner, hidden, ids, meta, cache),
                               [ids, *_meta_tensors(meta)], hidden=hidden, args=_meta_args(meta))
 
+    def feed(self, trunk: MirroredModel, hidden: torch.Tensor, ids: torch.Tensor, meta: AttentionMetadata,
+             cache) -> None:
+        return self.group.run("head_feed", lambda: self.inner.feed(trunk.inner, hidden, ids, meta, cache),
+                              [ids, *_meta_tensors(meta)], hidden=hidden, args=_meta_args(meta))
+
 
 class MirroredStates:
     """Rank 0's recurrent-state cache: the operations that change state outside a forward are
@@ -386,6 +391,9 @@ class Worker:
 
     def _head(self, ints, hidden, args) -> None:
         self.head(self.model, hidden, ints[0], _meta_from(ints[1:], args), self.runner.cache)
+
+    def _head_feed(self, ints, hidden, args) -> None:
+        self.head.feed(self.model, hidden, ints[0], _meta_from(ints[1:], args), self.runner.cache)
 
     def _logits(self, ints, hidden, args) -> None:
         self.model.compute_logits(hidden)

@@ -166,15 +166,30 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         rows, q_len, _ = x.shape
+        q = self.write_kv(x, rotary, meta, k_pool, v_pool)
+        return self.o_proj(paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1))
+
+    def write_kv(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor) -> torch.Tensor:
+        """x's [rows, q_len, H] keys and values written to the pools at ``meta.slot_mapping``
+        (q/k norms and RoPE applied); returns its queries [rows, q_len, heads, head_dim], which
+        ``forward`` then attends with. Called alone where nothing reads the layer's output (a
+        prompt's pairs fed to the MTP head): the same entries, no attention."""
+        rows, q_len, _ = x.shape
         if self.qkv_proj is not None or self.is_fused:
             qkv = self.qkv_proj(x) if self.qkv_proj is not None else F.linear(x, self.qkv_weight, self.qkv_bias)
             if cpu_kernels.usable(qkv) and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
-                return self.o_proj(self.attend_cpu(qkv, rotary, meta, k_pool, v_pool))
+                # q/k norms, RoPE and the KV write in one call (kernels/cpu.py)
+                q = cpu_kernels.rope_write(
+                    qkv, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
+                    self.head_dim, self.q_norm.weight if self.qk_norm else None,
+                    self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
+                return q.view(rows, q_len, self.heads, self.head_dim)
             q, k, v = self.split_qkv(qkv)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if fused.usable(x) and isinstance(rotary, BoundRotary):
-            return self.o_proj(self.attend_fused(q, k, v, rotary, meta, k_pool, v_pool))
+            return self.rope_write_fused(q, k, v, rotary, meta, k_pool, v_pool)
         q = q.reshape(rows, q_len, self.heads, self.head_dim)
         k = k.reshape(rows, q_len, self.kv_heads, self.head_dim)
         v = v.reshape(rows, q_len, self.kv_heads, self.head_dim)
@@ -182,36 +197,28 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, meta.positions), rotary(k, meta.positions)
         write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_pool, v_pool, meta, self.scale)
-        return self.o_proj(out.reshape(rows, q_len, -1))
+        return q
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused q/k/v projection's output [..., (heads + 2 kv_heads) * head_dim] -> q, k, v views."""
         return qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
                          dim=-1)
 
+    def rope_write_fused(self, q, k, v, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
+                         v_pool: torch.Tensor) -> torch.Tensor:
+        """Projected q, k, v [rows, q_len, n * head_dim] -> the queries [rows, q_len, heads,
+        head_dim] after q/k norms and RoPE, k and v written to the pools, in one kernel."""
+        return fused.qkv_rope_write(
+            q, k, v, rotary.cos, rotary.sin, meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
+            self.head_dim, self.q_norm.weight if self.qk_norm else None,
+            self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
+
     def attend_fused(self, q, k, v, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
                      v_pool: torch.Tensor) -> torch.Tensor:
         """Projected q, k, v [rows, q_len, n * head_dim] -> attention output [rows, q_len, heads * head_dim]
         (q/k norms, RoPE and the KV write in one kernel, then the paged attention kernel)."""
         rows, q_len = q.shape[:2]
-        q = fused.qkv_rope_write(
-            q, k, v, rotary.cos, rotary.sin, meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
-            self.head_dim, self.q_norm.weight if self.qk_norm else None,
-            self.k_norm.weight if self.qk_norm else None, self.q_norm.eps if self.qk_norm else 1e-6)
-        return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
-
-    def attend_cpu(self, qkv, rotary: "BoundRotary", meta: AttentionMetadata, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor) -> torch.Tensor:
-        """The fused projection's output [rows, q_len, (heads + 2 kv_heads) head_dim] -> attention
-        output [rows, q_len, heads * head_dim] through kernels/cpu.py: q/k norms, RoPE and the KV
-        write in one call, then the attention (``paged_attention``: one call for one row)."""
-        rows, q_len = qkv.shape[:2]
-        q = cpu_kernels.rope_write(
-            qkv, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads, self.head_dim,
-            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-            self.q_norm.eps if self.qk_norm else 1e-6)
-        q = q.view(rows, q_len, self.heads, self.head_dim)
+        q = self.rope_write_fused(q, k, v, rotary, meta, k_pool, v_pool)
         return paged_attention(q, k_pool, v_pool, meta, self.scale).reshape(rows, q_len, -1)
 
     @property
@@ -339,6 +346,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rotary, meta, k_pool, v_pool):
         x, delta = self.forward_chain(x, None, rotary, meta, k_pool, v_pool)
         return x + delta
+
+    def write_kv(self, x, rotary, meta, k_pool, v_pool) -> bool:
+        """Only this block's keys and values for input x [rows, q, H] (``Attention.write_kv``:
+        the entries ``forward`` writes, without its attention and MLP); False, nothing written,
+        where its attention is of another kind or the tokens are few (up to ``ROW_EXACT_QUERIES``:
+        ``forward`` then takes the fused decode paths, the one-call CPU layer or the GPU's GEMVs,
+        whose entries this would not reproduce bit for bit, at a cost too small to skip)."""
+        if type(self.self_attn) is not Attention or x.shape[0] * x.shape[1] <= ROW_EXACT_QUERIES:
+            return False
+        self.self_attn.write_kv(self.input_layernorm.add_forward(x, None)[1], rotary, meta, k_pool, v_pool)
+        return True
 
     def forward_chain(self, x, delta, rotary, meta, k_pool, v_pool):
         """The block on input x + delta (delta None: on x), returned as (residual, mlp output)
