@@ -82,7 +82,7 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
 
 
 @pytest.mark.parametrize("key_start", [0, 1, 130])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32), (8, 2, 128)])
 def test_row_attention_over_spans_of_keys(key_start, heads, kv_heads, d):
     """The AVX-512 path (d a multiple of 16): queries over up to 300 keys (three spans of 128),
     the KV head's query heads sharing its rows, against softmax(q k / sqrt) v in float64; each

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 int64_t quant_isa(int64_t want);  // cpu_quant.cpp: the vector width in use (0 reads it)
@@ -178,12 +179,67 @@ struct SpanArgs {
   float* partial;  // [Q, heads, spans, d + 2]: (m, sum, weighted values)
 };
 
+// Lane u of the result: the sum of v[u]'s 16 lanes (pairs of lanes, then pairs of pairs within
+// each 128-bit block, then the four blocks).
+MTPLX_ATTN512 __attribute__((always_inline)) inline __m512 sum16(const __m512 v[16]) {
+  __m512 t[8], w[4];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p)  // per block: [v0 lanes 0+2, v1 0+2, v0 1+3, v1 1+3] of v[2p], v[2p + 1]
+    t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {  // per block: the block's sums of v[4p], ..., v[4p + 3]
+    const __m512d c = _mm512_castps_pd(t[2 * p]), e = _mm512_castps_pd(t[2 * p + 1]);
+    w[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, e)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, e)));
+  }
+  // block p of the result: the four blocks of w[p] summed
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The weighted values of M (query, head) sums over one span, 16 lanes of the head size at a time
+// with the M sums in registers: sum u takes keys 0 .. n[u] - 1 (the sums' common keys first, then
+// the few keys a verify's later queries see more), its weights at w[u], into out[u].
+template <int M>
+MTPLX_ATTN512 void weigh_values(const float* const* vrow, int64_t d, const float* const* w, const int64_t* n,
+                                float* const* out) {
+  int64_t all = n[0], upto = n[0];
+  for (int u = 1; u < M; ++u) {
+    all = std::min(all, n[u]);
+    upto = std::max(upto, n[u]);
+  }
+  for (int64_t x = 0; x < d; x += 16) {
+    __m512 acc[M];
+#pragma GCC unroll 16
+    for (int u = 0; u < M; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < all; ++j) {
+      const __m512 vv = _mm512_loadu_ps(vrow[j] + x);
+#pragma GCC unroll 16
+      for (int u = 0; u < M; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u][j]), vv, acc[u]);
+    }
+    for (int64_t j = all; j < upto; ++j) {
+      const __m512 vv = _mm512_loadu_ps(vrow[j] + x);
+#pragma GCC unroll 16
+      for (int u = 0; u < M; ++u)
+        if (j < n[u]) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u][j]), vv, acc[u]);
+    }
+#pragma GCC unroll 16
+    for (int u = 0; u < M; ++u) _mm512_storeu_ps(out[u] + x, acc[u]);
+  }
+}
+
+template <int... Ms>
+MTPLX_ATTN512 void weigh_values_of(int m, std::integer_sequence<int, Ms...>, const float* const* vrow, int64_t d,
+                                   const float* const* w, const int64_t* n, float* const* out) {
+  ((m == Ms + 1 ? weigh_values<Ms + 1>(vrow, d, w, n, out) : void()), ...);
+}
+
 MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
                                std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, first = std::max(a.key_start, c * kSpan);
-  auto row = [&](const float* pool, int64_t key) {
-    return pool + ((a.table[key / a.block] * a.block + key % a.block) * a.kv_heads + kvh) * d;
-  };
   auto slot = [&](int64_t i, int64_t g) {  // query i, head g of this KV head: its partial result
     return a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2);
   };
@@ -193,27 +249,51 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
     seen[i] = std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
     most = std::max(most, seen[i]);
   }
+  // each key's and value's row of this KV head, found once (no division per read)
+  const float* krow[kSpan];
+  const float* vrow[kSpan];
+  for (int64_t j = 0, b = first / a.block, o = first % a.block; j < most; ++j) {
+    const int64_t at = ((a.table[b] * a.block + o) * a.kv_heads + kvh) * d;
+    krow[j] = a.k + at;
+    vrow[j] = a.v + at;
+    if (++o == a.block) o = 0, ++b;
+  }
   scores.resize(static_cast<size_t>(Q * group * kSpan));
-  // scores: each key row read once for every query head of the KV head (all the row's queries);
-  // rows are fetched kAhead keys early (a long context's cache streams from memory), and each
-  // value row as its key is read (for the pass after this one)
-  constexpr int64_t kAhead = 8;
-  for (int64_t j = 0; j < std::min(most, kAhead); ++j)
-    for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.k, first + j) + x), _MM_HINT_T0);
-  for (int64_t j = 0; j < most; ++j) {
-    const int64_t key = first + j;
-    const float* kr = row(a.k, key);
-    if (j + kAhead < most)
-      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.k, key + kAhead) + x), _MM_HINT_T0);
-    for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(row(a.v, key) + x), _MM_HINT_T1);
+  // scores: 16 keys at a time, each key row read once for every query head of the KV head (all
+  // the row's queries): a (query, head)'s 16 dot products in 16 accumulators, then summed across
+  // lanes together (sum16) rather than one horizontal sum each; with the rows found once and the
+  // value pass's sums in registers (weigh_values), 30 layers' attention at the default model's
+  // shapes, one thread, 1 / 2 queries: 500 keys 60 -> 47 / 66 -> 53 us a layer, 4,000 keys 550 ->
+  // 434 / 655 -> 567 (benchmarks/cpu_attention.py; a long context then waits on memory). Key rows
+  // are fetched four blocks ahead (a long context's cache streams from memory), and this block's
+  // value rows (for the pass after this one)
+  auto fetch_keys = [&](int64_t j0) {
+    for (int64_t j = j0; j < std::min(most, j0 + 16); ++j)
+      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(krow[j] + x), _MM_HINT_T0);
+  };
+  constexpr int64_t kAhead = 64;
+  for (int64_t j0 = 0; j0 < kAhead; j0 += 16) fetch_keys(j0);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 < most; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, most - j0);
+    const float* kr[16];
+    for (int64_t u = 0; u < 16; ++u) kr[u] = krow[j0 + std::min(u, n - 1)];  // past the keys: scores unread
+    if (j0 + kAhead < most) fetch_keys(j0 + kAhead);
+    for (int64_t j = j0; j < j0 + n; ++j)
+      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(vrow[j] + x), _MM_HINT_T1);
     for (int64_t i = 0; i < Q; ++i) {
-      if (j >= seen[i]) continue;
+      if (j0 >= seen[i]) continue;
       const float* qi = a.q + (i * a.heads + kvh * group) * d;
       for (int64_t g = g0; g < g1; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t x = 0; x < d; x += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * d + x), _mm512_loadu_ps(kr + x), acc);
-        scores[(i * group + g) * kSpan + j] = _mm512_reduce_add_ps(acc) * a.scale;
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 16) {
+          const __m512 qx = _mm512_loadu_ps(qi + g * d + x);
+#pragma GCC unroll 16
+          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(kr[u] + x), acc[u]);
+        }
+        _mm512_storeu_ps(scores.data() + (i * group + g) * kSpan + j0, _mm512_mul_ps(sum16(acc), scale));
       }
     }
   }
@@ -236,27 +316,19 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
       live.push_back(i * group + g);
     }
   }
-  // weighted values: each value row read once for up to 16 (query, head) sums, 16 lanes at a time
+  // weighted values: each value row read once for up to 16 (query, head) sums
   for (size_t b = 0; b < live.size(); b += 16) {
-    const size_t m = std::min<size_t>(16, live.size() - b);
+    const int m = static_cast<int>(std::min<size_t>(16, live.size() - b));
     int64_t n[16];
-    for (size_t u = 0; u < m; ++u) n[u] = seen[live[b + u] / group];
-    const int64_t upto = *std::max_element(n, n + m), all = *std::min_element(n, n + m);
-    for (int64_t x = 0; x < d; x += 16) {
-      __m512 acc[16];
-      for (size_t u = 0; u < m; ++u) acc[u] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < all; ++j) {  // keys every sum of the block takes
-        const __m512 vv = _mm512_loadu_ps(row(a.v, first + j) + x);
-        for (size_t u = 0; u < m; ++u)
-          acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(scores[live[b + u] * kSpan + j]), vv, acc[u]);
-      }
-      for (int64_t j = all; j < upto; ++j) {  // a verify's later queries see a few keys more
-        const __m512 vv = _mm512_loadu_ps(row(a.v, first + j) + x);
-        for (size_t u = 0; u < m; ++u)
-          if (j < n[u]) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(scores[live[b + u] * kSpan + j]), vv, acc[u]);
-      }
-      for (size_t u = 0; u < m; ++u) _mm512_storeu_ps(slot(live[b + u] / group, live[b + u] % group) + 2 + x, acc[u]);
+    const float* w[16];
+    float* out[16];
+    for (int u = 0; u < m; ++u) {
+      const int64_t pair = live[b + u];
+      n[u] = seen[pair / group];
+      w[u] = scores.data() + pair * kSpan;
+      out[u] = slot(pair / group, pair % group) + 2;
     }
+    weigh_values_of(m, std::make_integer_sequence<int, 16>{}, vrow, d, w, n, out);
   }
 }
 
