@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from trees import rounds, with_baseline
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
@@ -63,20 +63,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_run(args.threads, contexts, queries)))
         return
-    envs = {"this tree": (dict(os.environ), None)}
-    if args.baseline_tree:
-        tree = os.path.abspath(args.baseline_tree)
-        envs["baseline"] = ({**os.environ, "PYTHONPATH": tree, "TORCH_EXTENSIONS_DIR": os.path.join(tree, ".ext")},
-                            tree)
+    envs = with_baseline({"this tree": dict(os.environ)}, args.baseline_tree)
     best: dict[str, dict[str, float]] = {name: {} for name in envs}
-    for _ in range(args.rounds):
-        for name, (env, cwd) in envs.items():
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(args.threads),
-                   "--contexts", args.contexts, "--queries", args.queries]
-            res = json.loads(subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True,
-                                            text=True).stdout.splitlines()[-1])
-            for key, value in res.items():
-                best[name][key] = min(best[name].get(key, float("inf")), value)
+    argv = ["--threads", str(args.threads), "--contexts", args.contexts, "--queries", args.queries]
+    for name, res in rounds(__file__, argv, envs, args.rounds):
+        for key, value in res.items():
+            best[name][key] = min(best[name].get(key, float("inf")), value)
     for name, values in best.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.0f} us" for k, v in values.items()))
     report = {"threads": args.threads, "layers": LAYERS, "rounds": args.rounds, "us_per_layer": best,

@@ -22,8 +22,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from trees import rounds, with_baseline  # noqa: E402
 
 PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "How does a hash map handle collisions? Explain with an example.")
@@ -68,19 +72,13 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_run(args.threads, args.tokens, args.sampled)))
         return
-    envs = {name: {**os.environ, **CONFIG_ENV[name]} for name in args.configs.split(",")}
-    if args.baseline_tree:
-        tree = os.path.abspath(args.baseline_tree)
-        envs["baseline"] = {**os.environ, "PYTHONPATH": tree, "TORCH_EXTENSIONS_DIR": os.path.join(tree, ".ext")}
+    envs = with_baseline({name: {**os.environ, **CONFIG_ENV[name]} for name in args.configs.split(",")},
+                         args.baseline_tree)
     runs = {name: {} for name in envs}
-    for _ in range(args.rounds):
-        for name, env in envs.items():
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(args.threads),
-                   "--tokens", str(args.tokens)] + (["--sampled"] if args.sampled else [])
-            res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                                            cwd=args.baseline_tree if name == "baseline" else None).stdout.splitlines()[-1])
-            for mode, values in res.items():
-                runs[name].setdefault(mode, []).extend(values)
+    argv = ["--threads", str(args.threads), "--tokens", str(args.tokens)] + (["--sampled"] if args.sampled else [])
+    for name, res in rounds(__file__, argv, envs, args.rounds):
+        for mode, values in res.items():
+            runs[name].setdefault(mode, []).extend(values)
     summary = {name: {mode: round(statistics.mean(v), 2) for mode, v in modes.items()} for name, modes in runs.items()}
     first = next(iter(summary))
     ratios = {f"{name}_x_{first}": {mode: round(v / summary[first][mode], 3) for mode, v in modes.items()}

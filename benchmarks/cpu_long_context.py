@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cpu_vs_llama_cpp import LONG_TEXT  # noqa: E402
+from trees import rounds, with_baseline  # noqa: E402
 
 
 def one_run(threads: int, contexts: list[int], tokens: int) -> dict:
@@ -69,20 +69,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_run(args.threads, contexts, args.tokens)))
         return
-    envs = {"this tree": (dict(os.environ), None)}
-    if args.baseline_tree:
-        tree = os.path.abspath(args.baseline_tree)
-        envs["baseline"] = ({**os.environ, "PYTHONPATH": tree, "TORCH_EXTENSIONS_DIR": os.path.join(tree, ".ext")},
-                            tree)
+    envs = with_baseline({"this tree": dict(os.environ)}, args.baseline_tree)
     runs = {name: {} for name in envs}
-    for _ in range(args.rounds):
-        for name, (env, cwd) in envs.items():
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(args.threads),
-                   "--contexts", args.contexts, "--tokens", str(args.tokens)]
-            res = json.loads(subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True,
-                                            text=True).stdout.splitlines()[-1])
-            for key, value in res.items():
-                runs[name].setdefault(key, []).append(value)
+    argv = ["--threads", str(args.threads), "--contexts", args.contexts, "--tokens", str(args.tokens)]
+    for name, res in rounds(__file__, argv, envs, args.rounds):
+        for key, value in res.items():
+            runs[name].setdefault(key, []).append(value)
     mean = {name: {k: round(statistics.mean(v), 3 if k.endswith("_s") else 1) for k, v in r.items()}
             for name, r in runs.items()}
     for name, values in mean.items():

@@ -1,0 +1,33 @@
+"""A CPU benchmark's measurement run in child processes, alternating between configurations:
+this tree's ``mtplx`` (under environment variables of its own) and, with ``--baseline-tree``,
+another checkout's (an earlier commit's worktree, its C++ kernels built apart in its ``.ext``).
+Each child prints its result as JSON on its last line; the kernels are chosen once per process,
+and alternating rounds let machine noise hit every configuration alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def with_baseline(envs: dict[str, dict], baseline_tree: str | None) -> dict[str, tuple[dict, str | None]]:
+    """``envs`` (name -> environment, run in this tree) as name -> (environment, working
+    directory), plus "baseline" running ``baseline_tree``'s package where one is given."""
+    out = {name: (env, None) for name, env in envs.items()}
+    if baseline_tree:
+        tree = os.path.abspath(baseline_tree)
+        out["baseline"] = ({**os.environ, "PYTHONPATH": tree, "TORCH_EXTENSIONS_DIR": os.path.join(tree, ".ext")},
+                           tree)
+    return out
+
+
+def rounds(script: str, argv: list[str], envs: dict[str, tuple[dict, str | None]], count: int):
+    """Yield (name, the child's JSON result) for ``count`` rounds over ``envs`` in turn, each child
+    ``script --child *argv``."""
+    for _ in range(count):
+        for name, (env, cwd) in envs.items():
+            cmd = [sys.executable, os.path.abspath(script), "--child", *argv]
+            done = subprocess.run(cmd, env=env, cwd=cwd, check=True, capture_output=True, text=True)
+            yield name, json.loads(done.stdout.splitlines()[-1])
