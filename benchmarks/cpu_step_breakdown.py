@@ -50,6 +50,7 @@ def main() -> None:
     wrap(base.CausalLM, "forward", TRUNK)
     wrap(base.CausalLM, "compute_logits", LOGITS)
     wrap(mtp.MTPHead, "forward", "MTP head forward")
+    wrap(mtp.MTPHead, "feed", "MTP head, a prompt's pairs (feed: cache entries only)")
     wrap(mtp.MTPHead, "draft_subset", "draft logits (pruned vocabulary)")
     prompt = [{"role": "user", "content": "How does a hash map handle collisions? Explain with an example."}]
     engine.generate(prompt, chat=True, mode="mtp", max_tokens=4, temperature=0)
