@@ -245,7 +245,8 @@ class ModelRunner:
         lens = [len(r) for r in token_rows]
         meta = self.metadata(seqs, starts, lens)
         if not outputs:
-            return self.head.feed(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
+            self.head.feed(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
+            return None
         return self.head(self.model, hidden, self._pad(token_rows, max(lens)), meta, self.cache)
 
     @torch.inference_mode()

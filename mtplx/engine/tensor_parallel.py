@@ -158,8 +158,8 @@ class MirroredHead:
 
     def feed(self, trunk: MirroredModel, hidden: torch.Tensor, ids: torch.Tensor, meta: AttentionMetadata,
              cache) -> None:
-        return self.group.run("head_feed", lambda: self.inner.feed(trunk.inner, hidden, ids, meta, cache),
-                              [ids, *_meta_tensors(meta)], hidden=hidden, args=_meta_args(meta))
+        self.group.run("head_feed", lambda: self.inner.feed(trunk.inner, hidden, ids, meta, cache),
+                       [ids, *_meta_tensors(meta)], hidden=hidden, args=_meta_args(meta))
 
 
 class MirroredStates:
