@@ -423,3 +423,62 @@ def test_a_prompt_from_its_first_entry_attends_as_with_an_explicit_causal_mask(m
             w = torch.softmax(keys[key_start: p + 1, h // 3] @ q[0, i, h].double() * 0.25, dim=0)
             torch.testing.assert_close(out[0, i, h].double(), w @ values[key_start: p + 1, h // 3],
                                        rtol=1e-5, atol=1e-5)
+
+
+def _race_reference(target, draft, drafts, depths, keys, fills):
+    """speculative.rejection_outcome from noise.fill's uniforms and exponentials (ones for a
+    race fill below 0): what ``cpu_kernels.race`` decides in one call."""
+    from mtplx.engine.speculative import rejection_outcome
+    from mtplx.kernels import noise
+
+    rows, k1, vocab = target.shape
+    uniforms = noise.fill(torch.empty(rows, 1, max(k1 - 1, 1)), keys, fills[:, :1].contiguous(), False)[:, 0]
+    race = noise.fill(torch.empty(rows, 1, vocab), keys, fills[:, 1:].contiguous(), True)[:, 0]
+    race = torch.where(fills[:, 1:] < 0, torch.ones(()), race)
+    return rejection_outcome(target, draft, drafts, depths[:, None], uniforms, race)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("vocab", [7, 100, 4097, 49152])  # one and several spans of 4,096, tails of 32
+def test_the_race_decides_as_rejection_sampling_over_fills_does(vocab, threads):
+    """The C++ race against speculative.rejection_outcome over noise.fill's numbers (its
+    exponentials are philox_fill's, bit for bit): one-hot and sampled drafts, rows with depths
+    of their own, greedy rows (no race fill), k = 0 (a plain sample), up to 3 rows."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(24):
+            g = _gen(trial)
+            rows, k = 1 + trial % 3, trial % 4
+            logits = torch.randn(rows, k + 1, vocab, generator=g) * (1 + trial % 5)
+            target = torch.softmax(logits, -1)
+            sampled = trial % 2 == 0 and k > 0
+            draft = torch.softmax(logits[:, :k] + torch.randn(rows, k, vocab, generator=g), -1) if sampled else None
+            if sampled:
+                drafts = torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).view(rows, k)
+            else:  # the target's argmax (often accepted) or any token (often rejected)
+                drafts = logits[:, :k].argmax(-1) if trial % 3 == 0 else torch.randint(0, vocab, (rows, k), generator=g)
+            depths = torch.tensor([min(k, 1 + (trial + r) % 4) for r in range(rows)])
+            keys = torch.randint(-2 ** 62, 2 ** 62, (rows,), generator=g)
+            fills = torch.tensor([[2 * trial + r, 2 * trial + 7 * r + 1 if (trial + r) % 5 else -1] for r in range(rows)])
+            got = cpu_kernels.race(target, draft, drafts, depths, keys, fills)
+            assert torch.equal(got, _race_reference(target, draft, drafts, depths, keys, fills)), trial
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_rejected_draft_whose_residual_has_no_mass_races_over_p():
+    """p = [0.25, 0.5], q = [0.5, 0.5]: draft 0 is accepted with probability 1/2, and its residual
+    max(0, p - q) is empty, so the token is drawn from p (rejection_outcome's rule for a residual
+    that rounding empties)."""
+    target = torch.tensor([[[0.25, 0.5], [0.5, 0.5]]])
+    draft = torch.tensor([[[0.5, 0.5]]])
+    rejected = set()
+    for fill in range(40):
+        fills = torch.tensor([[fill, 1000 + fill]])
+        args = (target, draft, torch.tensor([[0]]), torch.tensor([1]), torch.tensor([3]), fills)
+        got = cpu_kernels.race(*args)
+        assert torch.equal(got, _race_reference(*args))
+        if int(got[0, 1]) == 0:
+            rejected.add(int(got[0, 2]))
+    assert rejected == {0, 1}  # both of p's tokens were drawn after a rejection

@@ -41,7 +41,7 @@ from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
-from mtplx.engine.sampling import SamplerBatch, apply_penalties, race_winners
+from mtplx.engine.sampling import SamplerBatch, apply_penalties
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import CycleOutcome, greedy_outcome, sampled_outcome
 from mtplx.engine.stats import DecodeStats
@@ -540,7 +540,7 @@ class Generator:
             return [None] * len(seqs)
         if failed:
             probs = probs[rows]
-        tokens = iter(race_winners(probs, sampler.races(rows, probs.shape[-1], probs.device)).tolist())  # one sync
+        tokens = iter(sampler.draw(probs, rows).tolist())  # one sync
         return [None if r in failed else next(tokens) for r in range(len(seqs))]
 
     # -- commit --------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.errors import InvalidParameter
+from mtplx.kernels import cpu as cpu_kernels
 from mtplx.kernels import noise
 from mtplx.kernels import sampling as sampling_kernels
 
@@ -376,7 +377,20 @@ class SamplerBatch:
         rows = list(range(len(self.params))) if rows is None else rows
         if all(self.greedy_rows[r] for r in rows):
             return probs.argmax(dim=-1)
-        return race_winners(probs, self.races(rows, probs.shape[-1], probs.device))
+        return self.draw(probs, rows)
+
+    def draw(self, probs: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Each of ``rows``' token from probs [len(rows), V] -> [len(rows)] long: an exponential
+        race with the next fill of its stream (``races``), the argmax for a greedy row. On the
+        CPU the C++ kernel draws the same fill and races in one pass (``kernels.cpu.race``)."""
+        if not cpu_kernels.race_usable(probs):
+            return race_winners(probs, self.races(rows, probs.shape[-1], probs.device))
+        sampled = [not self.greedy_rows[r] for r in rows]
+        keys = torch.tensor([noise.signed_key(self.streams[r].key) if s else 0 for r, s in zip(rows, sampled)])
+        fills = torch.tensor([[-1, self.streams[r].take() if s else -1] for r, s in zip(rows, sampled)])
+        nothing = torch.zeros(len(rows), 0, dtype=torch.long)
+        return cpu_kernels.race(probs[:, None], None, nothing, torch.zeros(len(rows), dtype=torch.long), keys,
+                                fills)[:, 1]
 
     def races(self, rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """These rows' noise for one token's exponential race each, [len(rows), vocab]: the next

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from mtplx.engine.sampling import NoiseStream, exponential_, uniform_
-from mtplx.kernels import cycle as cycle_kernels, sampling as sampling_kernels
+from mtplx.kernels import cpu as cpu_kernels, cycle as cycle_kernels, noise, sampling as sampling_kernels
 
 
 class VerifyOutcome(NamedTuple):
@@ -117,9 +117,16 @@ def sampled_outcome(
     """``verify_sampled`` left on the device: (accepted, next token) as 0-dim long tensors, for
     a caller that brings several rows' outcomes to the host in one transfer. Draws k uniforms,
     then one exponential race over V, from ``stream`` (``draw_noise``), and decides with
-    ``rejection_outcome``, as a CUDA cycle graph does for many rows."""
+    ``rejection_outcome``, as a CUDA cycle graph does for many rows (on the CPU the C++ kernel
+    draws the same fills and decides in one call: ``kernels.cpu.race``)."""
     _check_shapes(target_probs, draft_probs, draft_tokens)
     k, vocab = draft_tokens.shape[0], target_probs.shape[1]
+    if cpu_kernels.race_usable(target_probs, draft_probs):
+        fills = [stream.take() if k else -1, stream.take()]  # draw_noise's order
+        packed = cpu_kernels.race(target_probs[None], None if draft_probs is None else draft_probs[None],
+                                  draft_tokens.long()[None], torch.tensor([k]),
+                                  torch.tensor([noise.signed_key(stream.key)]), torch.tensor([fills]))
+        return packed[0, k], packed[0, k + 1]
     uniforms, race = draw_noise(k, vocab, stream, target_probs.device)
     uniforms, race = uniforms.to(target_probs.dtype), race.to(target_probs.dtype)
     packed = rejection_outcome(target_probs[None], None if draft_probs is None else draft_probs[None],

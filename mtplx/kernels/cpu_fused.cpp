@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -511,11 +512,84 @@ struct Layer {
   }
 };
 
+// Philox4x32-10 (kernels/noise.py) of eight consecutive counters b0 .. b0 + 7 of one fill at once,
+// eight lanes: element 4 (b - b0) + j of out[32] is word j of counter b, as the uniform
+// (floor(x / 2^9) + 1/2) / 2^23 (exact in float32, never 0 or 1). The products' high words come
+// from two 32 x 32 -> 64-bit multiplies (even and odd lanes), the low words from mullo.
+inline __m256i mulhi_words(__m256i x, __m256i m) {
+  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(x, m), 32);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), m);
+  return _mm256_blend_epi32(even, odd, 0xAA);
+}
+
+inline void philox_uniforms(uint32_t b0, uint64_t fill, uint64_t key, float* out) {
+  __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(b0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i c1 = _mm256_setzero_si256();
+  __m256i c2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(fill)));
+  __m256i c3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(fill >> 32)));
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u)), m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const __m256i hi0 = mulhi_words(c0, m0), lo0 = _mm256_mullo_epi32(c0, m0);
+    const __m256i hi1 = mulhi_words(c2, m1), lo1 = _mm256_mullo_epi32(c2, m1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c1 = lo1;
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  // counters across lanes -> each counter's four words together (a 4 x 4 transpose per half)
+  const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpacklo_epi32(c2, c3);
+  const __m256i t2 = _mm256_unpackhi_epi32(c0, c1), t3 = _mm256_unpackhi_epi32(c2, c3);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t1), u1 = _mm256_unpackhi_epi64(t0, t1);
+  const __m256i u2 = _mm256_unpacklo_epi64(t2, t3), u3 = _mm256_unpackhi_epi64(t2, t3);
+  const __m256i words[4] = {_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u2, u3, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31), _mm256_permute2x128_si256(u2, u3, 0x31)};
+  for (int j = 0; j < 4; ++j) {
+    const __m256 u = _mm256_cvtepi32_ps(_mm256_srli_epi32(words[j], 9));
+    _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(0.5f)),
+                                                _mm256_set1_ps(1.1920928955078125e-07f)));
+  }
+}
+
+// -log(u) for uniforms u in (0, 1) (normal floats), eight lanes: u = m 2^e with m in
+// (sqrt(1/2), sqrt(2)], log m = f + f^3 P(f) - f^2 / 2 with f = m - 1 (Cephes' logf polynomial),
+// e ln 2 in two parts; relative error about 1e-7. The exponential draws of every CPU race.
+inline __m256 neg_log_unit(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)),
+                                                 _mm256_set1_epi32(0x3F800000)));  // [1, 2)
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // the mask is -1 where m was halved
+  const __m256 ef = _mm256_cvtepi32_ps(e);
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f));
+  const __m256 z = _mm256_mul_ps(f, f);
+  __m256 poly = _mm256_set1_ps(7.0376836292e-2f);
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                        -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f})
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(c));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(poly, f), z);
+  y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, y);
+  const __m256 r = _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+  return _mm256_sub_ps(_mm256_setzero_ps(), r);
+}
+
+// Elements [first, first + 32) of a fill as uniforms or exponentials (out[32]).
+inline void philox_numbers(int64_t first, uint64_t fill, uint64_t key, bool exponential, float* out) {
+  philox_uniforms(static_cast<uint32_t>(first / 4), fill, key, out);
+  if (exponential)
+    for (int j = 0; j < 32; j += 8) _mm256_storeu_ps(out + j, neg_log_unit(_mm256_loadu_ps(out + j)));
+}
+
 // Philox4x32-10 fills (kernels/noise.py): out [R, F, n] float32, contiguous in n, gets fill
 // fills[r, f] of the stream keyed keys[r]: element i is word i % 4 of Philox at counter
 // (i / 4, 0, fill low, fill high), made a uniform (floor(x / 2^9) + 1/2) / 2^23 (exact in float32,
-// never 0 or 1), then -log of it
-// for exponential draws (PyTorch's vectorised log over the rows written).
+// never 0 or 1), then -log of it for exponential draws (``neg_log_unit``: the numbers
+// ``philox_race`` races with).
 torch::Tensor philox_fill(torch::Tensor out, const torch::Tensor& keys, const torch::Tensor& fills, bool exponential) {
   TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kFloat32 && out.stride(2) == 1,
               "philox_fill: out must be [R, F, n] float32, contiguous in n");
@@ -530,34 +604,174 @@ torch::Tensor philox_fill(torch::Tensor out, const torch::Tensor& keys, const to
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* fl = fills.data_ptr<int64_t>();
   const int64_t so_r = out.stride(0), so_f = out.stride(1), sk = keys.stride(0), sf = fills.stride(0);
-  // work items: chunks of 1024 counters of one fill (a 49,152-token race is 12 of them)
-  const int64_t blocks = (n + 3) / 4, chunk = 1024, chunks = (blocks + chunk - 1) / chunk;
+  // work items: chunks of 4,096 numbers of one fill (a 49,152-token race is 12 of them)
+  const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
   at::parallel_for(0, R * F * chunks, 1, [&](int64_t begin, int64_t end) {
+    float numbers[32];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t rf = item / chunks, first = (item % chunks) * chunk;
       const int64_t r = rf / F, f = rf % F;
       const uint64_t key = static_cast<uint64_t>(k[r * sk]), at = static_cast<uint64_t>(fl[r * sf + f]);
       float* row = o + r * so_r + f * so_f;
-      for (int64_t b = first; b < std::min(first + chunk, blocks); ++b) {
-        uint32_t c0 = static_cast<uint32_t>(b), c1 = 0, c2 = static_cast<uint32_t>(at),
-                 c3 = static_cast<uint32_t>(at >> 32);
-        uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-        for (int round = 0; round < 10; ++round) {
-          const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
-          c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-          c1 = static_cast<uint32_t>(p1);
-          c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-          c3 = static_cast<uint32_t>(p0);
-          k0 += 0x9E3779B9u;
-          k1 += 0xBB67AE85u;
-        }
-        const uint32_t word[4] = {c0, c1, c2, c3};
-        for (int j = 0; j < 4 && 4 * b + j < n; ++j)
-          row[4 * b + j] = (static_cast<float>(word[j] >> 9) + 0.5f) * 1.1920928955078125e-07f;
+      for (int64_t i = first; i < std::min(first + chunk, n); i += 32) {
+        philox_numbers(i, at, key, exponential, numbers);
+        std::copy(numbers, numbers + std::min<int64_t>(32, n - i), row + i);
       }
     }
   });
-  if (exponential) out.log_().neg_();
+  return out;
+}
+
+// The best of one span of a race: the largest dist[v] / E_v and its (first) index v, and whether
+// any dist[v] there is above 0.
+struct RaceBest {
+  float value = -1.f;
+  int64_t index = -1;
+  bool positive = false;
+};
+
+// A race over elements [first, end) of dist (the distribution's row; for a residual, p and q or
+// the rejected one-hot draft ``drop``): dist[v] / E_v with E_v the fill's exponentials (a fill
+// below 0: E_v = 1, an argmax). residual: 0 plain p, 1 p with ``drop`` removed, 2 max(p - q, 0).
+RaceBest race_span(const float* p, const float* q, int64_t drop, int residual, int64_t first, int64_t end,
+                   int64_t fill, uint64_t key) {
+  float e[32], d[32];
+  __m256 best = _mm256_set1_ps(-1.f);
+  __m256i best_at = _mm256_set1_epi32(-1);
+  __m256 positive = _mm256_setzero_ps();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t i = first; i < end; i += 32) {
+    const int64_t n = std::min<int64_t>(32, end - i);
+    if (fill >= 0) philox_numbers(i, static_cast<uint64_t>(fill), key, true, e);
+    else std::fill(e, e + 32, 1.f);
+    const bool whole = n == 32 && !(residual == 1 && drop >= i && drop < i + 32);
+    const float* src = p + i;
+    if (!whole) {  // the span's tail, or the block holding the dropped draft: through a copy
+      for (int64_t j = 0; j < 32; ++j) d[j] = j < n ? p[i + j] : 0.f;
+      if (residual == 1 && drop >= i && drop < i + n) d[drop - i] = 0.f;
+      src = d;
+    }
+    for (int j = 0; j < 32; j += 8) {
+      __m256 dv = _mm256_loadu_ps(src + j);
+      if (residual == 2) {
+        const __m256 qv = j + 8 <= n ? _mm256_loadu_ps(q + i + j) : _mm256_setzero_ps();
+        __m256 partial = qv;
+        if (j < n && j + 8 > n) {  // a tail's last vector of q
+          float tail[8] = {0.f};
+          std::copy(q + i + j, q + i + n, tail);
+          partial = _mm256_loadu_ps(tail);
+        }
+        dv = _mm256_max_ps(_mm256_sub_ps(dv, partial), _mm256_setzero_ps());
+      }
+      const __m256 ratio = _mm256_div_ps(dv, _mm256_loadu_ps(e + j));
+      const __m256 better = _mm256_cmp_ps(ratio, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+      best = _mm256_blendv_ps(best, ratio, better);
+      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i - first + j)), lane);
+      best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(at), better));
+      positive = _mm256_or_ps(positive, _mm256_cmp_ps(dv, _mm256_setzero_ps(), _CMP_GT_OQ));
+    }
+  }
+  float values[8];
+  int32_t at[8];
+  _mm256_storeu_ps(values, best);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), best_at);
+  RaceBest out;
+  for (int l = 0; l < 8; ++l)  // the largest value; among equal ones the first index
+    if (at[l] >= 0 && (values[l] > out.value || (values[l] == out.value && first + at[l] < out.index))) {
+      out.value = values[l];
+      out.index = first + at[l];
+    }
+  out.positive = _mm256_movemask_ps(positive) != 0;
+  return out;
+}
+
+// Exact rejection sampling of rows' drafts, the emitted token drawn by an exponential race, on
+// the CPU in one call (speculative.rejection_outcome's decision from these rows' noise streams;
+// k = 0: a plain sample, argmax p / E). target [R, k + 1, V] float32; draft [R, k, V] float32 or
+// empty ([0]: one-hot drafts); drafts [R, k] int64; depths [R] int64 (each row's own number of
+// drafts); keys [R] int64; fills [R, 2] int64: the fill of the row's k acceptance uniforms (read
+// where k > 0) and of its race over V (below 0: none, the argmax). Draft i is accepted when
+// u_i < min(1, p_i(x_i) / q_i(x_i)), left to right; after a rejection the race runs over the
+// residual max(0, p_i - q_i) (for a one-hot draft p_i without x_i; p_i where rounding leaves it
+// no mass), after every draft over p_k. Not divided by the residual's mass: the same race
+// winner in exact arithmetic. Returns [R, k + 2]: drafts, accepted, token.
+torch::Tensor philox_race(const torch::Tensor& target, const torch::Tensor& draft, const torch::Tensor& drafts,
+                          const torch::Tensor& depths, const torch::Tensor& keys, const torch::Tensor& fills) {
+  TORCH_CHECK(target.dim() == 3 && target.scalar_type() == torch::kFloat32 && target.is_contiguous() &&
+              target.device().is_cpu(), "philox_race: target must be [R, k + 1, V] float32, contiguous, on the CPU");
+  const int64_t R = target.size(0), k = target.size(1) - 1, V = target.size(2);
+  const bool one_hot = draft.numel() == 0;
+  TORCH_CHECK(one_hot || (draft.scalar_type() == torch::kFloat32 && draft.is_contiguous() &&
+                          draft.sizes() == torch::IntArrayRef({R, k, V})), "philox_race: draft must be [R, k, V] float32");
+  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.size(0) == R && drafts.size(1) == k &&
+              depths.scalar_type() == torch::kInt64 && depths.numel() == R && keys.scalar_type() == torch::kInt64 &&
+              keys.numel() == R && fills.scalar_type() == torch::kInt64 && fills.dim() == 2 && fills.size(0) == R &&
+              fills.size(1) == 2, "philox_race: drafts [R, k], depths [R], keys [R] and fills [R, 2] int64");
+  const torch::Tensor x = drafts.contiguous(), dep = depths.contiguous(), ks = keys.contiguous(), fs = fills.contiguous();
+  const int64_t *xs = x.data_ptr<int64_t>(), *ds = dep.data_ptr<int64_t>(), *kp = ks.data_ptr<int64_t>(),
+                *fp = fs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R * k; ++i) TORCH_CHECK(xs[i] >= 0 && xs[i] < V, "philox_race: a draft lies outside the vocabulary");
+  const float* tp = target.data_ptr<float>();
+  const float* qp = one_hot ? nullptr : draft.data_ptr<float>();
+  torch::Tensor out = torch::empty({R, k + 2}, drafts.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  // each row's decision (k tiny), then its race, split into spans over the vocabulary
+  std::vector<int64_t> accepted(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = std::min(std::max<int64_t>(ds[r], 0), k);
+    float u[32];
+    int64_t a = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i % 32 == 0) philox_numbers(i, static_cast<uint64_t>(fp[2 * r]), static_cast<uint64_t>(kp[r]), false, u);
+      const int64_t xi = xs[r * k + i];
+      const float p_x = tp[(r * (k + 1) + i) * V + xi];
+      const float ratio = one_hot ? p_x : p_x / std::max(qp[(r * k + i) * V + xi], std::numeric_limits<float>::min());
+      if (!(u[i % 32] < std::min(ratio, 1.f))) break;
+      a = i + 1;
+    }
+    accepted[r] = a;
+    for (int64_t i = 0; i < k; ++i) o[r * (k + 2) + i] = xs[r * k + i];
+    o[r * (k + 2) + k] = a;
+  }
+  const int64_t span = 4096, spans = (V + span - 1) / span;
+  std::vector<RaceBest> best(R * spans);
+  std::vector<char> redo(R, 0);  // rows whose residual had no mass
+  auto run = [&](bool plain_only) {
+    at::parallel_for(0, R * spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / spans, first = (item % spans) * span;
+        if (plain_only && !redo[r]) continue;
+        const int64_t a = accepted[r], n = std::min(std::max<int64_t>(ds[r], 0), k);
+        const int residual = plain_only || a >= n ? 0 : (one_hot ? 1 : 2);
+        const float* p = tp + (r * (k + 1) + a) * V;
+        const float* q = residual == 2 ? qp + (r * k + a) * V : nullptr;
+        best[item] = race_span(p, q, residual == 1 ? xs[r * k + a] : -1, residual, first, std::min(first + span, V),
+                               fp[2 * r + 1], static_cast<uint64_t>(kp[r]));
+      }
+    });
+  };
+  auto winner = [&](int64_t r) {
+    RaceBest w;
+    bool positive = false;
+    for (int64_t s = 0; s < spans; ++s) {  // spans in order: a later one must be strictly larger
+      const RaceBest& b = best[r * spans + s];
+      positive = positive || b.positive;
+      if (b.index >= 0 && (w.index < 0 || b.value > w.value)) w = b;
+    }
+    w.positive = positive;
+    return w;
+  };
+  run(false);
+  bool again = false;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = std::min(std::max<int64_t>(ds[r], 0), k);
+    if (accepted[r] < n && !winner(r).positive) {  // rounding left the residual no mass: race over p itself
+      redo[r] = 1;
+      again = true;
+    }
+  }
+  if (again) run(true);
+  for (int64_t r = 0; r < R; ++r) o[r * (k + 2) + k + 1] = winner(r).index;
   return out;
 }
 
@@ -575,6 +789,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("philox_fill", &philox_fill, "Philox4x32-10 uniforms or exponentials of many streams' fills");
+  m.def("philox_race", &philox_race, "exact rejection sampling with exponential races from rows' fills");
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>());
   pybind11::class_<Layer>(m, "Layer")
