@@ -133,8 +133,12 @@ def test_cli_inspect_exit_codes_differ_per_tier(tmp_path):
 
 def test_the_default_draft_policy_samples_drafts_from_the_mirror_temperature_up(engine):
     # draft_policy "auto" (the default) resolves per request; an explicit policy is kept
-    from mtplx.engine.llm_engine import MIRROR_FROM_TEMPERATURE
-    for temperature, policy in ((0.0, "greedy"), (0.7, "greedy"), (MIRROR_FROM_TEMPERATURE, "mirror"), (1.0, "mirror")):
+    from mtplx.engine.llm_engine import CPU_MIRROR_FROM_TEMPERATURE, MIRROR_FROM_TEMPERATURE, mirror_from
+    assert engine.device.type == "cpu" and mirror_from("cpu") == CPU_MIRROR_FROM_TEMPERATURE
+    assert mirror_from("cuda") == MIRROR_FROM_TEMPERATURE
+    below = CPU_MIRROR_FROM_TEMPERATURE - 0.05
+    for temperature, policy in ((0.0, "greedy"), (below, "greedy"), (CPU_MIRROR_FROM_TEMPERATURE, "mirror"),
+                                (1.0, "mirror")):
         assert engine.make_request([1, 2, 3], temperature=temperature).draft_policy == policy
     assert engine.make_request([1, 2, 3], temperature=1.0, draft_policy="greedy").draft_policy == "greedy"
     assert engine.make_request([1, 2, 3], temperature=0.5, draft_policy="mirror").draft_policy == "mirror"

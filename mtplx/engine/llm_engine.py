@@ -31,6 +31,18 @@ DRAFT_POLICIES = ("auto", "greedy", "mirror")
 # 1,526 / 4,405 / 7,797; one client's 12 requests in turn 1,643 vs 1,598), at 0.9 with top-p
 # 0.95 mirror does (1,513 / 4,300 / 8,018 against 1,498 / 4,262 / 7,853; 1,599 vs 1,511).
 MIRROR_FROM_TEMPERATURE = 0.85
+# The CPU's (session 28, `benchmarks/cpu_sampled.py`: the 12 held-out chat prompts, 96 tokens,
+# two threads, depth 1, MTP / AR with argmax vs mirror drafts, two or three rounds of seeds):
+# T 0.4 1.104x / 1.114x, T 0.55 1.093x / 1.087x, T 0.7 1.074x / 1.119x and 1.078x / 1.117x,
+# T 1.0 0.949x / 1.076x (results/cpu_s28_sampled_*.json). Mirror drafts cost a softmax over the
+# head's logits and a race each (about 0.15 ms on that CPU), which their acceptance (1.57 against
+# 1.46 tokens a cycle at 0.7) repays from about 0.6.
+CPU_MIRROR_FROM_TEMPERATURE = 0.6
+
+
+def mirror_from(device_type: str) -> float:
+    """The temperature from which draft_policy "auto" samples drafts from the head (mirror)."""
+    return MIRROR_FROM_TEMPERATURE if device_type == "cuda" else CPU_MIRROR_FROM_TEMPERATURE
 
 
 @dataclass
@@ -198,7 +210,7 @@ class Engine:
         if draft_policy not in DRAFT_POLICIES:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
         if draft_policy == "auto":
-            draft_policy = "mirror" if params.temperature >= MIRROR_FROM_TEMPERATURE else "greedy"
+            draft_policy = "mirror" if params.temperature >= mirror_from(self.device.type) else "greedy"
         depth = self._check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
