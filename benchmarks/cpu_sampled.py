@@ -3,13 +3,15 @@ temperature 0.7"), side by side: the default model from its GGUF, held-out chat 
 (``sampled_decoding.HELD_OUT_CHAT``: no bench, tuning or forge prompt), each prompt with a seed of
 its own per round, ``engine.generate`` wall-clock. Per temperature and configuration: decode
 tok/s as all runs' tokens after the first over their decode seconds, and the tokens a cycle
-commits. Configurations: AR; MTP at depth 1 and 2 with argmax drafts ("greedy") and with
-mirror drafts; "auto" (the engine's own draft policy). Every child process runs every
+commits. Configurations (``--configs``, ``CONFIGS``): AR; MTP at depth 1 and 2 with argmax drafts
+("greedy"), with mirror drafts and with the engine's own draft policy ("auto"), and at
+depth="auto" ("mtpauto_auto"). Every child process runs every
 configuration on each prompt in turn, so machine noise hits them alike; ``--baseline-tree DIR`` adds
 another checkout's package ("baseline"), alternating with this tree's.
 
     python benchmarks/cpu_sampled.py [--threads 2] [--rounds 2] [--tokens 96] [--prompts 12]
-        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--baseline-tree DIR] [--json FILE]
+        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--configs ar,mtp1_greedy,...] [--baseline-tree DIR]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from sampled_decoding import HELD_OUT_CHAT  # noqa: E402
 from trees import rounds, with_baseline  # noqa: E402
 
 CONFIGS = {"ar": ("ar", 1, "greedy"), "mtp1_greedy": ("mtp", 1, "greedy"), "mtp1_mirror": ("mtp", 1, "mirror"),
-           "mtp2_greedy": ("mtp", 2, "greedy"), "mtp2_mirror": ("mtp", 2, "mirror"), "mtp1_auto": ("mtp", 1, "auto")}
+           "mtp2_greedy": ("mtp", 2, "greedy"), "mtp2_mirror": ("mtp", 2, "mirror"), "mtp1_auto": ("mtp", 1, "auto"),
+           "mtp2_auto": ("mtp", 2, "auto"), "mtpauto_auto": ("mtp", "auto", "auto")}  # name: (mode, depth, policy)
+DEFAULT_CONFIGS = "ar,mtp1_greedy,mtp1_mirror,mtp2_greedy,mtp2_mirror,mtp1_auto"
 
 
-def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], top_p: float, seed: int) -> dict:
+def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], top_p: float, seed: int,
+            configs: list[str]) -> dict:
     import torch
 
     import mtplx
@@ -42,8 +47,9 @@ def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], 
     for t in temperatures:
         for i, prompt in enumerate(HELD_OUT_CHAT[:prompts]):  # every configuration per prompt, in turn
             sampling = dict(temperature=t, seed=seed + i, top_p=top_p) if t else dict(temperature=0)
-            for name, (mode, depth, policy) in CONFIGS.items():
-                if t == 0 and policy != "greedy":
+            for name in configs:
+                mode, depth, policy = CONFIGS[name]
+                if t == 0 and policy == "mirror":
                     continue  # greedy requests draft by argmax whatever the policy
                 sums = out.setdefault(f"t{t}", {}).setdefault(name, {"seconds": 0.0, "tokens": 0, "cycles": 0})
                 r = engine.generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=depth,
@@ -62,20 +68,26 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of: {', '.join(CONFIGS)}")
     ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
     ap.add_argument("--json")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    configs = args.configs.split(",")
+    if "ar" not in configs or any(c not in CONFIGS for c in configs):
+        raise SystemExit(f"--configs: 'ar' and any of {', '.join(CONFIGS)}")
     if args.child:
-        print(json.dumps(one_run(args.threads, args.tokens, args.prompts, temperatures, args.top_p, args.seed)))
+        print(json.dumps(one_run(args.threads, args.tokens, args.prompts, temperatures, args.top_p, args.seed,
+                                 configs)))
         return
     envs = with_baseline({"this": dict(os.environ)}, args.baseline_tree)
     totals: dict = {name: {} for name in envs}
     for r in range(args.rounds):  # each round its own seeds, the same for every tree
         argv = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--prompts", str(args.prompts),
-                "--temperatures", args.temperatures, "--top-p", str(args.top_p), "--seed", str(1000 * r)]
+                "--temperatures", args.temperatures, "--top-p", str(args.top_p), "--seed", str(1000 * r),
+                "--configs", args.configs]
         for name, res in rounds(__file__, argv, envs, 1):
             for regime, configs in res.items():
                 for config, sums in configs.items():
@@ -103,7 +115,7 @@ def main() -> None:
             for regime, configs in summary["this"].items() for c, v in configs.items()))
     report = {"date": datetime.date.today().isoformat(), "threads": args.threads, "tokens": args.tokens,
               "rounds": args.rounds, "prompts": list(HELD_OUT_CHAT[:args.prompts]), "temperatures": temperatures,
-              "top_p": args.top_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
+              "configs": configs, "top_p": args.top_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
               "load_average_end": list(os.getloadavg())}
     if args.json:
         with open(args.json, "w") as f:

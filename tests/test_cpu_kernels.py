@@ -443,7 +443,8 @@ def _race_reference(target, draft, drafts, depths, keys, fills):
 def test_the_race_decides_as_rejection_sampling_over_fills_does(vocab, threads):
     """The C++ race against speculative.rejection_outcome over noise.fill's numbers (its
     exponentials are philox_fill's, bit for bit): one-hot and sampled drafts, rows with depths
-    of their own, greedy rows (no race fill), k = 0 (a plain sample), up to 3 rows."""
+    of their own, greedy rows (no race fill), k = 0 (a plain sample), up to 3 rows, a position
+    whose distribution is NaN (torch.argmax's answer: the first NaN)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -452,6 +453,8 @@ def test_the_race_decides_as_rejection_sampling_over_fills_does(vocab, threads):
             rows, k = 1 + trial % 3, trial % 4
             logits = torch.randn(rows, k + 1, vocab, generator=g) * (1 + trial % 5)
             target = torch.softmax(logits, -1)
+            if trial % 6 == 5:  # a position of no allowed token (a grammar's end): NaN, as softmax gives it
+                target[0, -1] = float("nan")
             sampled = trial % 2 == 0 and k > 0
             draft = torch.softmax(logits[:, :k] + torch.randn(rows, k, vocab, generator=g), -1) if sampled else None
             if sampled:
@@ -465,6 +468,28 @@ def test_the_race_decides_as_rejection_sampling_over_fills_does(vocab, threads):
             assert torch.equal(got, _race_reference(target, draft, drafts, depths, keys, fills)), trial
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("vocab", [8, 100])
+def test_a_race_over_nans_picks_the_first_nan_as_torch_argmax_does(vocab):
+    """A position where nothing is allowed (a grammar's end) has NaN probabilities; its race must
+    still name a token of the vocabulary (the lanes past a short vocabulary once won it): the
+    first NaN, as torch.argmax over the PyTorch path's ratios. Plain samples, greedy rows, and
+    the bonus position after an accepted draft."""
+    target = torch.softmax(torch.randn(3, 2, vocab, generator=_gen(0)), -1)
+    target[:, 1] = float("nan")
+    target[2, 1, :3] = 0.5  # NaN from index 3 on
+    drafts = target[:, 0].argmax(-1, keepdim=True)  # p(x) >= 1 / vocab: some accepted
+    keys = torch.tensor([5, 6, 7])
+    for fills in ([[0, 1], [2, 3], [4, -1]], [[9, 10], [11, -1], [12, 13]]):
+        args = (target, None, drafts, torch.tensor([1, 1, 0]), keys, torch.tensor(fills))
+        got = cpu_kernels.race(*args)
+        assert torch.equal(got, _race_reference(*args)) and bool((got[:, 2] < vocab).all())
+    plain = target[:, 1:].contiguous()
+    args = (plain, None, torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, dtype=torch.long), keys,
+            torch.tensor([[-1, 1], [-1, -1], [-1, 2]]))
+    got = cpu_kernels.race(*args)
+    assert got[:, 1].tolist() == [0, 0, 3] and torch.equal(got, _race_reference(*args))
 
 
 def test_a_rejected_draft_whose_residual_has_no_mass_races_over_p():
@@ -482,3 +507,28 @@ def test_a_rejected_draft_whose_residual_has_no_mass_races_over_p():
         if int(got[0, 1]) == 0:
             rejected.add(int(got[0, 2]))
     assert rejected == {0, 1}  # both of p's tokens were drawn after a rejection
+
+
+@pytest.mark.parametrize("vocab", [5, 100, 3000, 49152])
+def test_the_nucleus_threshold_is_the_one_a_full_sort_finds(vocab, monkeypatch):
+    """kernels/cpu.nucleus_threshold against sampling._nucleus_threshold's PyTorch path (top-k
+    grown until its mass suffices, cumsum): peaked and flat rows (the flat ones need every
+    token), ties across half the vocabulary, top_p from 0.05 to just below 1; rows with top_p
+    >= 1 are unfiltered (their threshold unused)."""
+    from mtplx.engine import sampling
+
+    cases = []
+    for trial in range(20):
+        g = _gen(trial)
+        logits = torch.randn(1 + trial % 3, 2, vocab, generator=g) * (0.3, 1, 3, 8, 20)[trial % 5]
+        if trial % 4 == 0:
+            logits[..., : vocab // 2] = logits[..., :1]  # ties
+        top_p = torch.full((logits.shape[0], 1, 1), (0.05, 0.5, 0.9, 0.95, 0.99, 0.999999)[trial % 6])
+        top_p[0] = (0.3, 0.95, 1.0)[trial % 3]
+        cases.append((torch.softmax(logits, -1), top_p))
+    got = [sampling._nucleus_threshold(probs, top_p) for probs, top_p in cases]
+    monkeypatch.setattr(cpu_kernels, "sampling_usable", lambda *a: False)
+    for (probs, top_p), threshold in zip(cases, got):
+        want = sampling._nucleus_threshold(probs, top_p)
+        filtered = (top_p < 1).expand_as(want)
+        assert torch.equal(threshold[filtered], want[filtered])

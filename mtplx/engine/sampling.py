@@ -316,8 +316,12 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     own mass already reaches top_p in every row (rows with top_p >= 1 are not filtered: theirs is
     unused): the same values, the same prefix sums, so the same threshold as a sort of all V, at
     a fraction of its cost (a 49,152-token sort took about 3.5 ms a row on this project's CPU). A
-    host read decides it (there is no device to wait for); CUDA sorts everything, sync-free."""
+    host read decides it (there is no device to wait for); CUDA sorts everything, sync-free. With
+    the CPU kernels built, ``kernels.cpu.nucleus_threshold`` finds the same value in one call."""
     vocab = probs.shape[-1]
+    if cpu_kernels.sampling_usable(probs):  # the same threshold from the C++ kernel
+        lead = probs.shape[:-1]
+        return cpu_kernels.nucleus_threshold(probs.reshape(-1, vocab), top_p.expand(*lead, 1).reshape(-1)).view(*lead, 1)
     k = vocab if probs.is_cuda else min(vocab, NUCLEUS_CANDIDATES)
     while True:
         top = torch.topk(probs, k, dim=-1).values if k < vocab else torch.sort(probs, dim=-1, descending=True).values
@@ -383,7 +387,7 @@ class SamplerBatch:
         """Each of ``rows``' token from probs [len(rows), V] -> [len(rows)] long: an exponential
         race with the next fill of its stream (``races``), the argmax for a greedy row. On the
         CPU the C++ kernel draws the same fill and races in one pass (``kernels.cpu.race``)."""
-        if not cpu_kernels.race_usable(probs):
+        if not cpu_kernels.sampling_usable(probs):
             return race_winners(probs, self.races(rows, probs.shape[-1], probs.device))
         sampled = [not self.greedy_rows[r] for r in rows]
         keys = torch.tensor([noise.signed_key(self.streams[r].key) if s else 0 for r, s in zip(rows, sampled)])

@@ -121,7 +121,7 @@ def sampled_outcome(
     draws the same fills and decides in one call: ``kernels.cpu.race``)."""
     _check_shapes(target_probs, draft_probs, draft_tokens)
     k, vocab = draft_tokens.shape[0], target_probs.shape[1]
-    if cpu_kernels.race_usable(target_probs, draft_probs):
+    if cpu_kernels.sampling_usable(target_probs, draft_probs):
         fills = [stream.take() if k else -1, stream.take()]  # draw_noise's order
         packed = cpu_kernels.race(target_probs[None], None if draft_probs is None else draft_probs[None],
                                   draft_tokens.long()[None], torch.tensor([k]),

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -622,23 +623,27 @@ torch::Tensor philox_fill(torch::Tensor out, const torch::Tensor& keys, const to
   return out;
 }
 
-// The best of one span of a race: the largest dist[v] / E_v and its (first) index v, and whether
-// any dist[v] there is above 0.
+// The best of one span of a race: the largest dist[v] / E_v and its (first) index v, whether
+// any dist[v] there is above 0, and the first v whose ratio is NaN (-1: none; torch.argmax takes
+// a NaN as the largest value, as the PyTorch path does for a distribution of NaNs).
 struct RaceBest {
   float value = -1.f;
   int64_t index = -1;
   bool positive = false;
+  int64_t nan = -1;
 };
 
 // A race over elements [first, end) of dist (the distribution's row; for a residual, p and q or
 // the rejected one-hot draft ``drop``): dist[v] / E_v with E_v the fill's exponentials (a fill
-// below 0: E_v = 1, an argmax). residual: 0 plain p, 1 p with ``drop`` removed, 2 max(p - q, 0).
+// below 0: E_v = 1, an argmax). residual: 0 plain p, 1 p with ``drop`` removed, 2 max(p - q, 0)
+// (a NaN stays NaN, as PyTorch's clamp keeps it).
 RaceBest race_span(const float* p, const float* q, int64_t drop, int residual, int64_t first, int64_t end,
                    int64_t fill, uint64_t key) {
   float e[32], d[32];
   __m256 best = _mm256_set1_ps(-1.f);
   __m256i best_at = _mm256_set1_epi32(-1);
   __m256 positive = _mm256_setzero_ps();
+  int64_t nan = -1;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t i = first; i < end; i += 32) {
     const int64_t n = std::min<int64_t>(32, end - i);
@@ -651,19 +656,26 @@ RaceBest race_span(const float* p, const float* q, int64_t drop, int residual, i
       if (residual == 1 && drop >= i && drop < i + n) d[drop - i] = 0.f;
       src = d;
     }
-    for (int j = 0; j < 32; j += 8) {
+    for (int j = 0; j < 32 && j < n; j += 8) {
       __m256 dv = _mm256_loadu_ps(src + j);
       if (residual == 2) {
-        const __m256 qv = j + 8 <= n ? _mm256_loadu_ps(q + i + j) : _mm256_setzero_ps();
-        __m256 partial = qv;
-        if (j < n && j + 8 > n) {  // a tail's last vector of q
+        __m256 qv;
+        if (j + 8 <= n) {
+          qv = _mm256_loadu_ps(q + i + j);
+        } else {  // a tail's last vector of q
           float tail[8] = {0.f};
           std::copy(q + i + j, q + i + n, tail);
-          partial = _mm256_loadu_ps(tail);
+          qv = _mm256_loadu_ps(tail);
         }
-        dv = _mm256_max_ps(_mm256_sub_ps(dv, partial), _mm256_setzero_ps());
+        const __m256 diff = _mm256_sub_ps(dv, qv);
+        dv = _mm256_blendv_ps(_mm256_max_ps(diff, _mm256_setzero_ps()), diff, _mm256_cmp_ps(diff, diff, _CMP_UNORD_Q));
       }
-      const __m256 ratio = _mm256_div_ps(dv, _mm256_loadu_ps(e + j));
+      __m256 ratio = _mm256_div_ps(dv, _mm256_loadu_ps(e + j));
+      const int nans = _mm256_movemask_ps(_mm256_cmp_ps(ratio, ratio, _CMP_UNORD_Q)) & ((1 << std::min<int64_t>(8, n - j)) - 1);
+      if (nans && nan < 0) nan = i + j + __builtin_ctz(nans);
+      if (j + 8 > n)  // lanes past the span's end never win
+        ratio = _mm256_blendv_ps(ratio, _mm256_set1_ps(-INFINITY),
+                                 _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(n - j - 1)))));
       const __m256 better = _mm256_cmp_ps(ratio, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
       best = _mm256_blendv_ps(best, ratio, better);
       const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i - first + j)), lane);
@@ -682,6 +694,7 @@ RaceBest race_span(const float* p, const float* q, int64_t drop, int residual, i
       out.index = first + at[l];
     }
   out.positive = _mm256_movemask_ps(positive) != 0;
+  out.nan = nan;
   return out;
 }
 
@@ -753,25 +766,111 @@ torch::Tensor philox_race(const torch::Tensor& target, const torch::Tensor& draf
   auto winner = [&](int64_t r) {
     RaceBest w;
     bool positive = false;
+    int64_t nan = -1;
     for (int64_t s = 0; s < spans; ++s) {  // spans in order: a later one must be strictly larger
       const RaceBest& b = best[r * spans + s];
       positive = positive || b.positive;
+      if (nan < 0) nan = b.nan;
       if (b.index >= 0 && (w.index < 0 || b.value > w.value)) w = b;
     }
     w.positive = positive;
+    w.nan = nan;
+    if (nan >= 0) w.index = nan;  // torch.argmax's answer where a ratio is NaN
     return w;
   };
   run(false);
   bool again = false;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = std::min(std::max<int64_t>(ds[r], 0), k);
-    if (accepted[r] < n && !winner(r).positive) {  // rounding left the residual no mass: race over p itself
-      redo[r] = 1;
+    const RaceBest w = winner(r);
+    if (accepted[r] < n && (!w.positive || w.nan >= 0)) {  // a residual of no mass (rounding) or
+      redo[r] = 1;                                            // NaN mass: race over p itself
       again = true;
     }
   }
   if (again) run(true);
   for (int64_t r = 0; r < R; ++r) o[r * (k + 2) + k + 1] = winner(r).index;
+  return out;
+}
+
+// top-p's threshold for each row of probs [N, V] (float32, contiguous) at top_p [N] (float32):
+// sampling._nucleus_threshold's answer, the value at index n - 1 of the row sorted descending, n
+// the number of tokens whose mass strictly before them is below top_p (at least one; the mass
+// as PyTorch's cumsum gives it, a float64 running sum rounded to float32, minus the token). The
+// row's descending order is built only as far as needed, in chunks (nth_element, then a sort of
+// the chunk), until the mass before the last token sorted reaches top_p + 1e-5 (the PyTorch path's
+// test for a top-k that is long enough; past it no token counts), first among the tokens at or
+// above the row's maximum / 2^12, else / 2^24, else among all of them (where the order may run
+// to the end: a full sort, no test). The same sorted prefix, so the same threshold. A row with top_p >= 1 is
+// not filtered: 0.
+torch::Tensor nucleus_threshold(const torch::Tensor& probs, const torch::Tensor& top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous() &&
+              probs.device().is_cpu(), "nucleus_threshold: probs must be [N, V] float32, contiguous, on the CPU");
+  const int64_t N = probs.size(0), V = probs.size(1);
+  TORCH_CHECK(top_p.scalar_type() == torch::kFloat32 && top_p.numel() == N, "nucleus_threshold: top_p [N] float32");
+  TORCH_CHECK(V > 0, "nucleus_threshold: an empty vocabulary");
+  const torch::Tensor tps = top_p.contiguous();
+  const float* pp = probs.data_ptr<float>();
+  const float* tpp = tps.data_ptr<float>();
+  torch::Tensor out = torch::empty({N, 1}, probs.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cand;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* p = pp + r * V;
+      const float tp = tpp[r];
+      if (!(tp < 1.f)) {
+        o[r] = 0.f;
+        continue;
+      }
+      const float enough = tp + 1e-5f;  // (float32, as the PyTorch path adds it)
+      __m256 tops[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      int64_t v = 0;
+      for (; v + 32 <= V; v += 32)
+        for (int j = 0; j < 4; ++j) tops[j] = _mm256_max_ps(tops[j], _mm256_loadu_ps(p + v + 8 * j));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3])));
+      float top = *std::max_element(lanes, lanes + 8);
+      for (; v < V; ++v) top = std::max(top, p[v]);
+      for (const float scale : {1.f / 4096.f, 1.f / 16777216.f, 0.f}) {
+        const bool whole = scale == 0.f;
+        const float bound = whole ? -INFINITY : top * scale;
+        cand.clear();
+        const __m256 b = _mm256_set1_ps(bound);
+        v = 0;
+        for (; v + 8 <= V; v += 8) {
+          int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + v), b, _CMP_GE_OQ));
+          while (mask) {
+            cand.push_back(p[v + __builtin_ctz(mask)]);
+            mask &= mask - 1;
+          }
+        }
+        for (; v < V; ++v)
+          if (p[v] >= bound) cand.push_back(p[v]);
+        double running = 0.0;
+        int64_t keep = 0;
+        float before = 0.f;
+        bool found = false;
+        for (size_t done = 0, chunk = 256; done < cand.size() && !found; chunk *= 4) {
+          const size_t upto = std::min(cand.size(), done + chunk);
+          if (upto < cand.size())  // the chunk's tokens: the largest of those not yet sorted
+            std::nth_element(cand.begin() + done, cand.begin() + upto, cand.end(), std::greater<float>());
+          std::sort(cand.begin() + done, cand.begin() + upto, std::greater<float>());
+          for (size_t i = done; i < upto; ++i) {
+            running += cand[i];
+            before = static_cast<float>(running) - cand[i];
+            keep += before < tp;
+          }
+          done = upto;
+          found = before >= enough;
+        }
+        if (found || whole) {
+          o[r] = cand.empty() ? 0.f : cand[std::max<int64_t>(keep, 1) - 1];
+          break;
+        }
+      }
+    }
+  });
   return out;
 }
 
@@ -789,6 +888,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention", &row_attention, "one row's queries over its paged keys");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("philox_fill", &philox_fill, "Philox4x32-10 uniforms or exponentials of many streams' fills");
+  m.def("nucleus_threshold", &nucleus_threshold, "top-p's threshold of each row of probabilities");
   m.def("philox_race", &philox_race, "exact rejection sampling with exponential races from rows' fills");
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>());
