@@ -7,7 +7,7 @@ at depths 1-3), in ms per cycle (the wrappers add a little of their own). A diag
 CPU decode path (docs/performance.md, sessions 10, 11 and 28).
 
     python benchmarks/cpu_step_breakdown.py [--threads 1] [--quantize gguf] [--depths 1,2,3]
-        [--temperature 0] [--draft-policy auto]
+        [--temperature 0] [--top-p 1.0] [--draft-policy auto]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--quantize", default="gguf")
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-policy", default="auto", help="auto, greedy (argmax drafts) or mirror")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -68,7 +69,7 @@ def main() -> None:
         spent.clear()
         calls.clear()
         r = engine.generate(prompt, chat=True, mode=mode, depth=depth, max_tokens=96, temperature=args.temperature,
-                            seed=1, draft_policy=args.draft_policy, ignore_eos=True)
+                            top_p=args.top_p, seed=1, draft_policy=args.draft_policy, ignore_eos=True)
         cycles = r.stats.get("verify_calls") or r.stats["generated_tokens"] - 1
         label = "AR" if mode == "ar" else f"MTP depth {depth}"
         print(f"{label}: {r.stats['decode_tok_s']:.1f} tok/s, {r.stats['decode_s'] * 1e3 / cycles:.2f} ms per "
