@@ -279,7 +279,9 @@ def race(target: torch.Tensor, draft: torch.Tensor | None, drafts: torch.Tensor,
     (one-hot drafts); drafts [R, k], depths [R] (each row's own number of drafts), keys [R] and
     fills [R, 2] (the fills of the row's acceptance uniforms and of its race; a race fill below 0:
     no noise, the argmax) int64 -> [R, k + 2] int64: drafts, accepted, token. k = 0: a sample.
-    The residual is not divided by its mass (the same winner in exact arithmetic)."""
+    The residual is not divided by its mass: the same winner in exact arithmetic, and in float32
+    the same except where two tokens' ratios lie within a rounding of each other (a reviewer's
+    search found one such case in a 16-token row; either pick is an exact sample)."""
     return extension().philox_race(target.contiguous(), NO_DRAFT_PROBS if draft is None else draft.contiguous(),
                                    drafts, depths, keys, fills)
 
