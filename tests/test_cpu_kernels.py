@@ -532,3 +532,41 @@ def test_the_nucleus_threshold_is_the_one_a_full_sort_finds(vocab, monkeypatch):
         want = sampling._nucleus_threshold(probs, top_p)
         filtered = (top_p < 1).expand_as(want)
         assert torch.equal(threshold[filtered], want[filtered])
+
+
+def test_process_probs_keeps_what_the_pytorch_ops_keep(monkeypatch):
+    """kernels/cpu.process_probs (process_logits on the CPU where no row asks for top-k or min-p)
+    against process_logits through PyTorch's ops: greedy rows a one-hot of the first maximum (a
+    NaN first, as torch.argmax), NaN rows and rows of -inf alike, a masked (-inf) token exactly 0
+    and subnormal probabilities kept as PyTorch keeps them, top-p per row; the same tokens kept,
+    the probabilities within float32 rounding (both within ~7e-6 of float64)."""
+    from mtplx.engine.sampling import SamplerTensors, SamplingParams, process_logits
+
+    cases = []
+    for trial in range(40):
+        g = _gen(trial)
+        vocab, rows, positions = (7, 100, 4097, 49152)[trial % 4], 1 + trial % 3, 1 + trial % 2
+        logits = torch.randn(rows, positions, vocab, generator=g) * (0.5, 2, 5, 10, 40)[trial % 5]
+        if trial % 5 == 0:
+            logits[0, 0, : vocab // 2] = float("-inf")  # a grammar's mask
+        if trial % 7 == 0:
+            logits[-1, -1, 3] = float("nan")
+        if trial % 9 == 0:
+            logits[0, -1] = float("-inf")  # nothing allowed
+        params = [SamplingParams(temperature=(0.0, 0.3, 0.7, 1.0, 1.5)[(trial + r) % 5],
+                                 top_p=(1.0, 0.95, 0.5, 0.9)[(trial + r) % 4]) for r in range(rows)]
+        s = SamplerTensors(rows, torch.device("cpu"))
+        s.write(params)
+        flags = dict(top_k=False, min_p=False, top_p=any(p.top_p < 1 for p in params),
+                     greedy=any(p.greedy for p in params))
+        cases.append((logits, s, flags))
+    got = [process_logits(logits, s, **flags) for logits, s, flags in cases]
+    monkeypatch.setattr(cpu_kernels, "sampling_usable", lambda *a: False)
+    for (logits, s, flags), probs in zip(cases, got):
+        want = process_logits(logits, s, **flags)
+        assert torch.equal(probs.isnan(), want.isnan())
+        real = ~want.isnan()
+        assert torch.equal(probs[real] > 0, want[real] > 0)
+        torch.testing.assert_close(probs[real], want[real], rtol=1e-5, atol=1e-30)
+        masked = (logits == float("-inf")) & real  # 0 exactly (a greedy row of -inf: the one-hot at 0, as torch)
+        assert torch.equal(probs[masked], want[masked])

@@ -252,15 +252,23 @@ def test_sample_frequencies_match_probs_on_cuda():
     assert chisquare(counts[:-1], PROBS[:-1].double().numpy() * n).pvalue > 0.001
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("temperature,top_p", [(0.3, 0.95), (0.7, 0.95), (1.0, 0.9), (1.0, 0.999), (2.0, 0.95),
                                                (1.0, 0.5), (5.0, 0.99)])
-def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temperature, top_p):
+def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temperature, top_p, compiled, monkeypatch):
     """On the CPU top-p reads the largest probabilities first and sorts the whole vocabulary only
-    where their mass falls short: the result is bit-identical to the nucleus written out with a
-    full sort (mass strictly before each token below top_p, at least one kept), for peaked and
-    flat distributions over a 49,152-token vocabulary, rows of different settings in one batch."""
+    where their mass falls short: through PyTorch's ops the result is bit-identical to the
+    nucleus written out with a full sort (mass strictly before each token below top_p, at least
+    one kept); through the C++ kernels (``kernels.cpu.process_probs``, its own exp and sums) the
+    same tokens are kept, the probabilities within float32 rounding. Peaked and flat
+    distributions over a 49,152-token vocabulary, rows of different settings in one batch."""
     from mtplx.engine.sampling import SamplerTensors, process_logits
+    from mtplx.kernels import cpu as cpu_kernels
 
+    if compiled and not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    if not compiled:
+        monkeypatch.setattr(cpu_kernels, "sampling_usable", lambda *a: False)
     logits = torch.randn(3, 2, 49152, generator=torch.Generator().manual_seed(5)) * 4
     logits[1] = torch.randn(2, 49152, generator=torch.Generator().manual_seed(6))  # flatter rows
     s = SamplerTensors(3, torch.device("cpu"))
@@ -272,6 +280,15 @@ def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temper
     n_keep = ((torch.cumsum(ordered, -1) - ordered) < top_p).sum(-1, keepdim=True).clamp(min=1)
     kept = probs.masked_fill(probs < ordered.gather(-1, n_keep - 1), 0.0)
     expected = kept / kept.sum(-1, keepdim=True)
+    if compiled:  # a token kept by one side only must sit on the boundary (its mass before ~ top_p)
+        want = torch.cat([expected[:2], probs[2:]])
+        exact = torch.softmax((logits.double() - logits.double().amax(-1, keepdim=True)) / temperature, dim=-1)
+        for r, i, v in ((got > 0) != (want > 0)).nonzero().tolist():
+            before = float(exact[r, i][exact[r, i] > exact[r, i, v]].sum())
+            assert r < 2 and abs(before - top_p) < 1e-5, (r, i, v, before)
+        both = (got > 0) & (want > 0)
+        torch.testing.assert_close(got[both], want[both], rtol=1e-5, atol=1e-12)  # both within ~7e-6 of float64
+        return
     assert torch.equal(got[:2], expected[:2])
     assert torch.equal(got[2], probs[2])
     for row in range(2):

@@ -284,9 +284,16 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     its own temperature, top-k, top-p and min-p in that order, greedy rows a one-hot of the
     argmax. The flags skip a filter no row asks for (a CUDA graph takes them all: any row may);
     a row that does not ask for a filter is left unchanged by it. On CUDA one Triton kernel does
-    it all (``kernels.sampling.process``), each row's filters only where it asks for them."""
+    it all (``kernels.sampling.process``), each row's filters only where it asks for them; on the
+    CPU, where no row asks for top-k or min-p, one C++ call (``kernels.cpu.process_probs``: the
+    same kept tokens, probabilities within float32 rounding of these ops')."""
     if sampling_kernels.usable(logits):
         return sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p)[0]
+    if not top_k and not min_p and cpu_kernels.sampling_usable(logits):  # the CPU's one call (kernels/cpu.py)
+        rows, positions, vocab = logits.shape
+        per_token = lambda column: column.expand(rows, positions).reshape(-1)  # noqa: E731
+        return cpu_kernels.process_probs(logits.reshape(-1, vocab), per_token(s.temperature), per_token(s.top_p),
+                                         per_token(s.greedy)).view(rows, positions, vocab)
     logits = logits.float()
     vocab = logits.shape[-1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]

@@ -292,3 +292,16 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted prefix, so the same value; a row with top_p >= 1: 0). One row of 49,152 at T 0.7:
     about 0.43 ms through PyTorch's top-k and cumsum on this project's CPU."""
     return extension().nucleus_threshold(probs.contiguous(), top_p.to(torch.float32).contiguous())
+
+
+def process_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  greedy: torch.Tensor) -> torch.Tensor:
+    """``sampling.process_logits`` for rows that ask for no top-k or min-p, in one call: logits
+    [N, V] float32 and per row temperature, top_p [N] float32 and greedy [N] bool -> probs [N, V]
+    float32 (a greedy row a one-hot of its first maximum; the others softmax at their temperature,
+    then top-p by ``nucleus_threshold``'s threshold and renormalised). The same kept tokens as
+    the PyTorch ops, the probabilities within float32 rounding of theirs (another exp and
+    summation order). One 49,152-token row of the default model at T 0.7, top-p 0.95: about 180 us
+    through the PyTorch ops on this project's CPU (two threads)."""
+    return extension().process_probs(logits.contiguous(), temperature.to(torch.float32).contiguous(),
+                                     top_p.to(torch.float32).contiguous(), greedy.to(torch.bool).contiguous())

@@ -803,6 +803,54 @@ torch::Tensor philox_race(const torch::Tensor& target, const torch::Tensor& draf
 // above the row's maximum / 2^12, else / 2^24, else among all of them (where the order may run
 // to the end: a full sort, no test). The same sorted prefix, so the same threshold. A row with top_p >= 1 is
 // not filtered: 0.
+float row_nucleus(const float* p, int64_t V, float tp, std::vector<float>& cand) {
+  if (!(tp < 1.f)) return 0.f;
+  const float enough = tp + 1e-5f;  // (float32, as the PyTorch path adds it)
+  __m256 tops[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t v = 0;
+  for (; v + 32 <= V; v += 32)
+    for (int j = 0; j < 4; ++j) tops[j] = _mm256_max_ps(tops[j], _mm256_loadu_ps(p + v + 8 * j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3])));
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; v < V; ++v) top = std::max(top, p[v]);
+  for (const float scale : {1.f / 4096.f, 1.f / 16777216.f, 0.f}) {
+    const bool whole = scale == 0.f;
+    const float bound = whole ? -INFINITY : top * scale;
+    cand.clear();
+    const __m256 b = _mm256_set1_ps(bound);
+    v = 0;
+    for (; v + 8 <= V; v += 8) {
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + v), b, _CMP_GE_OQ));
+      while (mask) {
+        cand.push_back(p[v + __builtin_ctz(mask)]);
+        mask &= mask - 1;
+      }
+    }
+    for (; v < V; ++v)
+      if (p[v] >= bound) cand.push_back(p[v]);
+    double running = 0.0;
+    int64_t keep = 0;
+    float before = 0.f;
+    bool found = false;
+    for (size_t done = 0, chunk = 256; done < cand.size() && !found; chunk *= 4) {
+      const size_t upto = std::min(cand.size(), done + chunk);
+      if (upto < cand.size())  // the chunk's tokens: the largest of those not yet sorted
+        std::nth_element(cand.begin() + done, cand.begin() + upto, cand.end(), std::greater<float>());
+      std::sort(cand.begin() + done, cand.begin() + upto, std::greater<float>());
+      for (size_t i = done; i < upto; ++i) {
+        running += cand[i];
+        before = static_cast<float>(running) - cand[i];
+        keep += before < tp;
+      }
+      done = upto;
+      found = before >= enough;
+    }
+    if (found || whole) return cand.empty() ? 0.f : cand[std::max<int64_t>(keep, 1) - 1];
+  }
+  return 0.f;  // (not reached: the whole row always answers)
+}
+
 torch::Tensor nucleus_threshold(const torch::Tensor& probs, const torch::Tensor& top_p) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous() &&
               probs.device().is_cpu(), "nucleus_threshold: probs must be [N, V] float32, contiguous, on the CPU");
@@ -816,59 +864,132 @@ torch::Tensor nucleus_threshold(const torch::Tensor& probs, const torch::Tensor&
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> cand;
+    for (int64_t r = begin; r < end; ++r) o[r] = row_nucleus(pp + r * V, V, tpp[r], cand);
+  });
+  return out;
+}
+
+// acc + the eight lanes of x, widened to float64 (two lanes of acc each).
+inline __m256d add_widened(__m256d acc, __m256 x) {
+  return _mm256_add_pd(_mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(x))),
+                       _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+}
+
+inline double sum_lanes(__m256d acc) {
+  double lanes[4];
+  _mm256_storeu_pd(lanes, acc);
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+// sampling.process_logits for rows asking for no top-k or min-p, one call: logits [N, V] float32
+// (contiguous; penalties and masks applied) -> probs [N, V]. A greedy row: a one-hot of its first
+// maximum (a NaN counts as the largest, as torch.argmax). Else softmax((l - max) / temperature),
+// the exponentials by exp_nonpositive (below -87 by std::exp: subnormals as PyTorch gives them,
+// and exactly 0 for a masked token's -inf), each times 1 / their sum; then for top_p < 1 the tokens below the row's
+// nucleus threshold (row_nucleus: nucleus_threshold's) set to 0 and the rest divided by their sum.
+// A row whose maximum is -inf or NaN gives NaN, as the PyTorch ops do. Float32 throughout; the
+// numbers differ from PyTorch's softmax in the last bits (its exp and summation order), the kept
+// tokens do not.
+torch::Tensor process_probs(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_p,
+                            const torch::Tensor& greedy) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
+              logits.device().is_cpu(), "process_probs: logits must be [N, V] float32, contiguous, on the CPU");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "process_probs: an empty vocabulary");
+  TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == N &&
+              top_p.scalar_type() == torch::kFloat32 && top_p.numel() == N &&
+              greedy.scalar_type() == torch::kBool && greedy.numel() == N,
+              "process_probs: temperature, top_p [N] float32 and greedy [N] bool");
+  const torch::Tensor ts = temperature.contiguous(), tps = top_p.contiguous(), gs = greedy.contiguous();
+  const float *lp = logits.data_ptr<float>(), *tp = ts.data_ptr<float>(), *tpp = tps.data_ptr<float>();
+  const bool* gp = gs.data_ptr<bool>();
+  torch::Tensor out = torch::empty({N, V}, logits.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cand;
     for (int64_t r = begin; r < end; ++r) {
-      const float* p = pp + r * V;
-      const float tp = tpp[r];
-      if (!(tp < 1.f)) {
-        o[r] = 0.f;
+      const float* l = lp + r * V;
+      float* o = op + r * V;
+      if (gp[r]) {
+        int64_t arg = 0;
+        for (int64_t v = 0; v < V; ++v) {  // the first maximum; a NaN wins
+          if (std::isnan(l[v])) {
+            arg = v;
+            break;
+          }
+          if (l[v] > l[arg]) arg = v;
+        }
+        std::fill(o, o + V, 0.f);
+        o[arg] = 1.f;
         continue;
       }
-      const float enough = tp + 1e-5f;  // (float32, as the PyTorch path adds it)
-      __m256 tops[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      int64_t v = 0;
-      for (; v + 32 <= V; v += 32)
-        for (int j = 0; j < 4; ++j) tops[j] = _mm256_max_ps(tops[j], _mm256_loadu_ps(p + v + 8 * j));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3])));
-      float top = *std::max_element(lanes, lanes + 8);
-      for (; v < V; ++v) top = std::max(top, p[v]);
-      for (const float scale : {1.f / 4096.f, 1.f / 16777216.f, 0.f}) {
-        const bool whole = scale == 0.f;
-        const float bound = whole ? -INFINITY : top * scale;
-        cand.clear();
-        const __m256 b = _mm256_set1_ps(bound);
-        v = 0;
-        for (; v + 8 <= V; v += 8) {
-          int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + v), b, _CMP_GE_OQ));
-          while (mask) {
-            cand.push_back(p[v + __builtin_ctz(mask)]);
-            mask &= mask - 1;
-          }
-        }
-        for (; v < V; ++v)
-          if (p[v] >= bound) cand.push_back(p[v]);
-        double running = 0.0;
-        int64_t keep = 0;
-        float before = 0.f;
-        bool found = false;
-        for (size_t done = 0, chunk = 256; done < cand.size() && !found; chunk *= 4) {
-          const size_t upto = std::min(cand.size(), done + chunk);
-          if (upto < cand.size())  // the chunk's tokens: the largest of those not yet sorted
-            std::nth_element(cand.begin() + done, cand.begin() + upto, cand.end(), std::greater<float>());
-          std::sort(cand.begin() + done, cand.begin() + upto, std::greater<float>());
-          for (size_t i = done; i < upto; ++i) {
-            running += cand[i];
-            before = static_cast<float>(running) - cand[i];
-            keep += before < tp;
-          }
-          done = upto;
-          found = before >= enough;
-        }
-        if (found || whole) {
-          o[r] = cand.empty() ? 0.f : cand[std::max<int64_t>(keep, 1) - 1];
-          break;
-        }
+      __m256 tops = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
+      int64_t u = 0;
+      for (; u + 8 <= V; u += 8) {
+        const __m256 x = _mm256_loadu_ps(l + u);
+        tops = _mm256_max_ps(tops, x);
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
       }
+      float lanes8[8];
+      _mm256_storeu_ps(lanes8, tops);
+      float top = *std::max_element(lanes8, lanes8 + 8);
+      bool nan = _mm256_movemask_ps(nans) != 0;
+      for (; u < V; ++u) {
+        nan = nan || std::isnan(l[u]);
+        top = std::max(top, l[u]);
+      }
+      if (nan || top == -INFINITY) {
+        std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const __m256 mv = _mm256_set1_ps(top), tv = _mm256_set1_ps(tp[r]), floor = _mm256_set1_ps(-87.f);
+      __m256d acc = _mm256_setzero_pd();  // sums in float64: a float32 lane over 6,144 terms drifts by ~1e-5
+      int64_t v = 0;
+      for (; v + 8 <= V; v += 8) {
+        const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(l + v), mv), tv);
+        __m256 e = exp_nonpositive(x);
+        if (const int low = _mm256_movemask_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ))) {
+          // below -87 (subnormal results, and 0 for -inf): std::exp, as PyTorch's exp gives them
+          float xs[8], es[8];
+          _mm256_storeu_ps(xs, x);
+          _mm256_storeu_ps(es, e);
+          for (int j = 0; j < 8; ++j)
+            if (low >> j & 1) es[j] = std::exp(xs[j]);
+          e = _mm256_loadu_ps(es);
+        }
+        _mm256_storeu_ps(o + v, e);
+        acc = add_widened(acc, e);
+      }
+      double total = sum_lanes(acc);
+      for (; v < V; ++v) {
+        const float x = (l[v] - top) / tp[r];
+        o[v] = std::exp(x);
+        total += o[v];
+      }
+      auto scale_row = [&](float inv) {
+        const __m256 iv = _mm256_set1_ps(inv);
+        int64_t u = 0;
+        for (; u + 8 <= V; u += 8) _mm256_storeu_ps(o + u, _mm256_mul_ps(_mm256_loadu_ps(o + u), iv));
+        for (; u < V; ++u) o[u] *= inv;
+      };
+      scale_row(static_cast<float>(1.0 / total));
+      if (!(tpp[r] < 1.f)) continue;
+      const float threshold = row_nucleus(o, V, tpp[r], cand);
+      const __m256 th = _mm256_set1_ps(threshold);
+      __m256d kept = _mm256_setzero_pd();
+      v = 0;
+      for (; v + 8 <= V; v += 8) {
+        const __m256 x = _mm256_loadu_ps(o + v);
+        const __m256 k = _mm256_and_ps(x, _mm256_cmp_ps(x, th, _CMP_GE_OQ));
+        _mm256_storeu_ps(o + v, k);
+        kept = add_widened(kept, k);
+      }
+      double mass = sum_lanes(kept);
+      for (; v < V; ++v) {
+        o[v] = o[v] >= threshold ? o[v] : 0.f;
+        mass += o[v];
+      }
+      scale_row(static_cast<float>(1.0 / mass));
     }
   });
   return out;
@@ -889,6 +1010,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("philox_fill", &philox_fill, "Philox4x32-10 uniforms or exponentials of many streams' fills");
   m.def("nucleus_threshold", &nucleus_threshold, "top-p's threshold of each row of probabilities");
+  m.def("process_probs", &process_probs, "temperature, top-p and greedy rows' logits to probabilities");
   m.def("philox_race", &philox_race, "exact rejection sampling with exponential races from rows' fills");
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>());
