@@ -884,8 +884,8 @@ inline double sum_lanes(__m256d acc) {
 // sampling.process_logits for rows asking for no top-k or min-p, one call: logits [N, V] float32
 // (contiguous; penalties and masks applied) -> probs [N, V]. A greedy row: a one-hot of its first
 // maximum (a NaN counts as the largest, as torch.argmax). Else softmax((l - max) / temperature),
-// the exponentials by exp_nonpositive (below -87 by std::exp: subnormals as PyTorch gives them,
-// and exactly 0 for a masked token's -inf), each times 1 / their sum; then for top_p < 1 the tokens below the row's
+// the exponentials by exp_nonpositive (between -104 and -87 by std::exp: subnormals as PyTorch
+// gives them; below, 0: a masked token's -inf, a pruned draft row's -1e20), each times 1 / their sum; then for top_p < 1 the tokens below the row's
 // nucleus threshold (row_nucleus: nucleus_threshold's) set to 0 and the rest divided by their sum.
 // A row whose maximum is -inf or NaN gives NaN, as the PyTorch ops do. Float32 throughout; the
 // numbers differ from PyTorch's softmax in the last bits (its exp and summation order), the kept
@@ -947,9 +947,11 @@ torch::Tensor process_probs(const torch::Tensor& logits, const torch::Tensor& te
       int64_t v = 0;
       for (; v + 8 <= V; v += 8) {
         const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(l + v), mv), tv);
-        __m256 e = exp_nonpositive(x);
-        if (const int low = _mm256_movemask_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ))) {
-          // below -87 (subnormal results, and 0 for -inf): std::exp, as PyTorch's exp gives them
+        // below -87 the result is subnormal: std::exp, as PyTorch's exp gives them, between
+        // -104 and -87; below -104 (a masked token's -inf, a pruned draft row's -1e20) exactly 0
+        __m256 e = _mm256_and_ps(exp_nonpositive(x), _mm256_cmp_ps(x, floor, _CMP_GE_OQ));
+        if (const int low = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ),
+                                                             _mm256_cmp_ps(x, _mm256_set1_ps(-104.f), _CMP_GE_OQ)))) {
           float xs[8], es[8];
           _mm256_storeu_ps(xs, x);
           _mm256_storeu_ps(es, e);
@@ -963,7 +965,7 @@ torch::Tensor process_probs(const torch::Tensor& logits, const torch::Tensor& te
       double total = sum_lanes(acc);
       for (; v < V; ++v) {
         const float x = (l[v] - top) / tp[r];
-        o[v] = std::exp(x);
+        o[v] = x >= -104.f ? std::exp(x) : 0.f;
         total += o[v];
       }
       auto scale_row = [&](float inv) {
