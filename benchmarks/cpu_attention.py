@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from trees import rounds, with_baseline
+from trees import add_arguments, rounds, with_baseline
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
@@ -54,9 +54,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="500,4000")
     ap.add_argument("--queries", default="1,2,3,4")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
-    ap.add_argument("--json")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(ap)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     queries = [int(q) for q in args.queries.split(",")]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from trees import rounds, with_baseline  # noqa: E402
+from trees import add_arguments, rounds, with_baseline  # noqa: E402
 
 PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "How does a hash map handle collisions? Explain with an example.")
@@ -65,9 +65,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--sampled", action="store_true", help="also temperature 0.7, top-p 0.95")
     ap.add_argument("--configs", default="kernels,pytorch", help="of: kernels, pytorch, avx2, float32")
-    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
-    ap.add_argument("--json")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one_run(args.threads, args.tokens, args.sampled)))

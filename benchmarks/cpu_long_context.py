@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cpu_vs_llama_cpp import LONG_TEXT  # noqa: E402
-from trees import rounds, with_baseline  # noqa: E402
+from trees import add_arguments, rounds, with_baseline  # noqa: E402
 
 
 def one_run(threads: int, contexts: list[int], tokens: int) -> dict:
@@ -61,9 +61,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="100,1000,4000")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
-    ap.add_argument("--json")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(ap)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from sampled_decoding import HELD_OUT_CHAT  # noqa: E402
-from trees import rounds, with_baseline  # noqa: E402
+from trees import add_arguments, rounds, with_baseline  # noqa: E402
 
 CONFIGS = {"ar": ("ar", 1, "greedy"), "mtp1_greedy": ("mtp", 1, "greedy"), "mtp1_mirror": ("mtp", 1, "mirror"),
            "mtp2_greedy": ("mtp", 2, "greedy"), "mtp2_mirror": ("mtp", 2, "mirror"), "mtp1_auto": ("mtp", 1, "auto"),
@@ -69,10 +69,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of: {', '.join(CONFIGS)}")
-    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
-    ap.add_argument("--json")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(ap)
     args = ap.parse_args()
     temperatures = [float(t) for t in args.temperatures.split(",")]
     configs = args.configs.split(",")

@@ -6,10 +6,19 @@ and alternating rounds let machine noise hit every configuration alike."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every such benchmark takes: ``--baseline-tree``, ``--json`` (the report), and
+    ``--child`` (hidden: ``rounds`` starts each child with it)."""
+    ap.add_argument("--baseline-tree", help="a checkout whose mtplx package runs as 'baseline'")
+    ap.add_argument("--json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
 def with_baseline(envs: dict[str, dict], baseline_tree: str | None) -> dict[str, tuple[dict, str | None]]:
