@@ -803,17 +803,21 @@ torch::Tensor philox_race(const torch::Tensor& target, const torch::Tensor& draf
 // above the row's maximum / 2^12, else / 2^24, else among all of them (where the order may run
 // to the end: a full sort, no test). The same sorted prefix, so the same threshold. A row with top_p >= 1 is
 // not filtered: 0.
-float row_nucleus(const float* p, int64_t V, float tp, std::vector<float>& cand) {
+// The row's largest value where the caller does not know it (top below 0) scales the first two
+// bounds; any bound gives the same threshold (the test above), a good one a short candidate list.
+float row_nucleus(const float* p, int64_t V, float tp, std::vector<float>& cand, float top = -1.f) {
   if (!(tp < 1.f)) return 0.f;
   const float enough = tp + 1e-5f;  // (float32, as the PyTorch path adds it)
-  __m256 tops[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t v = 0;
-  for (; v + 32 <= V; v += 32)
-    for (int j = 0; j < 4; ++j) tops[j] = _mm256_max_ps(tops[j], _mm256_loadu_ps(p + v + 8 * j));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3])));
-  float top = *std::max_element(lanes, lanes + 8);
-  for (; v < V; ++v) top = std::max(top, p[v]);
+  if (top < 0.f) {
+    __m256 tops[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; v + 32 <= V; v += 32)
+      for (int j = 0; j < 4; ++j) tops[j] = _mm256_max_ps(tops[j], _mm256_loadu_ps(p + v + 8 * j));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3])));
+    top = *std::max_element(lanes, lanes + 8);
+    for (; v < V; ++v) top = std::max(top, p[v]);
+  }
   for (const float scale : {1.f / 4096.f, 1.f / 16777216.f, 0.f}) {
     const bool whole = scale == 0.f;
     const float bound = whole ? -INFINITY : top * scale;
@@ -974,9 +978,10 @@ torch::Tensor process_probs(const torch::Tensor& logits, const torch::Tensor& te
         for (; u + 8 <= V; u += 8) _mm256_storeu_ps(o + u, _mm256_mul_ps(_mm256_loadu_ps(o + u), iv));
         for (; u < V; ++u) o[u] *= inv;
       };
-      scale_row(static_cast<float>(1.0 / total));
+      const float inv = static_cast<float>(1.0 / total);
+      scale_row(inv);
       if (!(tpp[r] < 1.f)) continue;
-      const float threshold = row_nucleus(o, V, tpp[r], cand);
+      const float threshold = row_nucleus(o, V, tpp[r], cand, inv);  // the top logit's e^0 = 1, times inv
       const __m256 th = _mm256_set1_ps(threshold);
       __m256d kept = _mm256_setzero_pd();
       v = 0;
