@@ -16,7 +16,8 @@ def __getattr__(name):
 
 
 def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
-         kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None, tensor_parallel=1):
+         kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None, tensor_parallel=1,
+         kv_dtype=None):
     """Load a model and return an ``Engine``.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
@@ -42,6 +43,9 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     tensor_parallel: split the model across this many processes, one per GPU (NCCL; on the CPU
     gloo, for tests): this process is rank 0 and starts the others; float weights only
     (docs/tensor_parallel.md). ``engine.tensor_parallel.close()`` stops them.
+    kv_dtype: the KV cache's element type: None or "auto" (default) float16 on the CPU for a
+    float32 model (a long context's attention reads half as much; entries rounded once when
+    written), else the model's dtype; on the CPU "float32" keeps entries exact.
     """
     import functools
 
@@ -78,4 +82,4 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
                   sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
                   depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"),
-                  tensor_parallel=tp)
+                  tensor_parallel=tp, kv_dtype=kv_dtype)

@@ -129,6 +129,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("quantize", _choice(("none", "gguf", "int4", "int8", "fp8"), True),
         "none, gguf (a GGUF file's own quantized blocks), int4, int8, fp8 or auto (gguf for a GGUF file on "
         "the CPU, a quantized checkpoint's own integers, else none)"),
+    Key("kv_dtype", _choice(("float32", "fp32", "float16", "fp16", "bfloat16", "bf16"), True),
+        "float32, float16, bfloat16 (or fp32, fp16, bf16) or auto (float16 on the CPU for a float32 model, "
+        "else the model's dtype)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),
@@ -167,6 +170,7 @@ class Config:
     device: str | None = None
     dtype: str | None = None
     quantize: str | None = None
+    kv_dtype: str | None = None
     tensor_parallel: int = 1
     api_key: str | None = None
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)

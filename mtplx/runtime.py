@@ -34,3 +34,23 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise InvalidParameter("dtype", f"{dtype!r} is not one of float32, bfloat16, float16")
     return DTYPES[dtype]
+
+
+def resolve_kv_dtype(kv_dtype, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type. None or "auto": float16 on the CPU where the model computes in
+    float32 (a long context's decode reads half the bytes; each entry is rounded once, to
+    nearest, when written, and widened exactly when read), else the model's dtype. On the CPU
+    "float32", "float16" or the model's dtype may be asked for; on CUDA only the model's dtype
+    (its kernels read the pools in the activations' type)."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+    name = kv_dtype if isinstance(kv_dtype, str) else None
+    if name is not None and name not in DTYPES:
+        raise InvalidParameter("kv_dtype", f"{kv_dtype!r} is not one of auto, float32, float16, bfloat16")
+    want = DTYPES[name] if name is not None else kv_dtype
+    allowed = {dtype} if device.type == "cuda" else {dtype, torch.float32, torch.float16}
+    if want not in allowed:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+        raise InvalidParameter("kv_dtype", f"{str(want).removeprefix('torch.')} is not available on {device.type} "
+                                           f"with a {str(dtype).removeprefix('torch.')} model: use auto or {names}")
+    return want

@@ -152,6 +152,59 @@ def test_row_attention_keeps_a_nan_key_visible(width):
         cpu_kernels.vector_width(before)
 
 
+@pytest.mark.parametrize("width", [512, 256])
+@pytest.mark.parametrize("heads,kv_heads,d,positions", [(9, 3, 64, [299, 127, 128, 5]), (6, 2, 24, [40, 7])])
+def test_row_attention_over_float16_pools(width, heads, kv_heads, d, positions):
+    """float16 pools: each element widened exactly as it is read, so the output is bit for bit
+    the float32 path's over the pools' ``.float()`` (over spans of keys, and on the per-head
+    path: AVX2 width, or a head size not a multiple of 16)."""
+    before = cpu_kernels.vector_width()
+    if width == 512 and before != 512:
+        pytest.skip("no AVX-512 here")
+    block, blocks = 16, 24
+    k_pool, v_pool = (torch.randn(blocks, block, kv_heads, d, generator=_gen(s)).half() for s in (20, 21))
+    table = torch.randperm(blocks, generator=_gen(22))[:20]
+    pos = torch.tensor(positions)
+    q = torch.randn(len(positions), heads, d, generator=_gen(23)) * 0.5
+    try:
+        cpu_kernels.vector_width(width)
+        for key_start in (0, 1):
+            half = cpu_kernels.row_attention(q, k_pool, v_pool, table, pos, key_start, d ** -0.5)
+            wide = cpu_kernels.row_attention(q, k_pool.float(), v_pool.float(), table, pos, key_start, d ** -0.5)
+            assert half.dtype == torch.float32 and torch.equal(half, wide)
+    finally:
+        cpu_kernels.vector_width(before)
+
+
+def test_rope_write_rounds_into_float16_pools():
+    """The same queries as with float32 pools, and each written key and value the float32 one
+    rounded to nearest (``.half()``); other slots untouched."""
+    heads, kv_heads, d, t = 9, 3, 64, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=_gen(24)) * 3
+    cos, sin = torch.randn(t, d, generator=_gen(25)), torch.randn(t, d, generator=_gen(26))
+    slots = torch.tensor([3, 17, 18, 40])
+    wide = torch.zeros(6, 8, kv_heads, d), torch.zeros(6, 8, kv_heads, d)
+    half = torch.zeros(6, 8, kv_heads, d, dtype=torch.float16), torch.zeros(6, 8, kv_heads, d, dtype=torch.float16)
+    kn = torch.randn(d, generator=_gen(27))
+    q_wide = cpu_kernels.rope_write(qkv, cos, sin, slots, *wide, heads, kv_heads, d, None, kn, 1e-6)
+    q_half = cpu_kernels.rope_write(qkv, cos, sin, slots, *half, heads, kv_heads, d, None, kn, 1e-6)
+    assert torch.equal(q_wide, q_half)
+    assert torch.equal(half[0], wide[0].half()) and torch.equal(half[1], wide[1].half())
+    # values past float16's range and below its normals round as .half() rounds them (v is
+    # written as it is computed: no norm, no RoPE); a NaN stays NaN
+    special = torch.tensor([1e-6, 6e-8, 2.0 ** -25, 3e-5, 65519.0, 65520.0, 7e4, -7e4, 1.0 + 2.0 ** -11,
+                            float("inf"), float("nan")])
+    qkv[:, (heads + kv_heads) * d:] = special.repeat(t * kv_heads * d // len(special) + 1)[:t * kv_heads * d].view(t, -1)
+    cpu_kernels.rope_write(qkv, cos, sin, slots, *wide, heads, kv_heads, d, None, kn, 1e-6)
+    cpu_kernels.rope_write(qkv, cos, sin, slots, *half, heads, kv_heads, d, None, kn, 1e-6)
+    want = wide[1].half()
+    assert torch.equal(half[1].isnan(), want.isnan())
+    assert torch.equal(half[1].nan_to_num(0.0), want.nan_to_num(0.0))
+    with pytest.raises(RuntimeError, match="float32 or float16 pools"):
+        cpu_kernels.rope_write(qkv, cos, sin, slots, *(p.bfloat16() for p in wide), heads, kv_heads, d, None, kn,
+                               1e-6)
+
+
 def test_row_attention_of_no_keys_is_zero():
     """A query whose keys all lie before key_start attends nothing: zeros, as before."""
     if cpu_kernels.vector_width() != 512:

@@ -70,7 +70,8 @@ def forged(tmp_path_factory):
 @pytest.mark.parametrize("features,layers,second_mlp", [("final", 1, 0), ("fuse3", 2, 0), ("fuse3", 2, 40)])
 def test_training_forward_equals_the_engine_head_at_every_depth(features, layers, second_mlp):
     engine, _ = tiny_engine("qwen3", num_hidden_layers=4, mtp=MTPConfig(
-        layout="sidecar", features=features, head_layers=layers, second_mlp=second_mlp))
+        layout="sidecar", features=features, head_layers=layers, second_mlp=second_mlp),
+        kv_dtype="float32")  # (the training forward keeps float32 entries)
     model, head, runner = engine.loaded.model, engine.runner.head, engine.runner
     ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(0))
     hidden = trunk_hidden(model, ids, head.trunk_layers)

@@ -15,7 +15,7 @@ TOP = 3
 
 @pytest.fixture(scope="module")
 def tiny():
-    return _engine(head="repeat")
+    return _engine(head="repeat", kv_dtype="float32")  # logprobs against the reference's to 1e-4
 
 
 GREEDY_PROMPT = [0, 0, 4]  # greedy continues 4, 4, ...: the repeat head's drafts are accepted

@@ -115,7 +115,7 @@ def test_native_mtp_layout_loads_and_matches_reference_formula(tmp_path, layout)
         for p in ("q", "k", "v"):
             full[f"model.mtp_layers.0.self_attn.{p}_proj.bias"] = torch.zeros(64 if p == "q" else 32)
         save_file(full, str(tmp_path / "model.safetensors"))
-    engine = mtplx.load(tmp_path, device="cpu")
+    engine = mtplx.load(tmp_path, device="cpu", kv_dtype="float32")  # the formula to 1e-4: exact entries
     assert engine.has_mtp and engine.loaded.head_info["layout"] == layout
     assert describe(tmp_path)["tier"] == "verified"
 

@@ -69,9 +69,9 @@ def assert_fits(samples: list[tuple], dist: dict[tuple, float]):
 
 
 def _engine(head_sharpness: float = 1.0, head: str = "random", kv_tokens_per_row: int = 12,
-            draft_vocab: list[int] | None = None):
+            draft_vocab: list[int] | None = None, kv_dtype=None):
     engine, hf = tiny_engine("llama", seed=3, head_seed=4, block_size=4, kv_cache_tokens=N * kv_tokens_per_row,
-                             draft_vocab=draft_vocab, **TINY_VOCAB)
+                             draft_vocab=draft_vocab, kv_dtype=kv_dtype, **TINY_VOCAB)
     with torch.no_grad():  # peaked, varied next-token distributions (random init is near uniform)
         hf.lm_head.weight.mul_(25.0)
         engine.loaded.model.lm_head.weight.mul_(25.0)

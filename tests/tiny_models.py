@@ -71,9 +71,11 @@ def random_head(model, seed: int = 1, scale: float = 0.05, mtp: MTPConfig | None
 
 def tiny_engine(arch: str = "llama", *, head: bool = True, seed: int = 0, head_seed: int = 1,
                 kv_cache_tokens: int = 4096, block_size: int = 4, mtp: MTPConfig | None = None,
-                draft_vocab: list[int] | None = None, **overrides):
+                draft_vocab: list[int] | None = None, kv_dtype=None, **overrides):
     """An Engine over a tiny random model (no tokenizer: token-id prompts) and its HF twin;
-    ``mtp``, ``draft_vocab``: the random head's (``random_head``)."""
+    ``mtp``, ``draft_vocab``: the random head's (``random_head``); ``kv_dtype``: the engine's
+    (default float16 on the CPU: tests that compare numbers with a reference to 1e-4 or closer
+    ask for float32)."""
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import LoadedModel
 
@@ -81,7 +83,7 @@ def tiny_engine(arch: str = "llama", *, head: bool = True, seed: int = 0, head_s
     model = ours_from_hf(hf, cfg)
     mtp_head = random_head(model, seed=head_seed, mtp=mtp, draft_vocab=draft_vocab) if head else None
     loaded = LoadedModel(model, mtp_head, None, model.config, source=None)
-    return Engine(loaded, kv_cache_tokens=kv_cache_tokens, block_size=block_size), hf
+    return Engine(loaded, kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype), hf
 
 
 def repeat_head(model, **kwargs) -> "torch.nn.Module":

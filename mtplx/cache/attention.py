@@ -76,8 +76,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
     """
     kv_heads, head_dim = k_pool.shape[-2:]
     slots = slot_mapping.reshape(-1)
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.reshape(-1, kv_heads, head_dim))
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(-1, kv_heads, head_dim))
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(-1, kv_heads, head_dim).to(v_pool.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -103,7 +103,7 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     """
     rows, q_len, heads, head_dim = q.shape
     if not q.is_cuda and q_len <= ROW_EXACT_QUERIES:
-        if cpu_kernels.usable(q) and k_pool.dtype == torch.float32:
+        if cpu_kernels.usable(q) and cpu_kernels.pools_usable(k_pool):
             # row by row over each row's own keys (a batch's AR steps and verifies too: gathering
             # every row's whole block table for one masked product cost ~7 ms a layer at 8 rows)
             q = q.contiguous()
@@ -122,8 +122,8 @@ def _gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta:
     """``paged_attention_reference`` as one masked product over every row's whole block table."""
     rows, _, heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
-    keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
-    values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim)
+    keys = k_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim).to(q.dtype)
+    values = v_pool[meta.block_tables].reshape(rows, -1, kv_heads, head_dim).to(q.dtype)
     key_idx = torch.arange(keys.shape[1], device=q.device)
     allowed = (key_idx.view(1, 1, -1) <= meta.positions.unsqueeze(-1)) & (key_idx >= meta.key_start)
     with sdpa_kernel(REFERENCE_BACKENDS) if q.is_cuda else nullcontext():
@@ -157,7 +157,7 @@ def _causal_prompt(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     with an explicit mask, one thread, the same outputs; the head's 3,998 entries of a 4,000-token
     prompt, two threads: 338 ms through the mask). q [1, q_len, heads, head_dim] -> the same shape."""
     q_len, kv_heads = q.shape[1], k_pool.shape[2]
-    keys, values = (_row_keys(pool, table, key_start + q_len)[key_start:].transpose(0, 1)[None]
+    keys, values = (_row_keys(pool, table, key_start + q_len)[key_start:].transpose(0, 1)[None].to(q.dtype)
                     for pool in (k_pool, v_pool))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=scale,
                                          enable_gqa=kv_heads != q.shape[2])
@@ -187,8 +187,8 @@ def _one_row_by_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     _, _, kv_heads, head_dim = k_pool.shape
     heads = q.shape[2]
     count = max(positions) + 1
-    keys = _row_keys(k_pool, meta.block_tables[0], count).transpose(0, 1)  # [kv_heads, keys, head_dim]
-    values = _row_keys(v_pool, meta.block_tables[0], count).transpose(0, 1)
+    keys = _row_keys(k_pool, meta.block_tables[0], count).transpose(0, 1).to(q.dtype)  # [kv_heads, keys, head_dim]
+    values = _row_keys(v_pool, meta.block_tables[0], count).transpose(0, 1).to(q.dtype)
     outs = []
     for i, p in enumerate(positions):
         grouped = q[0, i].reshape(kv_heads, heads // kv_heads, head_dim)

@@ -8,17 +8,21 @@ import torch
 class PagedKVCache:
     """Key/value pools for every attention layer (trunk layers, then MTP head layers).
 
-    k[layer], v[layer]: [num_blocks + 1, block_size, kv_heads, head_dim]. The extra last block is
-    scratch: padding tokens write there, and padded block-table entries point there.
+    k[layer], v[layer]: [num_blocks + 1, block_size, kv_heads, head_dim] in ``kv_dtype`` (default:
+    the model's ``dtype``; on the CPU float16 halves what a long context's attention reads). The
+    extra last block is scratch: padding tokens write there, and padded block-table entries point
+    there.
     last_hidden: [num_blocks + 1, hidden] the trunk's final-normed hidden state at each block's
-    last slot, so an MTP head can resume after a prefix-cache hit.
+    last slot, in ``dtype``, so an MTP head can resume after a prefix-cache hit.
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None):
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_dtype = kv_dtype or dtype
+        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
         self.last_hidden = torch.zeros(num_blocks + 1, hidden_size, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -20,6 +20,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "integers (AWQ, GPTQ, compressed-tensors, fp8 blocks), else none")
     p.add_argument("--max-depth", type=int, default=None,
                    help="the deepest a depth=auto cycle drafts (default 3)")
+    p.add_argument("--kv-dtype", default=None, metavar="DTYPE",
+                   help="the KV cache's element type: float16 (the CPU's default for a float32 model: a long "
+                        "context's decode reads half as much), float32 (exact entries) or the model's dtype "
+                        "(CUDA: only that)")
 
 
 def load_engine(args, depth=None):
@@ -27,7 +31,7 @@ def load_engine(args, depth=None):
 
     return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
                       allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None),
-                      max_depth=getattr(args, "max_depth", None))
+                      max_depth=getattr(args, "max_depth", None), kv_dtype=getattr(args, "kv_dtype", None))
 
 
 # a token-id prompt suite for models without a tokenizer

@@ -16,6 +16,7 @@ from mtplx.engine.sampling import NoiseStream, SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.tensor_parallel import TensorParallel
 from mtplx.errors import InvalidParameter
+from mtplx.runtime import resolve_kv_dtype
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.models.layers import fuse_projections
 
@@ -80,7 +81,7 @@ class Engine:
                  default_mode: str | None = None, sampled_mode: str | None = None,
                  sampled_depth: int | str | None = None, max_depth: int = DEFAULT_MAX_DEPTH,
                  depth_costs: DepthCosts | None = None, sampled_depth_costs: DepthCosts | None = None,
-                 tensor_parallel: TensorParallel | None = None):
+                 tensor_parallel: TensorParallel | None = None, kv_dtype=None):
         """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
         where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
         default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
@@ -91,7 +92,9 @@ class Engine:
         max_depth, from its own acceptance and depth_costs: the cycle costs ``mtplx tune``
         measured, or the device's defaults; sampled_depth_costs: those of sampled cycles).
         tensor_parallel: rank 0's handle on the other ranks (``tensor_parallel.launch``, which
-        also gave ``loaded``, rank 0's slice): every forward is mirrored on them; no CUDA graphs."""
+        also gave ``loaded``, rank 0's slice): every forward is mirrored on them; no CUDA graphs.
+        kv_dtype: the KV cache's element type (``runtime.resolve_kv_dtype``: by default float16
+        on the CPU for a float32 model, else the model's dtype)."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
@@ -109,7 +112,8 @@ class Engine:
             if loaded.head is not None:
                 fuse_projections(loaded.head)
         self.max_context = min(self.config.max_position_embeddings, num_blocks * block_size)
-        self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size)
+        self.runner = ModelRunner(loaded.model, loaded.head, num_blocks=num_blocks, block_size=block_size,
+                                  kv_dtype=resolve_kv_dtype(kv_dtype, self.device, self.dtype))
         self.tensor_parallel = tensor_parallel
         if tensor_parallel is not None and loaded.head is not None and loaded.head.mtp.features != "final":
             tensor_parallel.close()  # the ranks do not yet mirror a fused-feature head's forwards

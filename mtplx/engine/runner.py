@@ -89,7 +89,7 @@ class _PendingVerify:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, head: MTPHead | None, *, num_blocks: int, block_size: int = 16,
-                 state_commit: str = DEFAULT_STATE_COMMIT):
+                 state_commit: str = DEFAULT_STATE_COMMIT, kv_dtype: torch.dtype | None = None):
         cfg = model.config
         param = model.model.embed_tokens.weight  # lm_head may be quantized
         self.model, self.head = model, head
@@ -101,6 +101,7 @@ class ModelRunner:
             num_layers=cfg.num_kv_layers + (len(head.layers) if head is not None else 0),
             num_blocks=num_blocks, block_size=block_size, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, hidden_size=self.trunk_width, dtype=self.dtype, device=self.device,
+            kv_dtype=kv_dtype,
         )
         self.states = make_state_cache(cfg, self.dtype, self.device) if cfg.is_hybrid else None
         self._chain_buffers: dict[tuple[int, int], object] = {}  # eager chained cycles' inputs

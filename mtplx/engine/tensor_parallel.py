@@ -205,7 +205,8 @@ class TensorParallel:
         """Route ``runner``'s model, head and state cache through the other ranks (before the
         KV allocator takes the state cache), and have every rank build caches of the same
         geometry."""
-        self.run("setup", lambda: None, args=(runner.blocks.num_blocks, runner.block_size, runner.state_commit))
+        self.run("setup", lambda: None, args=(runner.blocks.num_blocks, runner.block_size, runner.state_commit,
+                                              runner.cache.kv_dtype))
         runner.model = MirroredModel(runner.model, self)
         if runner.head is not None:
             runner.head = MirroredHead(runner.head, self)
@@ -380,9 +381,9 @@ class Worker:
     def _setup(self, ints, hidden, args) -> None:
         from mtplx.engine.runner import ModelRunner
 
-        num_blocks, block_size, state_commit = args
+        num_blocks, block_size, state_commit, kv_dtype = args
         self.runner = ModelRunner(self.model, self.head, num_blocks=num_blocks, block_size=block_size,
-                                  state_commit=state_commit)
+                                  state_commit=state_commit, kv_dtype=kv_dtype)
 
     def _trunk(self, ints, hidden, args) -> None:
         layers = args[2]

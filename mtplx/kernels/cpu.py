@@ -220,15 +220,23 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
                k_pool: torch.Tensor, v_pool: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     """A fused qkv projection's output [..., (heads + 2 kv_heads) head_dim] -> q [tokens, heads,
-    head_dim] after its norm and RoPE; k (norm, RoPE) and v written to the pools at ``slots``."""
+    head_dim] after its norm and RoPE; k (norm, RoPE) and v written to the pools at ``slots``
+    (float32 pools as computed, float16 ones rounded to nearest, as ``.half()`` rounds)."""
     return extension().rope_write(qkv, cos, sin, slots, k_pool, v_pool, heads, kv_heads, head_dim,
                                   q_norm, k_norm, eps)
+
+
+def pools_usable(pool: torch.Tensor) -> bool:
+    """Whether ``rope_write``, ``row_attention`` and ``layer`` take KV pools like this one:
+    float32 or float16, contiguous."""
+    return pool.dtype in (torch.float32, torch.float16) and pool.is_contiguous()
 
 
 def row_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                   positions: torch.Tensor, key_start: int, scale: float) -> torch.Tensor:
     """One row's queries q [Q, heads, head_dim], query i attending keys key_start..positions[i]
-    of its paged cache -> [Q, heads * head_dim]."""
+    of its paged cache -> [Q, heads * head_dim]; float32 or float16 pools (each element widened
+    exactly as it is read: the numbers of attending over the pools' ``.float()``)."""
     return extension().row_attention(q, k_pool, v_pool, block_table, positions, key_start, scale)
 
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -113,14 +114,32 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t rd) {
   }
 }
 
+// KV pools the kernels take: both float32 or both float16, contiguous.
+inline void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool) {
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
+              (k_pool.scalar_type() == torch::kFloat32 || k_pool.scalar_type() == torch::kHalf),
+              "float32 or float16 pools");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+}
+
+// float32 -> float16 rounded to nearest (even), as torch's .half() rounds: eight at a time by
+// F16C (a scalar c10::Half conversion per element made a 4,000-token prompt's writes 0.7 s slower).
+inline void to_half(const float* src, c10::Half* dst, int64_t n) {
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + x),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; x < n; ++x) dst[x] = c10::Half(src[x]);
+}
+
 // qkv [T, (heads + 2 kv_heads) d] -> q [T, heads, d] with its norm and RoPE; k (norm, RoPE) and
 // v written to the pools' flat slots [*, kv_heads, d]. cos, sin: [T, rd].
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor k_pool, torch::Tensor v_pool, int64_t heads, int64_t kv_heads,
                          int64_t d, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                          double eps) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32, "float32");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "float32 qkv");
+  check_pools(k_pool, v_pool);
   qkv = qkv.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
@@ -135,7 +154,13 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const float* qw = qn ? q_norm->contiguous().data_ptr<float>() : nullptr;
   const float* kw = kn ? k_norm->contiguous().data_ptr<float>() : nullptr;
   const int64_t* slp = sl.data_ptr<int64_t>();
-  float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const bool half = k_pool.scalar_type() == torch::kHalf;
+  float* kp = half ? nullptr : k_pool.data_ptr<float>();
+  float* vp = half ? nullptr : v_pool.data_ptr<float>();
+  c10::Half* kh = half ? k_pool.data_ptr<c10::Half>() : nullptr;
+  c10::Half* vh = half ? v_pool.data_ptr<c10::Half>() : nullptr;
+  std::vector<float> key(static_cast<size_t>(d));  // a half pool's key before its rounding
   const int64_t slots_total = k_pool.numel() / (kv_heads * d);
   const float e = static_cast<float>(eps);
   for (int64_t t = 0; t < T; ++t) {
@@ -149,12 +174,18 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
     const int64_t slot = slp[t];
     TORCH_CHECK(slot >= 0 && slot < slots_total, "slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      float* kd = kp + (slot * kv_heads + h) * d;
+      const int64_t at = (slot * kv_heads + h) * d;
+      float* kd = half ? key.data() : kp + at;
       const float* ks = row + (heads + h) * d;
       if (kn) norm_row(ks, kw, e, d, kd); else std::copy(ks, ks + d, kd);
       rope(kd, c, s, rd);
       const float* vs = row + (heads + kv_heads + h) * d;
-      std::copy(vs, vs + d, vp + (slot * kv_heads + h) * d);
+      if (half) {
+        to_half(kd, kh + at, d);
+        to_half(vs, vh + at, d);
+      } else {
+        std::copy(vs, vs + d, vp + at);
+      }
     }
   }
   return q;
@@ -173,8 +204,17 @@ constexpr int64_t kSpan = 128;
 
 #define MTPLX_ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
+// A pool row's 16 elements from x as float32: float32 pools as they are, float16 ones widened
+// (exactly) by F16C.
+MTPLX_ATTN512 __attribute__((always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MTPLX_ATTN512 __attribute__((always_inline)) inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename KV>  // the pools' element: float or c10::Half
 struct SpanArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const KV *k, *v;
   const int64_t *table, *positions;
   int64_t heads, kv_heads, d, block, key_start, spans;
   float scale;
@@ -205,8 +245,8 @@ MTPLX_ATTN512 __attribute__((always_inline)) inline __m512 sum16(const __m512 v[
 // The weighted values of M (query, head) sums over one span, 16 lanes of the head size at a time
 // with the M sums in registers: sum u takes keys 0 .. n[u] - 1 (the sums' common keys first, then
 // the few keys a verify's later queries see more), its weights at w[u], into out[u].
-template <int M>
-MTPLX_ATTN512 void weigh_values(const float* const* vrow, int64_t d, const float* const* w, const int64_t* n,
+template <int M, typename KV>
+MTPLX_ATTN512 void weigh_values(const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n,
                                 float* const* out) {
   int64_t all = n[0], upto = n[0];
   for (int u = 1; u < M; ++u) {
@@ -218,12 +258,12 @@ MTPLX_ATTN512 void weigh_values(const float* const* vrow, int64_t d, const float
 #pragma GCC unroll 16
     for (int u = 0; u < M; ++u) acc[u] = _mm512_setzero_ps();
     for (int64_t j = 0; j < all; ++j) {
-      const __m512 vv = _mm512_loadu_ps(vrow[j] + x);
+      const __m512 vv = load16(vrow[j] + x);
 #pragma GCC unroll 16
       for (int u = 0; u < M; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u][j]), vv, acc[u]);
     }
     for (int64_t j = all; j < upto; ++j) {
-      const __m512 vv = _mm512_loadu_ps(vrow[j] + x);
+      const __m512 vv = load16(vrow[j] + x);
 #pragma GCC unroll 16
       for (int u = 0; u < M; ++u)
         if (j < n[u]) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u][j]), vv, acc[u]);
@@ -233,13 +273,14 @@ MTPLX_ATTN512 void weigh_values(const float* const* vrow, int64_t d, const float
   }
 }
 
-template <int... Ms>
-MTPLX_ATTN512 void weigh_values_of(int m, std::integer_sequence<int, Ms...>, const float* const* vrow, int64_t d,
+template <typename KV, int... Ms>
+MTPLX_ATTN512 void weigh_values_of(int m, std::integer_sequence<int, Ms...>, const KV* const* vrow, int64_t d,
                                    const float* const* w, const int64_t* n, float* const* out) {
   ((m == Ms + 1 ? weigh_values<Ms + 1>(vrow, d, w, n, out) : void()), ...);
 }
 
-MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
+template <typename KV>
+MTPLX_ATTN512 void attend_span(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
                                std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, first = std::max(a.key_start, c * kSpan);
   auto slot = [&](int64_t i, int64_t g) {  // query i, head g of this KV head: its partial result
@@ -252,8 +293,8 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
     most = std::max(most, seen[i]);
   }
   // each key's and value's row of this KV head, found once (no division per read)
-  const float* krow[kSpan];
-  const float* vrow[kSpan];
+  const KV* krow[kSpan];
+  const KV* vrow[kSpan];
   for (int64_t j = 0, b = first / a.block, o = first % a.block; j < most; ++j) {
     const int64_t at = ((a.table[b] * a.block + o) * a.kv_heads + kvh) * d;
     krow[j] = a.k + at;
@@ -269,20 +310,21 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
   // 434 / 655 -> 567 (benchmarks/cpu_attention.py; a long context then waits on memory). Key rows
   // are fetched four blocks ahead (a long context's cache streams from memory), and this block's
   // value rows (for the pass after this one)
+  constexpr int64_t line = 64 / sizeof(KV);  // elements a cache line
   auto fetch_keys = [&](int64_t j0) {
     for (int64_t j = j0; j < std::min(most, j0 + 16); ++j)
-      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(krow[j] + x), _MM_HINT_T0);
+      for (int64_t x = 0; x < d; x += line) _mm_prefetch(reinterpret_cast<const char*>(krow[j] + x), _MM_HINT_T0);
   };
   constexpr int64_t kAhead = 64;
   for (int64_t j0 = 0; j0 < kAhead; j0 += 16) fetch_keys(j0);
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 < most; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, most - j0);
-    const float* kr[16];
+    const KV* kr[16];
     for (int64_t u = 0; u < 16; ++u) kr[u] = krow[j0 + std::min(u, n - 1)];  // past the keys: scores unread
     if (j0 + kAhead < most) fetch_keys(j0 + kAhead);
     for (int64_t j = j0; j < j0 + n; ++j)
-      for (int64_t x = 0; x < d; x += 16) _mm_prefetch(reinterpret_cast<const char*>(vrow[j] + x), _MM_HINT_T1);
+      for (int64_t x = 0; x < d; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow[j] + x), _MM_HINT_T1);
     for (int64_t i = 0; i < Q; ++i) {
       if (j0 >= seen[i]) continue;
       const float* qi = a.q + (i * a.heads + kvh * group) * d;
@@ -293,7 +335,7 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
         for (int64_t x = 0; x < d; x += 16) {
           const __m512 qx = _mm512_loadu_ps(qi + g * d + x);
 #pragma GCC unroll 16
-          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(kr[u] + x), acc[u]);
+          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, load16(kr[u] + x), acc[u]);
         }
         _mm512_storeu_ps(scores.data() + (i * group + g) * kSpan + j0, _mm512_mul_ps(sum16(acc), scale));
       }
@@ -330,12 +372,13 @@ MTPLX_ATTN512 void attend_span(const SpanArgs& a, int64_t Q, int64_t kvh, int64_
       w[u] = scores.data() + pair * kSpan;
       out[u] = slot(pair / group, pair % group) + 2;
     }
-    weigh_values_of(m, std::make_integer_sequence<int, 16>{}, vrow, d, w, n, out);
+    weigh_values_of<KV>(m, std::make_integer_sequence<int, 16>{}, vrow, d, w, n, out);
   }
 }
 
 // The spans' partial results of query i, head h, merged in span order -> out[d].
-void merge_spans(const SpanArgs& a, int64_t i, int64_t h, float* out) {
+template <typename KV>
+void merge_spans(const SpanArgs<KV>& a, int64_t i, int64_t h, float* out) {
   const int64_t d = a.d;
   const float* part = a.partial + (i * a.heads + h) * a.spans * (d + 2);
   float top = -INFINITY;
@@ -354,16 +397,10 @@ void merge_spans(const SpanArgs& a, int64_t i, int64_t h, float* out) {
   for (int64_t x = 0; x < d; ++x) out[x] *= inv;
 }
 
-// One row's queries q [Q, heads, d] over its paged keys: query i attends keys
-// key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
-// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
-// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else each query
-// head on its own over all its keys.
-torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                            torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
-                            double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32, "float32");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+template <typename KV>
+torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                               torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
+                               double scale) {
   q = q.contiguous();
   const torch::Tensor table = block_table.to(torch::kLong).contiguous();
   const torch::Tensor pos = positions.to(torch::kLong).contiguous();
@@ -378,13 +415,14 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
   for (int64_t b = 0, used = (most + block - 1) / block; b < used; ++b)
     TORCH_CHECK(tp[b] >= 0 && tp[b] < k_pool.size(0), "block id out of range");
   torch::Tensor out = torch::empty({Q, heads * d}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const KV *kp = k_pool.data_ptr<KV>(), *vp = v_pool.data_ptr<KV>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   if (quant_isa(0) == 512 && d % 16 == 0 && heads / kv_heads <= 16) {
     const int64_t spans = (most + kSpan - 1) / kSpan;
     torch::Tensor partial = torch::empty({Q, heads, std::max<int64_t>(spans, 1), d + 2}, q.options());
-    SpanArgs a{qp, kp, vp, tp, pp, heads, kv_heads, d, block, key_start, spans, sc, partial.data_ptr<float>()};
+    SpanArgs<KV> a{qp, kp, vp, tp, pp, heads, kv_heads, d, block, key_start, spans, sc, partial.data_ptr<float>()};
     // a job per KV head and span; where those are fewer than two a thread (a short context), a
     // job per query head and span (the same numbers: each head's sums are computed alike either way)
     const int64_t group = heads / kv_heads;
@@ -403,14 +441,23 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
   }
   at::parallel_for(0, Q * heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
+    std::vector<float> wide(static_cast<size_t>(d));  // a half pool's row widened
+    auto row_of = [&](const KV* r) -> const float* {
+      if constexpr (std::is_same_v<KV, float>) {
+        return r;
+      } else {
+        for (int64_t c = 0; c < d; ++c) wide[c] = static_cast<float>(r[c]);
+        return wide.data();
+      }
+    };
     for (int64_t job = b; job < e; ++job) {
       const int64_t i = job / heads, h = job % heads, kvh = h / group;
       const float* qv = qp + (i * heads + h) * d;
       const int64_t last = pp[i];
       float top = -INFINITY;
       for (int64_t j = key_start; j <= last; ++j) {
-        const float* kv = kp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
-        scores[j] = dot(qv, kv, d) * sc;
+        const KV* kv = kp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
+        scores[j] = dot(qv, row_of(kv), d) * sc;
         top = std::max(top, scores[j]);
       }
       const float total = exp_shifted(scores.data() + key_start, last + 1 - key_start, top);
@@ -418,13 +465,29 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor
       std::fill(o, o + d, 0.f);
       const float inv = 1.f / total;
       for (int64_t j = key_start; j <= last; ++j) {
-        const float* vv = vp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
+        const float* vv = row_of(vp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d);
         const float p = scores[j] * inv;
         for (int64_t c = 0; c < d; ++c) o[c] += p * vv[c];
       }
     }
   });
   return out;
+}
+
+// One row's queries q [Q, heads, d] over its paged keys: query i attends keys
+// key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
+// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
+// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else each query
+// head on its own over all its keys. The pools hold float32 or float16 (each element widened
+// exactly to float32 as it is read: the same numbers as attending over the pools' .float()).
+torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                            torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
+                            double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "float32 queries");
+  check_pools(k_pool, v_pool);
+  if (k_pool.scalar_type() == torch::kHalf)
+    return row_attention_of<c10::Half>(q, k_pool, v_pool, block_table, positions, key_start, scale);
+  return row_attention_of<float>(q, k_pool, v_pool, block_table, positions, key_start, scale);
 }
 
 // silu(gate) * up of [..., 2 I] (gate first) -> [..., I]

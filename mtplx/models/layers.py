@@ -178,7 +178,7 @@ class Attention(nn.Module):
         rows, q_len, _ = x.shape
         if self.qkv_proj is not None or self.is_fused:
             qkv = self.qkv_proj(x) if self.qkv_proj is not None else F.linear(x, self.qkv_weight, self.qkv_bias)
-            if cpu_kernels.usable(qkv) and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
+            if cpu_kernels.usable(qkv) and isinstance(rotary, BoundRotary) and cpu_kernels.pools_usable(k_pool):
                 # q/k norms, RoPE and the KV write in one call (kernels/cpu.py)
                 q = cpu_kernels.rope_write(
                     qkv, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, self.heads, self.kv_heads,
@@ -367,7 +367,7 @@ class DecoderLayer(nn.Module):
         if self._mma_fusable(x, rotary):
             return self._forward_mma(x, delta, rotary, meta, k_pool, v_pool)
         if x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_QUERIES and cpu_kernels.usable(x) \
-                and isinstance(rotary, BoundRotary) and k_pool.dtype == torch.float32:
+                and isinstance(rotary, BoundRotary) and cpu_kernels.pools_usable(k_pool):
             step = self._cpu_layer()
             if step is not None:  # one row's decode step, draft or verify: one C++ call
                 table, positions = meta.first_row()
