@@ -153,7 +153,7 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
             "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
             "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
             "busy_share": kernel_us / wall_us,
-            "top": [{"name": n, "count": round(c, 2), "us": round(us, 2)} for n, c, us in rows[:20]]}
+            "top": [{"name": n, "count": round(c, 2), "us": round(us, 2)} for n, c, us in rows[:60]]}
 
 
 def main() -> None:
