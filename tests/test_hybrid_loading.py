@@ -99,6 +99,12 @@ def test_qwen3_5_checkpoint_layout_loads(tmp_path, caplog, arch):
     assert info["mtp"]["zero_centered_norms"] is True
     assert info["layer_mix"]["linear_attention"] > 0 and info["layer_mix"]["full_attention"] > 0
     assert info["prefix_cache"]["enabled"] is False and "recurrent state" in info["prefix_cache"]["reason"]
+    full = info["layer_mix"]["full_attention"]  # only those layers keep keys and values
+    assert info["kv_cache"]["attention_layers"] == full
+    per = 2 * full * engine.config.num_key_value_heads * engine.config.head_dim
+    assert info["kv_cache"]["bytes_per_token"] == {"float16": 2 * per, "float32": 4 * per}
+    pools = engine.runner.cache.k[:full] + engine.runner.cache.v[:full]  # the engine's trunk pools (float16 here)
+    assert sum(p[0, 0].numel() * p.element_size() for p in pools) == info["kv_cache"]["bytes_per_token"]["float16"]
 
 
 def test_qwen3_next_checkpoint_with_per_expert_tensors_loads(tmp_path):

@@ -46,6 +46,12 @@ def _render(info: dict) -> str:
         if mix.get("experts"):
             line += f"; MoE {mix['experts']} in {mix['moe_layers']} layers"
         lines.append(line)
+    kv = info.get("kv_cache")
+    if kv:
+        per = kv["bytes_per_token"]
+        lines.append(f"kv cache:     {per['float16']:,} bytes a token in 16 bits (float16: the CPU's default for "
+                     f"float32 weights; --kv-dtype), {per['float32']:,} in float32; {kv['attention_layers']} "
+                     "attention layers (an MTP head's add theirs)")
     if info.get("prefix_cache", {}).get("enabled") is False:
         lines.append(f"prefix cache: off ({info['prefix_cache']['reason']})")
     for row in info.get("weights", []):

@@ -48,6 +48,9 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
     info["layer_mix"] = config.layer_mix()
     info["prefix_cache"] = ({"enabled": False, "reason": HYBRID_PREFIX_CACHE_REASON} if config.is_hybrid
                             else {"enabled": True})
+    per_entry = 2 * config.num_kv_layers * config.num_key_value_heads * config.head_dim  # keys and values
+    info["kv_cache"] = {"attention_layers": config.num_kv_layers,  # a head's layers add theirs
+                        "bytes_per_token": {"float16": 2 * per_entry, "float32": 4 * per_entry}}
     info.update(
         layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
         attention_heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
