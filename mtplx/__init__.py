@@ -51,10 +51,11 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
     from mtplx.engine.llm_engine import Engine
     from mtplx.loading.checkpoint import load_checkpoint
-    from mtplx.runtime import resolve_device, resolve_dtype
+    from mtplx.runtime import resolve_device, resolve_dtype, resolve_kv_dtype
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    kv = resolve_kv_dtype(kv_dtype, dev, dt)  # (a bad value fails before the weights load)
     if model is None:
         from mtplx.loading.default_model import default_head_dir, default_model_path
 
@@ -71,7 +72,7 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
         loaded = load(device=dev)
     from mtplx.tuning import tuned
 
-    choice = tuned(loaded, dev, dt)  # what `mtplx tune` saved for this model, device and dtype
+    choice = tuned(loaded, dev, dt, kv_dtype=kv)  # what `mtplx tune` saved for this model, device, dtypes
     sampled = choice.get("sampled", {})
     sampled_depth = sampled.get("depth") if depth is None else None  # an explicit depth is for every request
     if depth is None:
@@ -82,4 +83,4 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
                   sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
                   depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"),
-                  tensor_parallel=tp, kv_dtype=kv_dtype)
+                  tensor_parallel=tp, kv_dtype=kv)

@@ -40,15 +40,19 @@ def resolve_kv_dtype(kv_dtype, device: torch.device, dtype: torch.dtype) -> torc
     """The KV cache's element type. None or "auto": float16 on the CPU where the model computes in
     float32 (a long context's decode reads half the bytes; each entry is rounded once, to
     nearest, when written, and widened exactly when read), else the model's dtype. On the CPU
-    "float32", "float16" or the model's dtype may be asked for; on CUDA only the model's dtype
-    (its kernels read the pools in the activations' type)."""
+    "float32" or the model's dtype may be asked for, and "float16" for a float32 model; on CUDA
+    only the model's dtype (its kernels read the pools in the activations' type). float16 holds
+    magnitudes up to 65,504: a model whose keys or values exceed that (none measured here) needs
+    "float32" (an entry past it becomes inf, and its attention NaN)."""
     if kv_dtype is None or kv_dtype == "auto":
         return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
     name = kv_dtype if isinstance(kv_dtype, str) else None
     if name is not None and name not in DTYPES:
         raise InvalidParameter("kv_dtype", f"{kv_dtype!r} is not one of auto, float32, float16, bfloat16")
     want = DTYPES[name] if name is not None else kv_dtype
-    allowed = {dtype} if device.type == "cuda" else {dtype, torch.float32, torch.float16}
+    allowed = {dtype}
+    if device.type != "cuda":
+        allowed |= {torch.float32, torch.float16} if dtype == torch.float32 else {torch.float32}
     if want not in allowed:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
         raise InvalidParameter("kv_dtype", f"{str(want).removeprefix('torch.')} is not available on {device.type} "

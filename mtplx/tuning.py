@@ -15,7 +15,9 @@ File layout: {"version": 1, "entries": {key: {"depth" or "mode": "ar", "tok_s", 
 greedy verdict (an AR verdict has "best_mtp_tok_s" instead of "speedup" and
 "acceptance_by_depth"), "sampling" holds the settings measured ({"temperature", "top_p",
 "seed"}), and an entry without "sampled" (written before sampled tuning) tunes greedy only.
-The key names the trunk (path and size), the head's source, the device type and the dtype.
+The key names the trunk (path and size), the head's source, the device type and the dtype, and
+the KV cache's element type where it is not the model's dtype (the CPU's float16 cache reads half
+the bytes a step: a verdict measured over a float32 cache is not its own).
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ def tuning_path() -> Path:
     return Path.home() / ".mtplx" / "tuning.json"
 
 
-def model_key(loaded, device, dtype) -> str:
-    """Identifies what a tuned depth was measured for. ``loaded``: a LoadedModel."""
+def model_key(loaded, device, dtype, kv_dtype=None) -> str:
+    """Identifies what a tuned depth was measured for. ``loaded``: a LoadedModel; ``kv_dtype``:
+    the KV cache's element type (None or the model's dtype: not part of the key)."""
     source = Path(loaded.source).expanduser().resolve() if loaded.source else None
     size = _size(source) if source else 0
     head = (loaded.head_info or {}).get("source", "") if loaded.head is not None else ""
     key = f"{source}:{size}|head={head}|{getattr(device, 'type', device)}|{str(dtype).replace('torch.', '')}"
+    if kv_dtype is not None and kv_dtype != dtype:
+        key += f"|kv={str(kv_dtype).replace('torch.', '')}"
     # quantized weights change what a cycle costs: a float model's verdict is not theirs
     quantized = getattr(loaded, "quantize", None)
     return f"{key}|quantize={quantized}" if quantized else key
@@ -58,14 +63,14 @@ def read_tuning(path: Path | None = None) -> dict:
     return data
 
 
-def tuned(loaded, device, dtype, path: Path | None = None) -> dict:
+def tuned(loaded, device, dtype, path: Path | None = None, kv_dtype=None) -> dict:
     """What ``mtplx tune`` saved for this model on this device and dtype. The greedy verdict:
     {"depth": d}, {"mode": "ar"} (no depth beat AR), or none (not tuned, or a malformed entry);
     plus, where the entry holds a valid one, the sampled verdict as "sampled": {"depth": d} or
     {"mode": "ar"}. E.g. {"depth": 1, "sampled": {"mode": "ar"}}; {} when nothing is tuned."""
     if loaded.head is None:
         return {}
-    entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype))
+    entry = read_tuning(path)["entries"].get(model_key(loaded, device, dtype, kv_dtype))
     if not isinstance(entry, dict):
         return {}
     choice, sampled = _verdict(entry), _verdict(entry.get("sampled"))
@@ -145,7 +150,7 @@ def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:
 
 
 def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | None = None, *,
-                sampled: tuple[dict, dict] | None = None) -> Path:
+                sampled: tuple[dict, dict] | None = None, kv_dtype=None) -> Path:
     """Record the greedy verdict (``choice``, a ``pick_depth`` of ``report``): the winning depth
     (an int or "auto"), or, with no winner, that AR is the fastest here, replacing any earlier
     entry for this key; with the cycle costs depth="auto" uses (``choice["depth_costs"]``, a
@@ -159,7 +164,7 @@ def save_choice(loaded, device, dtype, choice: dict, report: dict, path: Path | 
         sampled_choice, sampled_report = sampled
         entry["sampled"] = {**_verdict_record(sampled_choice, sampled_report),
                             "sampling": sampled_report.get("sampling")}
-    data["entries"][model_key(loaded, device, dtype)] = entry
+    data["entries"][model_key(loaded, device, dtype, kv_dtype)] = entry
     data["version"] = VERSION
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -176,10 +176,11 @@ def test_row_attention_over_float16_pools(width, heads, kv_heads, d, positions):
         cpu_kernels.vector_width(before)
 
 
-def test_rope_write_rounds_into_float16_pools():
+@pytest.mark.parametrize("d", [64, 12])  # (12: eight at a time, then one at a time)
+def test_rope_write_rounds_into_float16_pools(d):
     """The same queries as with float32 pools, and each written key and value the float32 one
     rounded to nearest (``.half()``); other slots untouched."""
-    heads, kv_heads, d, t = 9, 3, 64, 4
+    heads, kv_heads, t = 9, 3, 4
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=_gen(24)) * 3
     cos, sin = torch.randn(t, d, generator=_gen(25)), torch.randn(t, d, generator=_gen(26))
     slots = torch.tensor([3, 17, 18, 40])

@@ -74,7 +74,7 @@ def test_training_forward_equals_the_engine_head_at_every_depth(features, layers
         kv_dtype="float32")  # (the training forward keeps float32 entries)
     model, head, runner = engine.loaded.model, engine.runner.head, engine.runner
     ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(0))
-    hidden = trunk_hidden(model, ids, head.trunk_layers)
+    hidden = trunk_hidden(model, ids, head.trunk_layers, kv_dtype=torch.float32)  # the engine's, pinned above
     outs = head_outputs(head, model, hidden, ids, depth=3)
     seq = engine.new_sequence(engine.make_request(ids[0].tolist(), mode="mtp", depth=3))
     runner.blocks.allocate(seq.seq_id, seq.prompt_ids)

@@ -27,6 +27,8 @@ def test_the_choices_by_device_and_model_dtype():
         resolve_kv_dtype("float16", CUDA, torch.bfloat16)
     with pytest.raises(InvalidParameter, match="bfloat16 is not available on cpu with a float32 model"):
         resolve_kv_dtype("bfloat16", CPU, torch.float32)
+    with pytest.raises(InvalidParameter, match="float16 is not available on cpu with a bfloat16 model"):
+        resolve_kv_dtype("float16", CPU, torch.bfloat16)  # (no float16 kernels for bf16 activations)
     with pytest.raises(InvalidParameter, match="'int8' is not one of auto, float32, float16, bfloat16"):
         resolve_kv_dtype("int8", CPU, torch.float32)
 

@@ -81,7 +81,7 @@ def test_tune_saves_ar_when_no_depth_beats_it_greedy_and_sampled(monkeypatch, ca
     out = capsys.readouterr().out
     assert "greedy: no MTP depth beat AR" in out and "sampled: no MTP depth beat AR" in out
     assert "greedy requests default to AR, sampled requests (temperature > 0) default to AR" in out
-    tuned = tuning.tuned(engine.loaded, engine.device, engine.dtype)
+    tuned = tuning.tuned(engine.loaded, engine.device, engine.dtype, kv_dtype=engine.runner.cache.kv_dtype)
     costs = tuned.pop("depth_costs"), tuned["sampled"].pop("depth_costs")  # measured, for depth="auto"
     assert tuned == {"mode": "ar", "sampled": {"mode": "ar"}}
     assert all(len(c.cycles) == 2 and c.of(1) > 0 for c in costs)
@@ -196,8 +196,10 @@ def test_load_applies_both_verdicts(tmp_path):
     assert (engine.default_mode, engine.sampled_mode, engine.sampled_depth) == (None, None, None)  # not tuned
     greedy = _report(40.0, {2: (60.0, 0.6)})
     sampled = {**_report(40.0, {3: (48.0, 0.5)}), "sampling": dict(tuning.SAMPLED)}
+    kv = engine.runner.cache.kv_dtype  # the CPU's float16 cache: part of the key
     tuning.save_choice(engine.loaded, engine.device, engine.dtype, tuning.pick_depth(greedy), greedy,
-                       sampled=(tuning.pick_depth(sampled), sampled))
+                       sampled=(tuning.pick_depth(sampled), sampled), kv_dtype=kv)
+    assert mtplx.load(tmp_path, kv_dtype="float32", **load).make_request([3, 4, 5]).depth == 1  # not its verdict
     engine = mtplx.load(tmp_path, **load)
     assert engine.make_request([3, 4, 5]).depth == 2
     assert engine.make_request([3, 4, 5], temperature=0.7).depth == 3
@@ -205,7 +207,7 @@ def test_load_applies_both_verdicts(tmp_path):
     assert pinned.make_request([3, 4, 5], temperature=0.7).depth == 1
     lose = {**_report(40.0, {3: (30.0, 0.5)}), "sampling": dict(tuning.SAMPLED)}
     tuning.save_choice(engine.loaded, engine.device, engine.dtype, tuning.pick_depth(greedy), greedy,
-                       sampled=(tuning.pick_depth(lose), lose))
+                       sampled=(tuning.pick_depth(lose), lose), kv_dtype=kv)
     engine = mtplx.load(tmp_path, **load)
     assert engine.make_request([3, 4, 5], temperature=0.7).mode == "ar"
     assert engine.make_request([3, 4, 5]).mode == "mtp" and engine.make_request([3, 4, 5]).depth == 2

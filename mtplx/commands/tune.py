@@ -51,7 +51,8 @@ def run(args) -> int:
         choice["depth_costs"] = costs
         print(f"{regime}: {choice['message']}")
         verdicts[regime] = choice, report
-    path = save_choice(engine.loaded, engine.device, engine.dtype, *verdicts["greedy"], sampled=verdicts["sampled"])
+    path = save_choice(engine.loaded, engine.device, engine.dtype, *verdicts["greedy"], sampled=verdicts["sampled"],
+                       kv_dtype=engine.runner.cache.kv_dtype)
     uses = {regime: f"use depth {choice['depth']}" if choice["depth"] is not None else "default to AR"
             for regime, (choice, _) in verdicts.items()}
     any_ar = any(choice["depth"] is None for choice, _ in verdicts.values())

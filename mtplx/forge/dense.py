@@ -20,8 +20,9 @@ engine feeds its own draft. Under greedy verification a depth-d draft counts onl
 drafts before it were the trunk's tokens, and in greedy data those are exactly the data's; in
 sampled data the data's token is one the trunk drew, what an accepted sampled draft is.
 
-The trunk pass reuses the engine's own model code over a throw-away paged cache, so the hidden
-states the head trains on are the ones it sees at inference.
+The trunk pass reuses the engine's own model code over a throw-away paged cache of the engine's
+default KV type on that device (float16 on the CPU for a float32 trunk), so the hidden states
+the head trains on are the ones it sees at inference.
 """
 
 from __future__ import annotations
@@ -33,25 +34,29 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.models.base import CausalLM
 from mtplx.models.mtp import MTPHead
+from mtplx.runtime import resolve_kv_dtype
 
 _BLOCK = 16  # block size of the throw-away cache of ``trunk_hidden``
 
 
 @torch.no_grad()
-def trunk_hidden(model: CausalLM, ids: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:
+def trunk_hidden(model: CausalLM, ids: torch.Tensor, layers: tuple[int, ...] = (),
+                 kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Final-normed trunk hidden states of whole sequences, with the outputs of ``layers``
     after them (what a head with those feature layers reads: ``CausalLM.forward``).
 
     ids: [rows, T] long (padding after a row's end is harmless: attention is causal).
     Returns [rows, T, H * (1 + len(layers))] in the model's dtype, computed by the engine's own
-    forward."""
+    forward over a cache of ``kv_dtype`` (None: the engine's default on ids' device,
+    ``runtime.resolve_kv_dtype``)."""
     rows, length = ids.shape
     cfg = model.config
     blocks_per_row = -(-length // _BLOCK)
+    dtype = model.model.embed_tokens.weight.dtype
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=rows * blocks_per_row, block_size=_BLOCK,
                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                         hidden_size=cfg.hidden_size * (1 + len(layers)),
-                         dtype=model.model.embed_tokens.weight.dtype, device=ids.device)
+                         hidden_size=cfg.hidden_size * (1 + len(layers)), dtype=dtype, device=ids.device,
+                         kv_dtype=resolve_kv_dtype(kv_dtype, ids.device, dtype))
     tables = torch.arange(rows * blocks_per_row, device=ids.device).view(rows, blocks_per_row)
     positions = torch.arange(length, device=ids.device).expand(rows, length)
     slots = tables.gather(1, positions // _BLOCK) * _BLOCK + positions % _BLOCK

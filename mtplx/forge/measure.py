@@ -135,7 +135,8 @@ def exact_distribution(engine: Engine, prompt: list[int], params: SamplingParams
 
 def _next_probs(engine: Engine, ids: list[int], params: SamplingParams) -> torch.Tensor:
     model = engine.loaded.model
-    hidden = trunk_hidden(model, torch.tensor([ids], device=engine.device))
+    # over the engine's own cache type: the distribution its MTP samples must match
+    hidden = trunk_hidden(model, torch.tensor([ids], device=engine.device), kv_dtype=engine.runner.cache.kv_dtype)
     logits = model.compute_logits(hidden[:, -1])
     return logits_to_probs(logits, params)[0].float().cpu()
 

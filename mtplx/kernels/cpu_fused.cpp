@@ -129,7 +129,8 @@ inline void to_half(const float* src, c10::Half* dst, int64_t n) {
   for (; x + 8 <= n; x += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + x),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; x < n; ++x) dst[x] = c10::Half(src[x]);
+  for (; x < n; ++x)  // (the same conversion, one at a time: a NaN keeps the same bits either way)
+    dst[x] = c10::Half(_cvtss_sh(src[x], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), c10::Half::from_bits());
 }
 
 // qkv [T, (heads + 2 kv_heads) d] -> q [T, heads, d] with its norm and RoPE; k (norm, RoPE) and
@@ -441,7 +442,7 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
   }
   at::parallel_for(0, Q * heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
-    std::vector<float> wide(static_cast<size_t>(d));  // a half pool's row widened
+    std::vector<float> wide(std::is_same_v<KV, float> ? 0 : static_cast<size_t>(d));  // a half pool's row widened
     auto row_of = [&](const KV* r) -> const float* {
       if constexpr (std::is_same_v<KV, float>) {
         return r;
