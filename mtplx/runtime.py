@@ -54,7 +54,9 @@ def resolve_kv_dtype(kv_dtype, device: torch.device, dtype: torch.dtype) -> torc
     if device.type != "cuda":
         allowed |= {torch.float32, torch.float16} if dtype == torch.float32 else {torch.float32}
     if want not in allowed:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
-        raise InvalidParameter("kv_dtype", f"{str(want).removeprefix('torch.')} is not available on {device.type} "
-                                           f"with a {str(dtype).removeprefix('torch.')} model: use auto or {names}")
+        def short(d: torch.dtype) -> str:
+            return str(d).removeprefix("torch.")
+
+        raise InvalidParameter("kv_dtype", f"{short(want)} is not available on {device.type} with a {short(dtype)} "
+                                           f"model: use auto or {', '.join(sorted(map(short, allowed)))}")
     return want

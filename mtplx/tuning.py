@@ -118,11 +118,12 @@ def depth_costs(report: dict, draft_policy: str = "greedy"):
                                        {d: fixed[d]["acceptance_by_depth"] for d in depths})
 
 
-def tuned_depth(loaded, device, dtype, path: Path | None = None) -> int | None:
+def tuned_depth(loaded, device, dtype, path: Path | None = None, kv_dtype=None) -> int | None:
     """The saved depth for this model on this device and dtype, or None (use the default).
 
-    For an ``Engine``: ``tuned_depth(engine.loaded, engine.device, engine.dtype)``."""
-    return tuned(loaded, device, dtype, path).get("depth")
+    For an ``Engine``: ``tuned_depth(engine.loaded, engine.device, engine.dtype,
+    kv_dtype=engine.runner.cache.kv_dtype)``."""
+    return tuned(loaded, device, dtype, path, kv_dtype).get("depth")
 
 
 def pick_depth(report: dict, collapse: float = COLLAPSE) -> dict:

@@ -16,9 +16,9 @@ from mtplx.engine.sampling import NoiseStream, SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.tensor_parallel import TensorParallel
 from mtplx.errors import InvalidParameter
-from mtplx.runtime import resolve_kv_dtype
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.models.layers import fuse_projections
+from mtplx.runtime import resolve_kv_dtype
 
 MAX_DEPTH = 8
 DEFAULT_DEPTH = 1  # the shipped head's fastest depth on a 2-core CPU; `mtplx tune` finds yours
