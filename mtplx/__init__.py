@@ -17,7 +17,7 @@ def __getattr__(name):
 
 def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_unverified_head=False,
          kv_cache_tokens=16384, block_size=16, quantize=None, max_depth=None, tensor_parallel=1,
-         kv_dtype=None):
+         kv_dtype=None, head_quantize=None):
     """Load a model and return an ``Engine``.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for the default model
@@ -39,13 +39,17 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (on the CPU's kernels, or CUDA's: int4 on the tensor cores); "int4" / "int8" quantize on load
     (round-to-nearest, a scale per 32 inputs); "fp8" quantizes to float8 e4m3 with a scale per
     output row (Triton kernels on CUDA; on the CPU dequantized per forward: slow, for quality
-    checks). The MTP head always stays in ``dtype``.
+    checks). The MTP head stays in ``dtype`` unless ``head_quantize`` says otherwise.
     tensor_parallel: split the model across this many processes, one per GPU (NCCL; on the CPU
     gloo, for tests): this process is rank 0 and starts the others; float weights only
     (docs/tensor_parallel.md). ``engine.tensor_parallel.close()`` stops them.
     kv_dtype: the KV cache's element type: None or "auto" (default) float16 on the CPU for a
     float32 model (a long context's attention reads half as much; entries rounded once when
     written), else the model's dtype; on the CPU "float32" keeps entries exact.
+    head_quantize: the MTP head's linear weights: None or "none" (default) in ``dtype``; "int8" /
+    "int4" round-to-nearest with a scale per 32 inputs, "fp8" as ``quantize``. The drafts only
+    propose (the trunk verifies them), so outputs stay exact; a draft step reads fewer bytes and
+    the head may accept a little less (docs/performance.md: on the CPU int8 pays).
     """
     import functools
 
@@ -62,7 +66,8 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
         model = default_model_path()
         head = head or default_head_dir()
     load = functools.partial(load_checkpoint, model, dtype=dt, head_dir=head,
-                             allow_unverified_head=allow_unverified_head, quantize=quantize)
+                             allow_unverified_head=allow_unverified_head, quantize=quantize,
+                             head_quantize=head_quantize)
     tp = None
     if tensor_parallel != 1:
         from mtplx.engine.tensor_parallel import launch

@@ -132,6 +132,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("kv_dtype", _choice(("float32", "fp32", "float16", "fp16", "bfloat16", "bf16"), True),
         "float32, float16, bfloat16 (or fp32, fp16, bf16) or auto (float16 on the CPU for a float32 model, "
         "else the model's dtype)"),
+    Key("head_quantize", _choice(("none", "int8", "int4", "fp8"), True),
+        "none, int8, int4, fp8 (the MTP head's linear weights) or auto (none: the head's own dtype)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
     Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),
@@ -171,6 +173,7 @@ class Config:
     dtype: str | None = None
     quantize: str | None = None
     kv_dtype: str | None = None
+    head_quantize: str | None = None
     tensor_parallel: int = 1
     api_key: str | None = None
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)

@@ -48,7 +48,9 @@ def model_key(loaded, device, dtype, kv_dtype=None) -> str:
         key += f"|kv={str(kv_dtype).replace('torch.', '')}"
     # quantized weights change what a cycle costs: a float model's verdict is not theirs
     quantized = getattr(loaded, "quantize", None)
-    return f"{key}|quantize={quantized}" if quantized else key
+    key = f"{key}|quantize={quantized}" if quantized else key
+    head_quantized = getattr(loaded, "head_quantize", None)  # a quantized head: cheaper drafts, other acceptance
+    return f"{key}|head_quantize={head_quantized}" if head_quantized else key
 
 
 def read_tuning(path: Path | None = None) -> dict:

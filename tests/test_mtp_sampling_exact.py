@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from mtplx.engine.adaptive_depth import AutoDepth, DepthCosts
 from mtplx.engine.sampling import SamplingParams, logits_to_probs
 from mtplx.forge.data import decode_rows
+from mtplx.models.quant import QuantLinear, quantize_linears
 from tests.tiny_models import repeat_head, tiny_engine
 
 V = 8
@@ -118,6 +119,18 @@ def test_often_accepted_head_keeps_the_distribution(policy):
     sampler = dict(temperature=0.7)
     samples = sample_mtp(engine, N, 3, policy, **sampler)
     assert_fits(samples, exact_distribution(hf, SamplingParams(**sampler)))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_head_keeps_the_distribution(fmt):
+    """head_quantize: the head's maps in 8 or 4 bits draft (and give mirror drafts' q) on the
+    quantized kernels; the verify stays the trunk's, so the samples keep AR's distribution."""
+    engine, hf = _engine(head="repeat")
+    assert quantize_linears(engine.runner.head, fmt) == 5  # fc, q/k/v (one matrix), o, gate/up (one), down
+    assert any(isinstance(m, QuantLinear) for m in engine.runner.head.layers.modules())
+    for policy, sampler in (("mirror", dict(temperature=1.0, top_p=0.9)), ("greedy", dict(temperature=0.7))):
+        samples = sample_mtp(engine, N, 2, policy, **sampler)
+        assert_fits(samples, exact_distribution(hf, SamplingParams(**sampler)))
 
 
 def test_chi_square_detects_a_wrong_distribution():

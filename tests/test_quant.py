@@ -550,3 +550,41 @@ def test_auto_quantize_keeps_a_gguf_in_its_blocks_where_the_float_weights_would_
         assert checkpoint.resolve_quantize(None, path, cuda, torch.bfloat16) == want
     assert checkpoint.resolve_quantize("none", path, cuda, torch.bfloat16) == "none"
     assert checkpoint.resolve_quantize(None, path.parent, cuda, torch.bfloat16) is None
+
+
+# --- head_quantize: the MTP head's own linear maps ---------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_head_quantize_rounds_the_heads_maps_to_nearest_and_decoding_stays_exact(default_gguf, fmt):
+    from mtplx.tuning import model_key
+
+    plain = mtplx.load(device="cpu")  # the default model with its shipped head
+    engine = mtplx.load(device="cpu", head_quantize=fmt)
+    head, float_head = engine.loaded.head, plain.loaded.head
+    assert set(weight_formats(head).values()) == {f"{fmt} g32 (rtn)"}  # fc, the fusion, q/k/v, o, gate/up, down
+    weights = dict(float_head.named_parameters())
+    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
+    qkv = torch.cat([weights[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    gate_up = torch.cat([weights[f"layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    bits = int(fmt[3:])
+    for module, w in ((head.fc, weights["fc.weight"]), (head.feature_fc, weights["feature_fc.weight"]),
+                      (attn.qkv_proj, qkv), (attn.o_proj, weights["layers.0.self_attn.o_proj.weight"]),
+                      (mlp.gate_up_proj, gate_up), (mlp.down_proj, weights["layers.0.mlp.down_proj.weight"])):
+        assert torch.equal(module.dequantize(), _rtn_reference(w, bits))
+    assert torch.equal(head.norm.weight, float_head.norm.weight)  # norms stay float
+    assert linear_weight_bytes(head) < 0.6 * linear_weight_bytes(float_head)
+    # the trunk verifies every draft: greedy MTP is AR's, token for token
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    ar = engine.generate(messages, chat=True, max_tokens=40, mode="ar", ignore_eos=True)
+    mtp = engine.generate(messages, chat=True, max_tokens=40, mode="mtp", depth=2, ignore_eos=True)
+    assert mtp.token_ids == ar.token_ids == plain.generate(messages, chat=True, max_tokens=40, mode="ar",
+                                                           ignore_eos=True).token_ids
+    assert mtp.stats["accepted_tokens"] > 0
+    # a tuned verdict measured with the float head is not the quantized head's
+    assert model_key(engine.loaded, "cpu", torch.float32).endswith(f"|head_quantize={fmt}")
+    assert "head_quantize" not in model_key(plain.loaded, "cpu", torch.float32)
+
+
+def test_unknown_head_quantize_value_is_refused_before_loading(tmp_path):
+    with pytest.raises(InvalidParameter, match="head_quantize"):
+        mtplx.load(tmp_path / "absent.gguf", device="cpu", head_quantize="gguf")

@@ -24,6 +24,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type: float16 (the CPU's default for a float32 model: a long "
                         "context's decode reads half as much), float32 (exact entries) or the model's dtype "
                         "(CUDA: only that)")
+    p.add_argument("--head-quantize", default=None, choices=("none", "int8", "int4", "fp8"),
+                   help="the MTP head's linear weights: int8/int4 round-to-nearest with a scale per 32 inputs, "
+                        "fp8 as --quantize; cheaper drafts, outputs still exact (the trunk verifies); "
+                        "default none: the head's own dtype")
 
 
 def load_engine(args, depth=None):
@@ -31,7 +35,8 @@ def load_engine(args, depth=None):
 
     return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
                       allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None),
-                      max_depth=getattr(args, "max_depth", None), kv_dtype=getattr(args, "kv_dtype", None))
+                      max_depth=getattr(args, "max_depth", None), kv_dtype=getattr(args, "kv_dtype", None),
+                      head_quantize=getattr(args, "head_quantize", None))
 
 
 # a token-id prompt suite for models without a tokenizer

@@ -25,7 +25,7 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py 
 # flags that are also config keys (the flag wins when given)
 CONFIG_FLAGS = ("model", "scheduler_mode", "generation_mode", "depth", "max_depth", "host", "port", "max_active_requests",
                 "decode_batch_max", "batch_wait_ms", "max_queued_requests", "device", "dtype", "quantize", "kv_dtype",
-                "tensor_parallel", "api_key")
+                "head_quantize", "tensor_parallel", "api_key")
 
 
 def add_parser(sub) -> None:
@@ -103,7 +103,8 @@ def run(args) -> int:
     with sock:
         engine = mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=cfg.depth, head=args.head,
                             allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize,
-                            max_depth=cfg.max_depth, tensor_parallel=cfg.tensor_parallel, kv_dtype=cfg.kv_dtype)
+                            max_depth=cfg.max_depth, tensor_parallel=cfg.tensor_parallel, kv_dtype=cfg.kv_dtype,
+                            head_quantize=cfg.head_quantize)
         scheduler_settings.validate_model_for_mode(settings, engine.has_mtp)
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,

@@ -17,9 +17,10 @@ from mtplx.models.config import ModelConfig
 from mtplx.loading.weights import attach_head, build_model_on_meta, materialize
 from mtplx.models.mtp import MTPHead
 from mtplx.models.parallel import Shard
-from mtplx.models.quant import FORMATS, QuantizedWeight, QuantLinear, quantize, quantize_rtn
+from mtplx.models.quant import FORMATS, QuantizedWeight, QuantLinear, quantize, quantize_linears, quantize_rtn
 
 QUANTIZE_CHOICES = (None, "none", "gguf", *FORMATS)
+HEAD_QUANTIZE_CHOICES = (None, "none", *FORMATS)
 QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
 
 
@@ -33,11 +34,13 @@ class LoadedModel:
     generation_defaults: dict = field(default_factory=dict)
     head_info: dict = field(default_factory=dict)  # layout, verified, source, provenance
     quantize: str | None = None  # the trunk's weights as loaded: None float, else the format (gguf, int4, ...)
+    head_quantize: str | None = None  # the MTP head's linear weights: None its dtype, else int8, int4 or fp8
 
 
 def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
                     head_dir: str | Path | None = None, allow_unverified_head: bool = False,
-                    quantize: str | None = None, shard: Shard | None = None) -> LoadedModel:
+                    quantize: str | None = None, shard: Shard | None = None,
+                    head_quantize: str | None = None) -> LoadedModel:
     """Load trunk weights, tokenizer and any MTP head (native weights or a sidecar).
 
     A sidecar is looked for in ``head_dir`` if given, else beside the trunk (``mtp.safetensors``).
@@ -49,10 +52,22 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     "int4" / "int8": round-to-nearest with groups of 32 inputs; "fp8": float8 e4m3 with one
     scale per output row (fast on CUDA; on the CPU dequantized per forward, for quality checks).
     shard: load one tensor-parallel rank's slice of the trunk and head (float weights only;
-    ``LoadedModel.config`` stays the whole model's, ``model.config`` is the rank's)."""
+    ``LoadedModel.config`` stays the whole model's, ``model.config`` is the rank's).
+    head_quantize: the MTP head's linear weights (its fc, feature fusion and layers; the draft
+    rows of the output matrix are the trunk's): None or "none" in ``dtype``; "int8" / "int4"
+    round-to-nearest with groups of 32 inputs, "fp8" as for the trunk. Drafts only propose and
+    the verify reads the trunk, so outputs stay exact; a coarser head may accept less
+    (docs/performance.md measures it)."""
     path = Path(path).expanduser()
     if quantize not in QUANTIZE_CHOICES:
         raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
+    if head_quantize not in HEAD_QUANTIZE_CHOICES:
+        raise InvalidParameter("head_quantize", f"{head_quantize!r} is not one of "
+                                                f"{', '.join(map(str, HEAD_QUANTIZE_CHOICES))}")
+    head_quantize = None if head_quantize == "none" else head_quantize
+    if shard is not None and shard.world > 1 and head_quantize is not None:
+        raise InvalidParameter("tensor_parallel", f"head_quantize={head_quantize!r} cannot be sharded yet: "
+                                                  "tensor parallelism needs a float head (head_quantize none)")
     if shard is not None and shard.world > 1 and quantize not in (None, "none"):
         raise InvalidParameter("tensor_parallel", f"quantize={quantize!r} cannot be sharded yet: tensor "
                                                   "parallelism needs float weights (quantize none)")
@@ -116,6 +131,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     head, head_info = None, {}
     if head_weights is not None:
         head = attach_head(model, head_weights, device, dtype, shard, config)
+        if head_quantize is not None:
+            quantize_linears(head, head_quantize, QUANTIZE_GROUP)
         if isinstance(output, QuantizedWeight) and output.bits == 8:
             # drafts read the output matrix once more per drafted token: half the bytes in int4
             model.draft_lm_head = QuantLinear(quantize_rtn(output.dequantize(), 4, QUANTIZE_GROUP), device=device,
@@ -123,7 +140,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
         head_info = {"layout": head_weights.mtp.layout, "verified": head_weights.verified,
                      "source": head_weights.source, "provenance": head_weights.provenance}
     return LoadedModel(model, head, tokenizer, config, path, gen_defaults, head_info,
-                       None if quantize in (None, "none") else quantize)
+                       None if quantize in (None, "none") else quantize, head_quantize if head is not None else None)
 
 
 def shard_loaded(loaded: LoadedModel, shard: Shard, device) -> LoadedModel:

@@ -355,9 +355,11 @@ def is_quantized(module: nn.Module) -> bool:
 def quantize_linears(module: nn.Module, fmt: str, group_size: int = 32) -> int:
     """Replace each ``nn.Linear`` below ``module`` by a ``QuantLinear`` of its weight in ``fmt``
     (one of FORMATS, quantized on the Linear's device), a block's q/k/v and gate/up fused into
-    one matrix each as loading does. Returns the count of QuantLinears made."""
+    one matrix each as loading does; a Linear whose inputs are not whole groups stays float.
+    Returns the count of QuantLinears made."""
     quantized = {name: (quantize(sub.weight, fmt, group_size), sub.bias)
-                 for name, sub in module.named_modules() if type(sub) is nn.Linear}
+                 for name, sub in module.named_modules()
+                 if type(sub) is nn.Linear and (fmt == "fp8" or sub.in_features % group_size == 0)}
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)  # the activations'
     for name, (qw, bias) in fuse_quantized(module, quantized).items():
         parent, _, child = name.rpartition(".")
