@@ -624,3 +624,50 @@ def test_process_probs_keeps_what_the_pytorch_ops_keep(monkeypatch):
         torch.testing.assert_close(probs[real], want[real], rtol=1e-5, atol=1e-30)
         masked = (logits == float("-inf")) & real  # 0 exactly (a greedy row of -inf: the one-hot at 0, as torch)
         assert torch.equal(probs[masked], want[masked])
+
+
+# --- argmax and greedy acceptance ---------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000, 49152])
+def test_argmax_is_torchs_first_maximum(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-3, 4, (6, n), generator=g).float()  # many ties
+    x[1] = torch.randn(n, generator=g)
+    x[2] = -math.inf
+    x[3, n // 2] = math.inf
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert torch.equal(cpu_kernels.argmax(x.reshape(2, 3, n)), x.reshape(2, 3, n).argmax(-1))
+
+
+@pytest.mark.parametrize("n", [1, 9, 40, 49152])
+def test_argmax_of_a_row_with_nans_is_its_first_nan_as_torchs(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(4, n, generator=g)
+    x[0, n - 1] = math.nan
+    x[1, 0] = math.nan
+    x[2, n // 3] = math.nan
+    x[2, n - 1] = math.nan
+    x[3, n // 2] = math.inf  # no NaN: the maximum
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+
+
+def test_argmax_reads_a_non_contiguous_view_as_its_values():
+    x = torch.randn(40, 64)[:, ::2]
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("capped", [False, True])
+def test_greedy_verify_is_greedy_outcome_over_the_argmax(k, capped):
+    from mtplx.engine.speculative import greedy_outcome
+
+    g = torch.Generator().manual_seed(10 * k + capped)
+    rows, vocab = 5, 50
+    logits = torch.randn(rows, k + 1, vocab, generator=g)
+    target = logits.argmax(-1)
+    drafts = target[:, :k].clone()  # accepted ...
+    for r in range(rows):  # ... up to a miss at a different place in each row
+        if r < k:
+            drafts[r, r] = (drafts[r, r] + 1) % vocab
+    depths = torch.randint(0, k + 1, (rows, 1), generator=g) if capped else None
+    assert torch.equal(cpu_kernels.greedy_verify(logits, drafts, depths), greedy_outcome(target, drafts, depths))

@@ -40,7 +40,7 @@ from mtplx.engine.adaptive_depth import batch_depth
 from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
-from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
+from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step, first_max
 from mtplx.engine.sampling import SamplerBatch, apply_penalties
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import CycleOutcome, greedy_outcome, sampled_outcome
@@ -520,7 +520,7 @@ class Generator:
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
         recorded there (its token is None); without, the exception propagates."""
         if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
-            return logits.argmax(-1).tolist()  # the step's one host sync
+            return first_max(logits).tolist()  # the step's one host sync
         sampler = self._sampler_for(seqs)
         logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),

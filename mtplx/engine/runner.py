@@ -16,7 +16,7 @@ from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, process_logits
-from mtplx.kernels import cycle as cycle_kernels, noise, sampling as sampling_kernels
+from mtplx.kernels import cpu as cpu_kernels, cycle as cycle_kernels, noise, sampling as sampling_kernels
 from mtplx.engine.speculative import greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
@@ -422,7 +422,7 @@ class ModelRunner:
         hidden = self.forward_trunk(torch.cat([c.primary, drafts], dim=1), c.verify)
         logits = self.model.compute_logits(hidden)
         if sampling is None:
-            return hidden, logits, greedy_outcome(_argmax(logits), drafts, c.depths)
+            return hidden, logits, _greedy_outcome(logits, drafts, c.depths)
         if not depth and sampling_kernels.usable(logits):
             # an AR step: its token is the race's winner over p, which the processing kernel
             # draws in its last pass (what the rejection kernel draws at depth 0, a second pass)
@@ -444,9 +444,9 @@ class ModelRunner:
         subset = self.head.draft_subset(self.model, h)
         if subset is None:
             logits = self.head.draft_logits(self.model, h)
-            return sampling.draft(logits, j) if mirror else (_argmax(logits), None)
+            return sampling.draft(logits, j) if mirror else (first_max(logits), None)
         kept, ids = subset
-        return sampling.draft(kept, j, ids) if mirror else (ids[_argmax(kept)], None)
+        return sampling.draft(kept, j, ids) if mirror else (ids[first_max(kept)], None)
 
 
 class CycleSampling:
@@ -537,9 +537,20 @@ class CycleSampling:
         return picks, torch.where(self.mirror_rows, q, hot)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first maximum over the vocabulary: one Triton pass on CUDA (``kernels.sampling.argmax``)."""
-    return sampling_kernels.argmax(logits) if sampling_kernels.usable(logits) else logits.argmax(-1)
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum over the vocabulary (torch.argmax's): one Triton pass on CUDA
+    (``kernels.sampling.argmax``), one C++ pass a row on the CPU (``kernels.cpu.argmax``)."""
+    if sampling_kernels.usable(logits):
+        return sampling_kernels.argmax(logits)
+    return cpu_kernels.argmax(logits) if cpu_kernels.argmax_usable(logits) else logits.argmax(-1)
+
+
+def _greedy_outcome(logits: torch.Tensor, drafts: torch.Tensor, depths: torch.Tensor | None) -> torch.Tensor:
+    """``greedy_outcome(first_max(logits), drafts, depths)``: on the CPU one C++ call
+    (``kernels.cpu.greedy_verify``), where the PyTorch ops' dispatch cost more than their work."""
+    if cpu_kernels.argmax_usable(logits) and logits.dim() == 3 and drafts.dtype == torch.long:
+        return cpu_kernels.greedy_verify(logits, drafts, depths)
+    return greedy_outcome(first_max(logits), drafts, depths)
 
 
 def _idle_plan(depth: int) -> list[int]:

@@ -269,6 +269,27 @@ def layer(ln1: torch.Tensor, ln2: torch.Tensor, eps: float, qkv, o, gate_up, dow
 NO_DRAFT_PROBS = torch.empty(0)  # philox_race's "one-hot drafts"
 
 
+def argmax_usable(x: torch.Tensor) -> bool:
+    """Whether ``argmax`` and ``greedy_verify`` take these logits: float32 on the CPU, not empty."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0 \
+        and available()
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] float32 -> [...] int64: torch.argmax(x, -1) (the first maximum; the first NaN
+    where a row has one) in one pass a row, no thread hand-offs (a verify's output rows and a
+    draft's pruned vocabulary: tens of microseconds a call through torch.argmax on this project's
+    CPU, a few here)."""
+    return extension().argmax_rows(x.detach().contiguous())
+
+
+def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, depths: torch.Tensor | None) -> torch.Tensor:
+    """``speculative.greedy_outcome(argmax(logits), drafts, depths)`` in one call: logits
+    [R, k + 1, V] float32, drafts [R, k] int64, depths [R, 1] int64 or None -> the packed
+    [R, k + 2] int64 outcome (drafts, accepted count, next token)."""
+    return extension().greedy_verify(logits.detach().contiguous(), drafts, depths)
+
+
 def sampling_usable(*probs: torch.Tensor | None) -> bool:
     """Whether ``race`` and ``nucleus_threshold`` take these distributions: float32 on the CPU
     (none needing a gradient), the kernels built."""
