@@ -5,13 +5,15 @@ its own per round, ``engine.generate`` wall-clock. Per temperature and configura
 tok/s as all runs' tokens after the first over their decode seconds, and the tokens a cycle
 commits. Configurations (``--configs``, ``CONFIGS``): AR; MTP at depth 1 and 2 with argmax drafts
 ("greedy"), with mirror drafts and with the engine's own draft policy ("auto"), and at
-depth="auto" ("mtpauto_auto"). Every child process runs every
-configuration on each prompt in turn, so machine noise hits them alike; ``--baseline-tree DIR`` adds
-another checkout's package ("baseline"), alternating with this tree's.
+depth="auto" ("mtpauto_auto"). ``--head-quantize int8`` (or int4, fp8) runs each MTP
+configuration a second time on an engine whose head is quantized (``mtplx.load(head_quantize=)``),
+named "<config>+int8". Every child process runs every configuration on each prompt in turn, so
+machine noise hits them alike; ``--baseline-tree DIR`` adds another checkout's package
+("baseline"), alternating with this tree's (a tree without ``head_quantize`` cannot take it).
 
     python benchmarks/cpu_sampled.py [--threads 2] [--rounds 2] [--tokens 96] [--prompts 12]
-        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--configs ar,mtp1_greedy,...] [--baseline-tree DIR]
-        [--json FILE]
+        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--configs ar,mtp1_greedy,...] [--head-quantize FMT]
+        [--baseline-tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,24 +37,29 @@ DEFAULT_CONFIGS = "ar,mtp1_greedy,mtp1_mirror,mtp2_greedy,mtp2_mirror,mtp1_auto"
 
 
 def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], top_p: float, seed: int,
-            configs: list[str]) -> dict:
+            configs: list[str], head_quantize: str | None = None) -> dict:
     import torch
 
     import mtplx
 
     torch.set_num_threads(threads)
-    engine = mtplx.load(device="cpu", quantize="gguf")
-    engine.generate("Hello", mode="mtp", max_tokens=8)  # kernels built and warm
+    engines = {None: mtplx.load(device="cpu", quantize="gguf")}
+    if head_quantize:
+        engines[head_quantize] = mtplx.load(device="cpu", quantize="gguf", head_quantize=head_quantize)
+    for engine in engines.values():
+        engine.generate("Hello", mode="mtp", max_tokens=8)  # kernels built and warm
+    runs = [(name, fmt) for name in configs for fmt in engines if fmt is None or CONFIGS[name][0] == "mtp"]
     out = {}
     for t in temperatures:
         for i, prompt in enumerate(HELD_OUT_CHAT[:prompts]):  # every configuration per prompt, in turn
             sampling = dict(temperature=t, seed=seed + i, top_p=top_p) if t else dict(temperature=0)
-            for name in configs:
+            for name, fmt in runs:
                 mode, depth, policy = CONFIGS[name]
                 if t == 0 and policy == "mirror":
                     continue  # greedy requests draft by argmax whatever the policy
-                sums = out.setdefault(f"t{t}", {}).setdefault(name, {"seconds": 0.0, "tokens": 0, "cycles": 0})
-                r = engine.generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=depth,
+                sums = out.setdefault(f"t{t}", {}).setdefault(name if fmt is None else f"{name}+{fmt}",
+                                                              {"seconds": 0.0, "tokens": 0, "cycles": 0})
+                r = engines[fmt].generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=depth,
                                     draft_policy=policy, max_tokens=tokens, ignore_eos=True, **sampling)
                 sums["seconds"] += r.stats["decode_s"]
                 sums["tokens"] += r.stats["generated_tokens"] - 1
@@ -69,6 +76,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of: {', '.join(CONFIGS)}")
+    ap.add_argument("--head-quantize", default=None, choices=("int8", "int4", "fp8"),
+                    help="also run each MTP configuration with the head's weights in this format")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     add_arguments(ap)
     args = ap.parse_args()
@@ -78,15 +87,15 @@ def main() -> None:
         raise SystemExit(f"--configs: 'ar' and any of {', '.join(CONFIGS)}")
     if args.child:
         print(json.dumps(one_run(args.threads, args.tokens, args.prompts, temperatures, args.top_p, args.seed,
-                                 configs)))
+                                 configs, args.head_quantize)))
         return
     envs = with_baseline({"this": dict(os.environ)}, args.baseline_tree)
     totals: dict = {name: {} for name in envs}
     for r in range(args.rounds):  # each round its own seeds, the same for every tree
         argv = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--prompts", str(args.prompts),
                 "--temperatures", args.temperatures, "--top-p", str(args.top_p), "--seed", str(1000 * r),
-                "--configs", args.configs]
-        for name, res in rounds(__file__, argv, envs, 1):
+                "--configs", args.configs] + (["--head-quantize", args.head_quantize] if args.head_quantize else [])
+        for name, res in rounds(__file__, argv, envs, 1, start=r):
             for regime, configs in res.items():
                 for config, sums in configs.items():
                     into = totals[name].setdefault(regime, {}).setdefault(config, {"seconds": 0.0, "tokens": 0,
@@ -113,7 +122,7 @@ def main() -> None:
             for regime, configs in summary["this"].items() for c, v in configs.items()))
     report = {"date": datetime.date.today().isoformat(), "threads": args.threads, "tokens": args.tokens,
               "rounds": args.rounds, "prompts": list(HELD_OUT_CHAT[:args.prompts]), "temperatures": temperatures,
-              "configs": configs, "top_p": args.top_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
+              "configs": configs, "head_quantize": args.head_quantize, "top_p": args.top_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
               "load_average_end": list(os.getloadavg())}
     if args.json:
         with open(args.json, "w") as f:

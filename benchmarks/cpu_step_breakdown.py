@@ -7,7 +7,7 @@ at depths 1-3), in ms per cycle (the wrappers add a little of their own). A diag
 CPU decode path (docs/performance.md, sessions 10, 11 and 28).
 
     python benchmarks/cpu_step_breakdown.py [--threads 1] [--quantize gguf] [--depths 1,2,3]
-        [--temperature 0] [--top-p 1.0] [--draft-policy auto]
+        [--temperature 0] [--top-p 1.0] [--draft-policy auto] [--head-quantize int8]
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-policy", default="auto", help="auto, greedy (argmax drafts) or mirror")
+    ap.add_argument("--head-quantize", default=None, help="the MTP head's linear weights: int8, int4 or fp8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = mtplx.load(device="cpu", quantize=args.quantize)
+    engine = mtplx.load(device="cpu", quantize=args.quantize, head_quantize=args.head_quantize)
     spent, calls = collections.defaultdict(float), collections.Counter()
 
     def wrap(owner, name, key):

@@ -6,7 +6,7 @@ through mtp_batch vs serial, with sampling.
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
         [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
         [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0] [--scheduler-depths 1,2,3,auto]
-        [--ignore-eos]
+        [--ignore-eos] [--head-quantize int8]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--quantize", default=None, help="the trunk's weights: none, gguf, int4, int8, fp8")
+    ap.add_argument("--head-quantize", default=None, help="the MTP head's linear weights: int8, int4 or fp8")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT_CHAT))
     ap.add_argument("--depths", default="1,2,3,auto")
@@ -222,7 +223,8 @@ def main() -> None:
     from mtplx.commands.common import parse_depth, parse_depths
 
     t0 = time.perf_counter()
-    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head, quantize=args.quantize)
+    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head, quantize=args.quantize,
+                        **({"head_quantize": args.head_quantize} if args.head_quantize else {}))
     report = {"engine_build_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
               "torch": torch.__version__, "max_tokens": args.max_tokens, "auto_depth": repr(engine.auto_depth),
               "quantize": args.quantize, "head": args.head, "prompts": list(HELD_OUT_CHAT[: args.prompts])}
