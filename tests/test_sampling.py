@@ -296,6 +296,37 @@ def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temper
         assert torch.equal(single, expected[row])
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_top_k_in_a_batch_keeps_what_each_rows_own_processing_keeps(compiled, monkeypatch):
+    """Rows asking for different top-k (none, 1, 20, 500; with and without top-p; a greedy row)
+    in one batch over a 49,152-token vocabulary with tied logits: each row keeps the tokens
+    ``logits_to_probs`` keeps for it alone. Through PyTorch's ops the probabilities are its
+    own; through the C++ kernels (the cut, then ``kernels.cpu.process_probs``) within float32
+    rounding."""
+    from mtplx.engine.sampling import SamplerTensors, process_logits
+    from mtplx.kernels import cpu as cpu_kernels
+
+    if compiled and not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    if not compiled:
+        monkeypatch.setattr(cpu_kernels, "sampling_usable", lambda *a: False)
+    logits = torch.round(torch.randn(5, 2, 49152, generator=torch.Generator().manual_seed(8)) * 8) / 2  # ties
+    params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.7, top_k=500, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.95),
+              SamplingParams()]
+    s = SamplerTensors(5, torch.device("cpu"))
+    s.write(params)
+    got = process_logits(logits, s, min_p=False)
+    for row, p in enumerate(params):
+        want = logits_to_probs(logits[row], p)
+        assert torch.equal(got[row] > 0, want > 0), row
+        if compiled:
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-12)
+        else:
+            assert torch.equal(got[row], want), row
+    assert int((got[0, 0] > 0).sum()) >= 20 and int((got[1] > 0).sum(-1).max()) >= 1
+
+
 def test_a_batch_draws_each_row_as_that_row_alone_and_greedy_rows_take_the_argmax():
     """SamplerBatch.sample races every row at once, each row's noise from its own stream: the
     tokens ``sample`` gives each row alone from a stream of the same seed, step after step."""
