@@ -12,7 +12,7 @@ machine noise hits them alike; ``--baseline-tree DIR`` adds another checkout's p
 ("baseline"), alternating with this tree's (a tree without ``head_quantize`` cannot take it).
 
     python benchmarks/cpu_sampled.py [--threads 2] [--rounds 2] [--tokens 96] [--prompts 12]
-        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--top-k 0] [--configs ar,mtp1_greedy,...] [--head-quantize FMT]
+        [--temperatures 0,0.7,1.0] [--top-p 1.0] [--top-k 0] [--min-p 0] [--configs ar,mtp1_greedy,...] [--head-quantize FMT]
         [--baseline-tree DIR] [--json FILE]
 """
 
@@ -37,7 +37,7 @@ DEFAULT_CONFIGS = "ar,mtp1_greedy,mtp1_mirror,mtp2_greedy,mtp2_mirror,mtp1_auto"
 
 
 def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], top_p: float, seed: int,
-            configs: list[str], head_quantize: str | None = None, top_k: int = 0) -> dict:
+            configs: list[str], head_quantize: str | None = None, top_k: int = 0, min_p: float = 0.0) -> dict:
     import torch
 
     import mtplx
@@ -52,8 +52,8 @@ def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], 
     out = {}
     for t in temperatures:
         for i, prompt in enumerate(HELD_OUT_CHAT[:prompts]):  # every configuration per prompt, in turn
-            sampling = dict(temperature=t, seed=seed + i, top_p=top_p, **({"top_k": top_k} if top_k else {})) \
-                if t else dict(temperature=0)
+            filters = {**({"top_k": top_k} if top_k else {}), **({"min_p": min_p} if min_p else {})}
+            sampling = dict(temperature=t, seed=seed + i, top_p=top_p, **filters) if t else dict(temperature=0)
             for name, fmt in runs:
                 mode, depth, policy = CONFIGS[name]
                 if t == 0 and policy == "mirror":
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="the sampled requests' top-k (0: none)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="the sampled requests' min-p (0: none)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of: {', '.join(CONFIGS)}")
     ap.add_argument("--head-quantize", default=None, choices=("int8", "int4", "fp8"),
                     help="also run each MTP configuration with the head's weights in this format")
@@ -89,7 +90,7 @@ def main() -> None:
         raise SystemExit(f"--configs: 'ar' and any of {', '.join(CONFIGS)}")
     if args.child:
         print(json.dumps(one_run(args.threads, args.tokens, args.prompts, temperatures, args.top_p, args.seed,
-                                 configs, args.head_quantize, args.top_k)))
+                                 configs, args.head_quantize, args.top_k, args.min_p)))
         return
     envs = with_baseline({"this": dict(os.environ)}, args.baseline_tree)
     totals: dict = {name: {} for name in envs}
@@ -97,6 +98,7 @@ def main() -> None:
         argv = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--prompts", str(args.prompts),
                 "--temperatures", args.temperatures, "--top-p", str(args.top_p), "--seed", str(1000 * r),
                 *(["--top-k", str(args.top_k)] if args.top_k else []),
+                *(["--min-p", str(args.min_p)] if args.min_p else []),
                 "--configs", args.configs] + (["--head-quantize", args.head_quantize] if args.head_quantize else [])
         for name, res in rounds(__file__, argv, envs, 1, start=r):
             for regime, configs in res.items():
@@ -125,7 +127,7 @@ def main() -> None:
             for regime, configs in summary["this"].items() for c, v in configs.items()))
     report = {"date": datetime.date.today().isoformat(), "threads": args.threads, "tokens": args.tokens,
               "rounds": args.rounds, "prompts": list(HELD_OUT_CHAT[:args.prompts]), "temperatures": temperatures,
-              "configs": configs, "head_quantize": args.head_quantize, "top_p": args.top_p, "top_k": args.top_k, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
+              "configs": configs, "head_quantize": args.head_quantize, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
               "load_average_end": list(os.getloadavg())}
     if args.json:
         with open(args.json, "w") as f:

@@ -297,12 +297,12 @@ def test_top_p_from_a_partial_sort_keeps_what_a_sort_of_every_token_keeps(temper
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_top_k_in_a_batch_keeps_what_each_rows_own_processing_keeps(compiled, monkeypatch):
-    """Rows asking for different top-k (none, 1, 20, 500; with and without top-p; a greedy row)
-    in one batch over a 49,152-token vocabulary with tied logits: each row keeps the tokens
-    ``logits_to_probs`` keeps for it alone. Through PyTorch's ops the probabilities are its
-    own; through the C++ kernels (the cut, then ``kernels.cpu.process_probs``) within float32
-    rounding."""
+def test_top_k_and_min_p_in_a_batch_keep_what_each_rows_own_processing_keeps(compiled, monkeypatch):
+    """Rows asking for different top-k (none, 1, 20, 500; with and without top-p and min-p; a
+    greedy row) in one batch over a 49,152-token vocabulary with tied logits: each row keeps the
+    tokens ``logits_to_probs`` keeps for it alone. Through PyTorch's ops the probabilities are
+    its own; through the C++ kernels (the cut, ``kernels.cpu.process_probs``, then min-p) within
+    float32 rounding."""
     from mtplx.engine.sampling import SamplerTensors, process_logits
     from mtplx.kernels import cpu as cpu_kernels
 
@@ -310,13 +310,14 @@ def test_top_k_in_a_batch_keeps_what_each_rows_own_processing_keeps(compiled, mo
         pytest.skip("the CPU kernels are not built here")
     if not compiled:
         monkeypatch.setattr(cpu_kernels, "sampling_usable", lambda *a: False)
-    logits = torch.round(torch.randn(5, 2, 49152, generator=torch.Generator().manual_seed(8)) * 8) / 2  # ties
+    logits = torch.round(torch.randn(7, 2, 49152, generator=torch.Generator().manual_seed(8)) * 8) / 2  # ties
     params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.7, top_k=500, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.95),
-              SamplingParams()]
-    s = SamplerTensors(5, torch.device("cpu"))
+              SamplingParams(), SamplingParams(temperature=1.0, min_p=0.05),
+              SamplingParams(temperature=1.5, top_k=40, top_p=0.9, min_p=0.2)]
+    s = SamplerTensors(7, torch.device("cpu"))
     s.write(params)
-    got = process_logits(logits, s, min_p=False)
+    got = process_logits(logits, s)
     for row, p in enumerate(params):
         want = logits_to_probs(logits[row], p)
         assert torch.equal(got[row] > 0, want > 0), row

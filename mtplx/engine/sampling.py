@@ -285,19 +285,20 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     argmax. The flags skip a filter no row asks for (a CUDA graph takes them all: any row may);
     a row that does not ask for a filter is left unchanged by it. On CUDA one Triton kernel does
     it all (``kernels.sampling.process``), each row's filters only where it asks for them; on the
-    CPU, where no row asks for min-p, one C++ call (``kernels.cpu.process_probs``: the same kept
-    tokens, probabilities within float32 rounding of these ops'), after top-k's cut where a row
-    asks for it (``_top_k_cut``)."""
+    CPU one C++ call (``kernels.cpu.process_probs``: the same kept tokens, probabilities within
+    float32 rounding of these ops'), after top-k's cut where a row asks for it (``_top_k_cut``)
+    and before min-p's (``_min_p_rows``)."""
     if sampling_kernels.usable(logits):
         return sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p)[0]
-    if not min_p and cpu_kernels.sampling_usable(logits):  # the CPU's one call (kernels/cpu.py)
+    if cpu_kernels.sampling_usable(logits):  # the CPU's one call (kernels/cpu.py)
         rows, positions, vocab = logits.shape
         if top_k:  # top-k's cut taken from the same scaled logits as below: the same kept tokens
             scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]
             logits = logits.masked_fill(_top_k_cut(scaled, s.top_k), float("-inf"))
         per_token = lambda column: column.expand(rows, positions).reshape(-1)  # noqa: E731
-        return cpu_kernels.process_probs(logits.reshape(-1, vocab), per_token(s.temperature), per_token(s.top_p),
-                                         per_token(s.greedy)).view(rows, positions, vocab)
+        probs = cpu_kernels.process_probs(logits.reshape(-1, vocab), per_token(s.temperature), per_token(s.top_p),
+                                          per_token(s.greedy)).view(rows, positions, vocab)
+        return _min_p_rows(probs, s.min_p) if min_p else probs  # (a greedy row's one-hot stays one)
     logits = logits.float()
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]
     if top_k:
@@ -307,11 +308,18 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
         kept = _renormalise(probs.masked_fill(probs < _nucleus_threshold(probs, s.top_p[:, :, None]), 0.0))
         probs = torch.where(s.top_p[:, :, None] < 1, kept, probs)
     if min_p:
-        kept = _renormalise(probs.masked_fill(probs < s.min_p[:, :, None] * probs.amax(dim=-1, keepdim=True), 0.0))
-        probs = torch.where(s.min_p[:, :, None] > 0, kept, probs)
+        probs = _min_p_rows(probs, s.min_p)
     if greedy:
         probs = torch.where(s.greedy[:, :, None], one_hot_argmax(logits), probs)
     return probs
+
+
+def _min_p_rows(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """probs [rows, positions, V] with min-p applied to the rows whose min_p [rows, 1] is above
+    0: tokens below min_p times their row's largest probability dropped, the rest renormalised
+    (other rows unchanged)."""
+    kept = _renormalise(probs.masked_fill(probs < min_p[:, :, None] * probs.amax(dim=-1, keepdim=True), 0.0))
+    return torch.where(min_p[:, :, None] > 0, kept, probs)
 
 
 def _top_k_cut(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
