@@ -43,7 +43,8 @@ def resolve_kv_dtype(kv_dtype, device: torch.device, dtype: torch.dtype) -> torc
     "float32" or the model's dtype may be asked for, and "float16" for a float32 model; on CUDA
     only the model's dtype (its kernels read the pools in the activations' type). float16 holds
     magnitudes up to 65,504: a model whose keys or values exceed that (none measured here) needs
-    "float32" (an entry past it becomes inf, and its attention NaN)."""
+    "float32" (an entry past it becomes inf, and its attention NaN; the engine logs a warning the
+    first time it happens: ``ModelRunner.warn_on_kv_overflow``)."""
     if kv_dtype is None or kv_dtype == "auto":
         return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
     name = kv_dtype if isinstance(kv_dtype, str) else None

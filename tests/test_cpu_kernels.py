@@ -206,6 +206,25 @@ def test_rope_write_rounds_into_float16_pools(d):
                                1e-6)
 
 
+@pytest.mark.parametrize("d", [64, 12])  # vectors of eight, and a tail written one at a time
+def test_a_finite_value_past_float16s_range_sets_the_overflow_record(d):
+    """65,520 and beyond (halfway past 65,504) become inf in a float16 pool: the write records
+    it, read once by take_half_overflow; 65,519, inf and NaN inputs, and float32 pools, do not."""
+    heads, kv_heads, t = 2, 1, 1
+    cos, sin = torch.ones(t, d), torch.zeros(t, d)
+    slots = torch.tensor([5])
+    cpu_kernels.take_half_overflow()  # nothing left over
+    for value, pool_dtype, overflows in ((65519.0, torch.float16, False), (float("inf"), torch.float16, False),
+                                         (float("nan"), torch.float16, False), (65520.0, torch.float16, True),
+                                         (-1e6, torch.float16, True), (1e6, torch.float32, False)):
+        qkv = torch.ones(t, (heads + 2 * kv_heads) * d)
+        qkv[0, -1] = value  # the last value of the row: the tail at d = 12
+        pools = torch.zeros(2, 4, kv_heads, d, dtype=pool_dtype), torch.zeros(2, 4, kv_heads, d, dtype=pool_dtype)
+        cpu_kernels.rope_write(qkv, cos, sin, slots, *pools, heads, kv_heads, d, None, None, 1e-6)
+        assert cpu_kernels.take_half_overflow() == overflows, (value, pool_dtype)
+        assert not cpu_kernels.take_half_overflow()  # read once
+
+
 def test_row_attention_of_no_keys_is_zero():
     """A query whose keys all lie before key_start attends nothing: zeros, as before."""
     if cpu_kernels.vector_width() != 512:

@@ -72,3 +72,35 @@ def test_a_seed_fixes_sampled_tokens_through_a_float16_cache():
     runs = [engine.generate([2, 7, 1], mode="mtp", depth=2, max_tokens=20, temperature=0.9, seed=11).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_value_past_float16s_range_is_reported_once(kernels, monkeypatch, caplog):
+    """A float32 model whose values pass 65,504 writes inf into a float16 cache: the engine logs
+    it once (through the C++ writes and through write_kv's), and a float32 cache or a model
+    within range logs nothing."""
+    import logging
+
+    from mtplx.cache import attention
+    from mtplx.kernels import cpu as cpu_kernels
+
+    if kernels and not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    if not kernels:
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    attention.took_kv_overflow()  # nothing left over from earlier tests
+    prompt = list(range(1, 30))
+    for kv_dtype, blow_up, warned in (("float16", False, False), ("float32", True, False), ("float16", True, True)):
+        engine, _ = tiny_engine("llama", kv_dtype=kv_dtype)
+        if blow_up:
+            with torch.no_grad():  # every layer's values far past float16's range
+                for layer in engine.loaded.model.model.layers:
+                    proj = layer.self_attn.v_proj if layer.self_attn.v_proj is not None else layer.self_attn.qkv_proj
+                    proj.weight.mul_(1e6)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mtplx"):
+            engine.generate(prompt, mode="ar", max_tokens=4)
+            engine.generate(prompt[:20], mode="ar", max_tokens=4)
+        notes = [r for r in caplog.records if "past float16's range" in r.getMessage()]
+        assert len(notes) == (1 if warned else 0), (kv_dtype, blow_up, [r.getMessage() for r in notes])

@@ -68,16 +68,31 @@ class AttentionMetadata:
         return torch.arange(q_len, device=self.positions.device)[None, :] < self.query_lens[:, None]
 
 
+_narrowed_overflow = False  # write_kv turned a finite float32 entry into float16's inf
+
+
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values into the pool.
 
     k_pool, v_pool: [blocks, block_size, kv_heads, head_dim]; k, v: [rows, q, kv_heads, head_dim].
     """
+    global _narrowed_overflow
     kv_heads, head_dim = k_pool.shape[-2:]
     slots = slot_mapping.reshape(-1)
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(-1, kv_heads, head_dim).to(v_pool.dtype))
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        entries = x.reshape(-1, kv_heads, head_dim).to(pool.dtype)
+        if pool.dtype == torch.float16 and x.dtype == torch.float32 and not _narrowed_overflow:
+            _narrowed_overflow = bool((entries.isinf() & x.reshape(entries.shape).isfinite()).any())
+        pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, entries)
+
+
+def took_kv_overflow() -> bool:
+    """Whether a finite key or value became float16's inf in a pool (past 65,504) since the last
+    call, through ``write_kv`` or the CPU kernels' writes; clears the record."""
+    global _narrowed_overflow
+    hit, _narrowed_overflow = _narrowed_overflow, False
+    return cpu_kernels.take_half_overflow() or hit
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

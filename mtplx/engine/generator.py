@@ -136,6 +136,7 @@ class Generator:
         end = len(prompt) if chunk is None else min(len(prompt), seq.trunk_len + chunk)
         self._stage("prefill", seq)
         hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
+        self.runner.warn_on_kv_overflow()
         logprobs.record_prompt(seq, self.runner.logits, hidden, seq.trunk_len)
         seq.trunk_len = end
         if self.runner.head is not None and seq.mode == "mtp":
@@ -153,6 +154,11 @@ class Generator:
         """One cycle for each row (all of one mode: MTP rows at their depths, or AR rows).
         A chained cycle in flight over exactly these rows goes on; over other rows it is
         committed first (its rows are in ``advanced`` too)."""
+        result = self._step(seqs)
+        self.runner.warn_on_kv_overflow()
+        return result
+
+    def _step(self, seqs: list[Sequence]) -> StepResult:
         mtp = seqs[0].mode == "mtp"
         result = StepResult()
         depths = self.next_depths(seqs)

@@ -4,6 +4,7 @@ hybrid models, the recurrent state of their linear-attention layers (state_cache
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from mtplx.cache.state_cache import RecurrentStateCache
 from mtplx.models.base import CausalLM
 from mtplx.models.config import ModelConfig
 from mtplx.models.mtp import MTPHead, whole_vocabulary
+
+log = logging.getLogger("mtplx")
 
 # How a verify forward's recurrent state is cut back to the accepted prefix (hybrid models):
 # "capture" keeps each verified token's state update and rebuilds the state after the accepted
@@ -113,6 +116,17 @@ class ModelRunner:
             raise ValueError(f"state_commit must be one of {', '.join(STATE_COMMIT_MODES)}, got {state_commit!r}")
         self.state_commit = state_commit
         self._pending: _PendingVerify | None = None
+        self._kv_overflow_warned = False
+
+    def warn_on_kv_overflow(self) -> None:
+        """Log once where a key or value written to a float16 cache of a wider model went past
+        float16's range (65,504) and became inf: attention over it is wrong from there on."""
+        if self.cache.kv_dtype != torch.float16 or self.dtype == torch.float16 or self._kv_overflow_warned:
+            return
+        if attention.took_kv_overflow():
+            self._kv_overflow_warned = True
+            log.warning("a key or value past float16's range (65,504) was written to the KV cache as inf: "
+                        "outputs from here on may be wrong; load with kv_dtype='float32' (--kv-dtype float32)")
 
     @contextmanager
     def eager(self):

@@ -226,6 +226,16 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
                                   q_norm, k_norm, eps)
 
 
+def take_half_overflow() -> bool:
+    """Whether a finite key or value of magnitude 65,520 or more became inf in a float16 pool
+    (``rope_write``, ``layer``) since the last call, which clears it; False where the kernels
+    were never loaded (nothing wrote through them)."""
+    if extension.cache_info().currsize == 0:
+        return False
+    module = extension()
+    return module is not None and module.take_half_overflow()
+
+
 def pools_usable(pool: torch.Tensor) -> bool:
     """Whether ``rope_write``, ``row_attention`` and ``layer`` take KV pools like this one:
     float32 or float16, contiguous."""

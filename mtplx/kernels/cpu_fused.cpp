@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -122,15 +123,30 @@ inline void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
 }
 
+// Set when a finite value became float16's inf in to_half (read and cleared by take_half_overflow).
+std::atomic<bool> half_overflow{false};
+
 // float32 -> float16 rounded to nearest (even), as torch's .half() rounds: eight at a time by
 // F16C (a scalar c10::Half conversion per element made a 4,000-token prompt's writes 0.7 s slower).
+// A finite value of magnitude 65,520 or more (halfway past float16's largest, 65,504) becomes inf:
+// that sets half_overflow.
 inline void to_half(const float* src, c10::Half* dst, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 big = _mm256_set1_ps(65520.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 over = _mm256_setzero_ps();
   int64_t x = 0;
-  for (; x + 8 <= n; x += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + x),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; x < n; ++x)  // (the same conversion, one at a time: a NaN keeps the same bits either way)
+  for (; x + 8 <= n; x += 8) {
+    const __m256 v = _mm256_loadu_ps(src + x), a = _mm256_and_ps(v, magnitude);
+    over = _mm256_or_ps(over, _mm256_and_ps(_mm256_cmp_ps(a, big, _CMP_GE_OQ), _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + x), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  bool overflowed = _mm256_movemask_ps(over) != 0;
+  for (; x < n; ++x) {  // (the same conversion, one at a time: a NaN keeps the same bits either way)
+    const float a = std::fabs(src[x]);
+    overflowed |= a >= 65520.f && a < std::numeric_limits<float>::infinity();
     dst[x] = c10::Half(_cvtss_sh(src[x], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), c10::Half::from_bits());
+  }
+  if (overflowed) half_overflow.store(true, std::memory_order_relaxed);
 }
 
 // qkv [T, (heads + 2 kv_heads) d] -> q [T, heads, d] with its norm and RoPE; k (norm, RoPE) and
@@ -1173,6 +1189,9 @@ torch::Tensor greedy_verify(const torch::Tensor& logits, const torch::Tensor& dr
   return out;
 }
 
+// Whether a finite key or value became float16's inf in a float16 pool since the last call (clears it).
+bool take_half_overflow() { return half_overflow.exchange(false, std::memory_order_relaxed); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
   m.def("quant_has_vnni", &quant_has_vnni, "whether the CPU has AVX-512 VNNI (int16 activations)");
@@ -1187,6 +1206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("philox_fill", &philox_fill, "Philox4x32-10 uniforms or exponentials of many streams' fills");
   m.def("nucleus_threshold", &nucleus_threshold, "top-p's threshold of each row of probabilities");
   m.def("process_probs", &process_probs, "temperature, top-p and greedy rows' logits to probabilities");
+  m.def("take_half_overflow", &take_half_overflow, "whether a float16 pool write overflowed since the last call");
   m.def("argmax_rows", &argmax_rows, "the first maximum of each row (torch.argmax's indices)");
   m.def("greedy_verify", &greedy_verify, "greedy acceptance from the verify's logits and the drafts");
   m.def("philox_race", &philox_race, "exact rejection sampling with exponential races from rows' fills");
