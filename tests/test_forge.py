@@ -635,3 +635,13 @@ def test_shipped_default_head_loads_on_the_default_trunk(default_gguf):
         drafted += mtp.stats["drafted_by_depth"][0]
         accepted += mtp.stats["accepted_by_depth"][0]
     assert accepted / drafted > 0.3
+
+
+def test_forge_verify_refuses_a_quantized_head(capsys):
+    """Forge measures heads in their own dtype (the verdict it records is the shipped head's):
+    --head-quantize (shared with the serving commands' model options) is refused before anything
+    loads."""
+    from mtplx.cli import main
+
+    assert main(["forge", "verify", "--head-quantize", "int8", "--device", "cpu"]) == 2
+    assert "--head-quantize is for serving" in capsys.readouterr().err

@@ -588,3 +588,13 @@ def test_head_quantize_rounds_the_heads_maps_to_nearest_and_decoding_stays_exact
 def test_unknown_head_quantize_value_is_refused_before_loading(tmp_path):
     with pytest.raises(InvalidParameter, match="head_quantize"):
         mtplx.load(tmp_path / "absent.gguf", device="cpu", head_quantize="gguf")
+
+
+def test_head_quantize_on_a_model_without_a_head_says_it_has_no_effect(tmp_path, caplog):
+    import logging
+
+    _tiny_bf16_dir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="mtplx"):
+        engine = mtplx.load(tmp_path, device="cpu", head_quantize="int8")
+    assert not engine.has_mtp and engine.loaded.head_quantize is None
+    assert any("head_quantize=int8 has no effect" in r.getMessage() for r in caplog.records)

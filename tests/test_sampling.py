@@ -302,7 +302,7 @@ def test_top_k_and_min_p_in_a_batch_keep_what_each_rows_own_processing_keeps(com
     greedy row) in one batch over a 49,152-token vocabulary with tied logits: each row keeps the
     tokens ``logits_to_probs`` keeps for it alone. Through PyTorch's ops the probabilities are
     its own; through the C++ kernels (the cut, ``kernels.cpu.process_probs``, then min-p) within
-    float32 rounding."""
+    float32 rounding (no token here lies within a rounding of a threshold, where they may part)."""
     from mtplx.engine.sampling import SamplerTensors, process_logits
     from mtplx.kernels import cpu as cpu_kernels
 

@@ -102,6 +102,16 @@ def _add_verify(actions) -> None:
     p.set_defaults(func=run_verify)
 
 
+def _refuse_head_quantize(args) -> None:
+    """``forge verify`` measures a head in its own dtype: a quantized head's acceptance is not the
+    shipped head's (and a verdict recorded from it would say otherwise)."""
+    from mtplx.errors import InvalidParameter
+
+    if getattr(args, "head_quantize", None) not in (None, "none"):
+        raise InvalidParameter("head_quantize", "forge trains and measures heads in their own dtype; "
+                                                "--head-quantize is for serving (mtplx serve, generate, bench)")
+
+
 def run_build(args) -> int:
     from mtplx.errors import InvalidParameter
     from mtplx.forge import prompts
@@ -184,6 +194,7 @@ def run_verify(args) -> int:
     from mtplx.tuning import pick_depth
 
     parse_depths(args.depths)  # a bad value fails before the model loads
+    _refuse_head_quantize(args)
     temperatures = parse_temperatures(args.acceptance_temperatures, "acceptance-temperatures")
     if args.replace and not (args.against and args.head):
         raise InvalidParameter("replace", "--replace copies --head over --against: give both")

@@ -552,8 +552,9 @@ class CycleSampling:
 
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:
-    """The first maximum over the vocabulary (torch.argmax's): one Triton pass on CUDA
-    (``kernels.sampling.argmax``), one C++ pass a row on the CPU (``kernels.cpu.argmax``)."""
+    """The first maximum over the vocabulary: one Triton pass on CUDA (``kernels.sampling.argmax``,
+    which passes over a NaN), one C++ pass a row on the CPU (``kernels.cpu.argmax``: torch.argmax's
+    indices, the first NaN where a row has one)."""
     if sampling_kernels.usable(logits):
         return sampling_kernels.argmax(logits)
     return cpu_kernels.argmax(logits) if cpu_kernels.argmax_usable(logits) else logits.argmax(-1)
@@ -562,7 +563,8 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
 def _greedy_outcome(logits: torch.Tensor, drafts: torch.Tensor, depths: torch.Tensor | None) -> torch.Tensor:
     """``greedy_outcome(first_max(logits), drafts, depths)``: on the CPU one C++ call
     (``kernels.cpu.greedy_verify``), where the PyTorch ops' dispatch cost more than their work."""
-    if cpu_kernels.argmax_usable(logits) and logits.dim() == 3 and drafts.dtype == torch.long:
+    if cpu_kernels.argmax_usable(logits) and logits.dim() == 3 and drafts.dtype == torch.long \
+            and (depths is None or depths.dtype == torch.long):
         return cpu_kernels.greedy_verify(logits, drafts, depths)
     return greedy_outcome(first_max(logits), drafts, depths)
 

@@ -285,9 +285,10 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     argmax. The flags skip a filter no row asks for (a CUDA graph takes them all: any row may);
     a row that does not ask for a filter is left unchanged by it. On CUDA one Triton kernel does
     it all (``kernels.sampling.process``), each row's filters only where it asks for them; on the
-    CPU one C++ call (``kernels.cpu.process_probs``: the same kept tokens, probabilities within
-    float32 rounding of these ops'), after top-k's cut where a row asks for it (``_top_k_cut``)
-    and before min-p's (``_min_p_rows``)."""
+    CPU one C++ call (``kernels.cpu.process_probs``: the same kept tokens but where a token lies
+    within float32 rounding of top-p's or min-p's threshold, probabilities within float32
+    rounding of these ops'), after top-k's cut where a row asks for it (``_top_k_cut``) and
+    before min-p's (``_min_p_rows``)."""
     if sampling_kernels.usable(logits):
         return sampling_kernels.process(logits, s.greedy, s.temperature, s.top_k, s.top_p, s.min_p)[0]
     if cpu_kernels.sampling_usable(logits):  # the CPU's one call (kernels/cpu.py)
@@ -331,7 +332,7 @@ def _top_k_cut(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     vocab = scaled.shape[-1]
     asks = (top_k > 0)[:, :, None]
     k = top_k.clamp(1, vocab)[:, :, None].expand(-1, scaled.shape[1], 1)
-    if scaled.is_cuda:
+    if scaled.is_cuda or not scaled.numel():
         ordered = torch.sort(scaled, dim=-1, descending=True).values
     else:
         ordered = torch.topk(scaled, int(k.max()), dim=-1).values

@@ -335,12 +335,14 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def process_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   greedy: torch.Tensor) -> torch.Tensor:
-    """``sampling.process_logits`` for rows that ask for no top-k or min-p, in one call: logits
+    """``sampling.process_logits``' temperature, top-p and greedy rows in one call (top-k's cut
+    before it and min-p's after it are the caller's: ``sampling._top_k_cut``, ``_min_p_rows``): logits
     [N, V] float32 and per row temperature, top_p [N] float32 and greedy [N] bool -> probs [N, V]
     float32 (a greedy row a one-hot of its first maximum; the others softmax at their temperature,
     then top-p by ``nucleus_threshold``'s threshold and renormalised). The same kept tokens as
-    the PyTorch ops, the probabilities within float32 rounding of theirs (another exp and
-    summation order). One 49,152-token row of the default model at T 0.7, top-p 0.95: about 180 us
+    the PyTorch ops but where a token's probability lies within float32 rounding of top-p's (or,
+    after it, min-p's) threshold, the probabilities within float32 rounding of theirs (another
+    exp and summation order). One 49,152-token row of the default model at T 0.7, top-p 0.95: about 180 us
     through the PyTorch ops on this project's CPU (two threads)."""
     return extension().process_probs(logits.contiguous(), temperature.to(torch.float32).contiguous(),
                                      top_p.to(torch.float32).contiguous(), greedy.to(torch.bool).contiguous())

@@ -965,7 +965,8 @@ inline double sum_lanes(__m256d acc) {
   return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
-// sampling.process_logits for rows asking for no top-k or min-p, one call: logits [N, V] float32
+// sampling.process_logits' temperature, top-p and greedy rows (top-k's cut comes before it, min-p
+// after it, in Python), one call: logits [N, V] float32
 // (contiguous; penalties and masks applied) -> probs [N, V]. A greedy row: a one-hot of its first
 // maximum (a NaN counts as the largest, as torch.argmax). Else softmax((l - max) / temperature),
 // the exponentials by exp_nonpositive (between -104 and -87 by std::exp: subnormals as PyTorch

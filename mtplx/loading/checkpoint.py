@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from mtplx.models.quant import FORMATS, QuantizedWeight, QuantLinear, quantize, 
 QUANTIZE_CHOICES = (None, "none", "gguf", *FORMATS)
 HEAD_QUANTIZE_CHOICES = (None, "none", *FORMATS)
 QUANTIZE_GROUP = 32  # inputs per scale for --quantize (GGUF's block size)
+
+log = logging.getLogger("mtplx")
 
 
 @dataclass
@@ -129,6 +132,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     elif head_dir and native is None:
         raise ModelLoadError(f"no {SIDECAR_WEIGHTS} in {sidecar_dir}")
     head, head_info = None, {}
+    if head_weights is None and head_quantize is not None:
+        log.warning("head_quantize=%s has no effect: %s has no MTP head (requests decode AR)", head_quantize, path)
     if head_weights is not None:
         head = attach_head(model, head_weights, device, dtype, shard, config)
         if head_quantize is not None:

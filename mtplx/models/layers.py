@@ -81,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rotary_dim = self.inv_freq.shape[0] * 2
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # the CPU's cos, sin [positions, rotary_dim]
+        self._table: tuple | None = None  # the CPU's cos, sin [positions, rotary_dim], and the inv_freq they are of
 
     def bind(self, positions: torch.Tensor, dtype: torch.dtype) -> "BoundRotary":
         """cos/sin for these positions, computed once per forward and shared by every layer
@@ -108,6 +108,8 @@ class RotaryEmbedding(nn.Module):
         this project's CPU, every trunk and head forward). A negative position: computed."""
         flat, shape = positions.reshape(-1), (*positions.shape, self.rotary_dim)
         table = self._table
+        if table is not None and table[2] is not self.inv_freq:  # the buffer was replaced (.to, .double)
+            table = None
         if table is not None:
             try:  # (no bounds check of our own: one op less a forward)
                 return table[0].index_select(0, flat).view(shape), table[1].index_select(0, flat).view(shape)
@@ -118,7 +120,7 @@ class RotaryEmbedding(nn.Module):
             return self._cos_sin(positions)
         if table is None or table[0].shape[0] <= top:
             rows = max(1024, 1 << top.bit_length())
-            table = self._table = self._cos_sin(torch.arange(rows, device=positions.device))
+            table = self._table = (*self._cos_sin(torch.arange(rows, device=positions.device)), self.inv_freq)
         return table[0].index_select(0, flat).view(shape), table[1].index_select(0, flat).view(shape)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
