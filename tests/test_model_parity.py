@@ -113,28 +113,3 @@ def test_fused_projections_give_the_same_logits(arch):
     assert fuse_projections(ours) == 0
     assert pointers == [(a.qkv_weight.data_ptr(), m.gate_up_weight.data_ptr())
                         for a, m in ((layer.self_attn, layer.mlp) for layer in ours.model.layers)]
-
-
-def test_rotary_rows_on_the_cpu_are_the_computed_cos_and_sin_bit_for_bit():
-    """The CPU reads cos/sin from a table of every position (grown as positions grow): the
-    numbers of computing them for the positions asked, whatever the table's size."""
-    from mtplx.models.config import ModelConfig
-    from mtplx.models.layers import RotaryEmbedding
-
-    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         max_position_embeddings=100_000, rope_theta=100_000.0)
-    rotary = RotaryEmbedding(config)
-    g = torch.Generator().manual_seed(0)
-    for top in (10, 1023, 1024, 5000, 99_999):  # the table grows past 1,024 rows, then to 131,072
-        positions = torch.randint(0, top + 1, (3, 5), generator=g)
-        positions[0, 0] = top
-        bound = rotary.bind(positions, torch.float32)
-        cos, sin = rotary._cos_sin(positions)
-        assert bound.cos.shape == (3, 5, 1, 64)
-        assert torch.equal(bound.cos[:, :, 0], cos) and torch.equal(bound.sin[:, :, 0], sin)
-    assert rotary._table[0].shape == (131_072, 64)
-    with_padding = torch.tensor([[-1, 3]])  # a negative position: computed, not looked up
-    bound = rotary.bind(with_padding, torch.bfloat16)
-    cos, sin = rotary._cos_sin(with_padding)
-    assert torch.equal(bound.cos[:, :, 0], cos.bfloat16()) and torch.equal(bound.sin[:, :, 0], sin.bfloat16())

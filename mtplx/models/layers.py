@@ -81,47 +81,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rotary_dim = self.inv_freq.shape[0] * 2
-        self._table: tuple | None = None  # the CPU's cos, sin [positions, rotary_dim], and the inv_freq they are of
 
     def bind(self, positions: torch.Tensor, dtype: torch.dtype) -> "BoundRotary":
         """cos/sin for these positions, computed once per forward and shared by every layer
-        (one launch on CUDA: ``fused.rope_cos_sin``; on the CPU rows of a table, ``_rows``)."""
+        (one launch on CUDA: ``fused.rope_cos_sin``)."""
         if fused.usable(positions) and positions.numel():
             return BoundRotary(*fused.rope_cos_sin(positions, self.inv_freq, dtype), self.rotary_dim)
-        if positions.device.type == "cpu" and self.inv_freq.device.type == "cpu" and positions.numel():
-            cos, sin = self._rows(positions)
-        else:
-            cos, sin = self._cos_sin(positions)
-        return BoundRotary(cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype), self.rotary_dim)
-
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [..., rotary_dim] float32 of positions [...] (each channel pair's angle
-        twice, rotate-half's layout)."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_cos_sin(positions)`` read from a table of every position up to the largest asked
-        (grown by doubling): the same numbers (the same elementwise float32 operations), in two
-        lookups where a decode step's bind cost about ten PyTorch ops (tens of microseconds on
-        this project's CPU, every trunk and head forward). A negative position: computed."""
-        flat, shape = positions.reshape(-1), (*positions.shape, self.rotary_dim)
-        table = self._table
-        if table is not None and table[2] is not self.inv_freq:  # the buffer was replaced (.to, .double)
-            table = None
-        if table is not None:
-            try:  # (no bounds check of our own: one op less a forward)
-                return table[0].index_select(0, flat).view(shape), table[1].index_select(0, flat).view(shape)
-            except IndexError:  # a position past the table, or a negative one
-                pass
-        low, top = (int(v) for v in torch.aminmax(positions))
-        if low < 0:
-            return self._cos_sin(positions)
-        if table is None or table[0].shape[0] <= top:
-            rows = max(1024, 1 << top.bit_length())
-            table = self._table = (*self._cos_sin(torch.arange(rows, device=positions.device)), self.inv_freq)
-        return table[0].index_select(0, flat).view(shape), table[1].index_select(0, flat).view(shape)
+        return BoundRotary(emb.cos().unsqueeze(2).to(dtype), emb.sin().unsqueeze(2).to(dtype), self.rotary_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [rows, q, heads, head_dim]; positions: [rows, q] long."""
