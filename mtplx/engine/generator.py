@@ -40,12 +40,11 @@ from mtplx.engine.adaptive_depth import batch_depth
 from mtplx.engine.chain import CycleChain
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
-from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step
+from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step, torch_argmax
 from mtplx.engine.sampling import SamplerBatch, apply_penalties
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import CycleOutcome, greedy_outcome, sampled_outcome
 from mtplx.engine.stats import DecodeStats
-from mtplx.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -527,8 +526,7 @@ class Generator:
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
         recorded there (its token is None); without, the exception propagates."""
         if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
-            # the step's one host sync (on the CPU one C++ pass a row: kernels/cpu.argmax)
-            return (cpu_kernels.argmax(logits) if cpu_kernels.argmax_usable(logits) else logits.argmax(-1)).tolist()
+            return torch_argmax(logits).tolist()  # the step's one host sync
         sampler = self._sampler_for(seqs)
         logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),

@@ -553,10 +553,13 @@ class CycleSampling:
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum over the vocabulary: one Triton pass on CUDA (``kernels.sampling.argmax``,
-    which passes over a NaN), one C++ pass a row on the CPU (``kernels.cpu.argmax``: torch.argmax's
-    indices, the first NaN where a row has one)."""
-    if sampling_kernels.usable(logits):
-        return sampling_kernels.argmax(logits)
+    which passes over a NaN), elsewhere ``torch_argmax``."""
+    return sampling_kernels.argmax(logits) if sampling_kernels.usable(logits) else torch_argmax(logits)
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) (the first maximum, the first NaN where a row has one): on the CPU
+    one C++ pass a row (``kernels.cpu.argmax``)."""
     return cpu_kernels.argmax(logits) if cpu_kernels.argmax_usable(logits) else logits.argmax(-1)
 
 
