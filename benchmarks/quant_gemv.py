@@ -6,7 +6,7 @@ over enough copies that they stream from memory, not L2) and the weight bytes re
 Each configuration's output is first checked against the dequantized weight's float32 product.
 
     PYTHONPATH=. python3 benchmarks/quant_gemv.py --out r.json [--formats int4,int8] [--quick]
-        [--kernels gemv,mma] [--offsets]
+        [--kernels gemv,mma] [--offsets] [--group 32] [--wide]
 """
 
 from __future__ import annotations
@@ -59,9 +59,18 @@ SWEEP = {  # (format, rows) -> (BLOCK_N, num_warps, SPLIT, DOT_C); DOT_C 0: the 
 }
 
 
-def configs(fmt: str, rows: int, quick: bool) -> list:
+def wide_sweep(rows: int) -> list:
+    """``--wide``: the CUDA-core kernel's grid for ``rows`` token rows up to 4: BLOCK_N 4-16 and
+    1-4 warps, one split, and two for a few of them."""
+    grid = [(block_n, warps, 1, 0) for block_n in (4, 8, 16) for warps in (1, 2, 4) if block_n * rows <= 64]
+    return grid + [(8, warps, 2, 0) for warps in (2, 4)]
+
+
+def configs(fmt: str, rows: int, quick: bool, wide: bool = False) -> list:
     """(BLOCK_N, num_warps, SPLIT, DOT_C) to try, None (the default) first."""
-    return [None] if quick else [None, *SWEEP.get((fmt, rows), [])]
+    if quick:
+        return [None]
+    return [None, *(wide_sweep(rows) if wide and rows <= 4 else SWEEP.get((fmt, rows), []))]
 
 
 def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tuple[int, int, int, int]:
@@ -142,7 +151,7 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
 
 
 def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32,
-                 offsets: bool = False) -> dict:
+                 offsets: bool = False, wide: bool = False) -> dict:
     """One weight [n, k] (random, quantized to ``fmt`` with ``group``) at each of ``rows_list``,
     on the CUDA-core kernel."""
     layer, qbytes, wq, bufs = _layer(n, k, fmt, group, device, offsets, "triton")
@@ -157,7 +166,7 @@ def bench_matrix(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, de
         magnitude = x.float().abs() @ wq.abs().T + 1e-6
         default = effective(quant_gemv.config_for(n, k, rows, layer.bits), n, k, layer.bits)
         seen = set()
-        for cfg in configs(fmt, rows, quick):
+        for cfg in configs(fmt, rows, quick, wide):
             cfg_used = default if cfg is None else effective(cfg, n, k, layer.bits)
             if cfg_used in seen:
                 continue
@@ -194,6 +203,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
     ap.add_argument("--kernels", default="gemv,mma", help="gemv: the CUDA-core kernel; mma: the tensor-core one")
     ap.add_argument("--offsets", action="store_true", help="weights with group offsets (GGUF's Q4_1, Q4_K)")
+    ap.add_argument("--group", type=int, default=32, help="inputs per scale group")
+    ap.add_argument("--wide", action="store_true", help="the CUDA-core kernel over wide_sweep's grid (1-4 rows)")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -204,9 +215,11 @@ def main() -> None:
         for kernel in kernels:
             if kernel == "mma" and fmt == "fp8":
                 continue
+            extra = {} if kernel == "mma" else {"wide": args.wide}
             bench = bench_mma if kernel == "mma" else bench_matrix
             report["results"][f"{fmt} {kernel}"] = {
-                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device, offsets=args.offsets)
+                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device, group=args.group,
+                            offsets=args.offsets, **extra)
                 for name in args.matrices.split(",")}
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
