@@ -54,7 +54,7 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     import functools
 
     from mtplx.engine.llm_engine import Engine
-    from mtplx.loading.checkpoint import load_checkpoint
+    from mtplx.loading.checkpoint import check_options, load_checkpoint
     from mtplx.runtime import resolve_device, resolve_dtype, resolve_kv_dtype
 
     dev = resolve_device(device)
@@ -70,8 +70,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
                              head_quantize=head_quantize)
     tp = None
     if tensor_parallel != 1:
-        from mtplx.engine.tensor_parallel import launch
+        from mtplx.engine.tensor_parallel import check_world, launch
 
+        check_world(tensor_parallel, dev)  # errors a user can cause, before any rank starts
+        check_options(tensor_parallel, quantize, head_quantize, model)
         tp, loaded = launch(load, tensor_parallel, dev)
     else:
         loaded = load(device=dev)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import signal
 import time
@@ -131,6 +132,25 @@ def test_more_ranks_than_gpus_is_refused():
         check_world(2, torch.device("cuda"))
     with pytest.raises(InvalidParameter, match="integer >= 1"):
         check_world(0, torch.device("cpu"))
+
+
+def test_quantized_weights_are_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """Tensor parallelism takes float weights: ``mtplx.load`` names the option that asks for
+    quantized ones before it starts a rank (which would load its shard to find out)."""
+    import mtplx
+    from mtplx.engine import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(InvalidParameter, match="head_quantize='int8' cannot be sharded"):
+        mtplx.load(str(tmp_path), device="cpu", tensor_parallel=2, head_quantize="int8")
+    with pytest.raises(InvalidParameter, match="quantize='int4' cannot be sharded"):
+        mtplx.load(str(tmp_path), device="cpu", tensor_parallel=2, quantize="int4")
+    with pytest.raises(InvalidParameter, match="'int3' is not one of"):
+        mtplx.load(str(tmp_path), device="cpu", tensor_parallel=2, quantize="int3")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}))
+    with pytest.raises(InvalidParameter, match="awq checkpoint: tensor parallelism needs float weights"):
+        mtplx.load(str(tmp_path), device="cpu", tensor_parallel=2)
 
 
 def test_the_server_exits_non_zero_naming_a_rank_that_died(tmp_path):

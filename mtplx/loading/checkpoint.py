@@ -40,6 +40,37 @@ class LoadedModel:
     head_quantize: str | None = None  # the MTP head's linear weights: None its dtype, else int8, int4 or fp8
 
 
+def check_options(world: int, quantize: str | None, head_quantize: str | None, path: str | Path | None = None) -> None:
+    """The weight options a load takes: ``quantize`` and ``head_quantize`` among their choices,
+    and with tensor parallelism (``world`` ranks, more than one) float weights only: a quantized
+    trunk or head refused by name, and (given the model's ``path``) a directory quantized by
+    another tool unless ``quantize`` is "none". ``mtplx.load`` asks before it starts the other
+    ranks, and every rank's ``load_checkpoint`` again."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
+    if head_quantize not in HEAD_QUANTIZE_CHOICES:
+        raise InvalidParameter("head_quantize", f"{head_quantize!r} is not one of "
+                                                f"{', '.join(map(str, HEAD_QUANTIZE_CHOICES))}")
+    if world <= 1:
+        return
+    if head_quantize not in (None, "none"):
+        raise InvalidParameter("tensor_parallel", f"head_quantize={head_quantize!r} cannot be sharded yet: "
+                                                  "tensor parallelism needs a float head (head_quantize none)")
+    if quantize not in (None, "none"):
+        raise InvalidParameter("tensor_parallel", f"quantize={quantize!r} cannot be sharded yet: tensor "
+                                                  "parallelism needs float weights (quantize none)")
+    path = Path(path).expanduser() if path is not None else None
+    if quantize is None and path is not None and (path / "config.json").is_file():
+        scheme = prequantized.scheme_of(hf_dir.read_hf_config(path), path)
+        if scheme is not None:
+            raise _prequantized_refused(path, scheme)
+
+
+def _prequantized_refused(path: Path, scheme) -> InvalidParameter:
+    return InvalidParameter("tensor_parallel", f"{path} is a {scheme.method} checkpoint: tensor "
+                                               "parallelism needs float weights (quantize none)")
+
+
 def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtype,
                     head_dir: str | Path | None = None, allow_unverified_head: bool = False,
                     quantize: str | None = None, shard: Shard | None = None,
@@ -62,18 +93,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
     the verify reads the trunk, so outputs stay exact; a coarser head may accept less
     (docs/performance.md measures it)."""
     path = Path(path).expanduser()
-    if quantize not in QUANTIZE_CHOICES:
-        raise InvalidParameter("quantize", f"{quantize!r} is not one of {', '.join(map(str, QUANTIZE_CHOICES))}")
-    if head_quantize not in HEAD_QUANTIZE_CHOICES:
-        raise InvalidParameter("head_quantize", f"{head_quantize!r} is not one of "
-                                                f"{', '.join(map(str, HEAD_QUANTIZE_CHOICES))}")
+    check_options(shard.world if shard is not None else 1, quantize, head_quantize)
     head_quantize = None if head_quantize == "none" else head_quantize
-    if shard is not None and shard.world > 1 and head_quantize is not None:
-        raise InvalidParameter("tensor_parallel", f"head_quantize={head_quantize!r} cannot be sharded yet: "
-                                                  "tensor parallelism needs a float head (head_quantize none)")
-    if shard is not None and shard.world > 1 and quantize not in (None, "none"):
-        raise InvalidParameter("tensor_parallel", f"quantize={quantize!r} cannot be sharded yet: tensor "
-                                                  "parallelism needs float weights (quantize none)")
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist (give a Hugging Face directory or a .gguf file)")
     quantize = resolve_quantize(quantize, path, device, dtype) if shard is None or shard.world == 1 else quantize
@@ -96,8 +117,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device, dtype: torch.dtyp
                                                    f"{scheme.method} checkpoint: leave quantize unset (auto) to run "
                                                    "its own integers, or give none, int4, int8 or fp8")
             if shard is not None and shard.world > 1 and quantize is None:
-                raise InvalidParameter("tensor_parallel", f"{path} is a {scheme.method} checkpoint: tensor "
-                                                          "parallelism needs float weights (quantize none)")
+                raise _prequantized_refused(path, scheme)
             state = prequantized.unpack_state(hf_dir.load_safetensors_state_dict(path), scheme, dtype)
             quantize = prequantized.resolve(quantize, scheme, state, device)
             if quantize == "none":
