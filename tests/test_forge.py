@@ -152,6 +152,54 @@ def test_verify_against_refuses_a_head_that_measures_worse_and_replace_installs_
     assert (weak / "mtp.safetensors").read_bytes() == strong_weights
 
 
+def test_sampled_acceptance_pools_one_draw_per_seed_and_greedy_runs_once():
+    """seeds=N: N draws at each sampled temperature, draw k seeding prompt i with
+    seed + k * SEED_STRIDE + i, their counts summed; greedy decoding draws nothing and runs once."""
+    from mtplx.forge import measure
+
+    engine, _ = tiny_engine("llama", head=True, kv_cache_tokens=4096)
+    prompts_ = _token_prompts(4, 7)
+    got = measure.acceptance_by_temperature(engine, prompts_, temperatures=(0.0, 1.0), depth=2, max_tokens=12,
+                                            rows=4, seed=5, seeds=3)
+    draws = [measure.acceptance(engine, prompts_, depth=2, max_tokens=12, rows=4, temperature=1.0,
+                                seed=5 + k * measure.SEED_STRIDE) for k in range(3)]
+    pooled = got["sampled"]["1"]
+    assert pooled["seeds"] == 3 and got["greedy"]["seeds"] == 1
+    for key in ("verify_calls", "generated_tokens"):
+        assert pooled[key] == sum(d[key] for d in draws)
+    assert pooled["accepted"] == [sum(d["accepted"][i] for d in draws) for i in range(2)]
+    assert pooled["acceptance_by_depth"] == [a / d for a, d in zip(pooled["accepted"], pooled["drafted"])]
+    assert pooled["mean_acceptance_length"] == 1 + sum(pooled["accepted"]) / pooled["verify_calls"]
+    assert len({(d["verify_calls"], tuple(d["accepted"])) for d in draws}) > 1  # the draws differ
+    assert got["greedy"] == measure.acceptance(engine, prompts_, depth=2, max_tokens=12, rows=4, seed=5)
+
+
+@pytest.mark.parametrize("mode", ["ar", "mtp"])
+def test_rows_prefilled_together_decode_as_each_alone(mode, monkeypatch):
+    """decode_rows admits new rows together and prefills several prompts per forward
+    (``Generator.prefill_rows``); each row still decodes the tokens it decodes alone, greedy and
+    seeded (its first token drawn from its own stream), AR and MTP (the head's backlog)."""
+    from mtplx.forge import data
+
+    monkeypatch.setattr(data, "PREFILL_TOKENS", 20)  # groups of a few prompts, several forwards
+    engine, _ = tiny_engine("llama", head=mode == "mtp", kv_dtype=torch.float32)
+    prompts_ = _token_prompts(7, 3)
+    settings = [dict(temperature=t, seed=10 + i) for i, t in enumerate((0.0, 0.7, 1.0, 0.0, 1.0, 0.7, 0.0))]
+    extra = dict(depth=2) if mode == "mtp" else {}
+
+    def requests():
+        for i, (p, kw) in enumerate(zip(prompts_, settings)):
+            yield str(i), engine.make_request(p, mode=mode, max_tokens=9, **extra, **kw)
+
+    calls = []
+    prefill_rows = engine.generator.prefill_rows
+    monkeypatch.setattr(engine.generator, "prefill_rows", lambda seqs: calls.append(len(seqs)) or prefill_rows(seqs))
+    together = {key: list(seq.generated) for key, seq in data.decode_rows(engine, requests(), rows=5)}
+    assert max(calls) > 1 and sum(calls) == 7
+    for i, (p, kw) in enumerate(zip(prompts_, settings)):
+        assert together[str(i)] == engine.generate(p, mode=mode, max_tokens=9, **extra, **kw).token_ids
+
+
 def _report(by_depth):
     return {"acceptance_by_depth": list(by_depth), "mean_acceptance_length": 1 + sum(by_depth)}
 
@@ -645,3 +693,21 @@ def test_forge_verify_refuses_a_quantized_head(capsys):
 
     assert main(["forge", "verify", "--head-quantize", "int8", "--device", "cpu"]) == 2
     assert "--head-quantize is for serving" in capsys.readouterr().err
+
+
+def test_generation_rows_fill_half_the_free_gpu_memory(monkeypatch):
+    """--gen-rows unset: 128 on the CPU; on a GPU as many rows of the longest sequence as half
+    the free memory holds in KV cache (the model's dtype there), in steps of 64, up to 2,048;
+    a number given is kept."""
+    config = SimpleNamespace(num_kv_layers=30, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's
+    per_row = 2 * 30 * 3 * 64 * 4 * 400  # float32 entries, 400 tokens: 18.4 MB
+
+    def loaded_on(device: str):
+        weight = SimpleNamespace(device=torch.device(device), dtype=torch.float32)
+        return SimpleNamespace(config=config, model=SimpleNamespace(lm_head=SimpleNamespace(weight=weight)))
+
+    assert build_module.generation_rows(BuildSettings(), loaded_on("cpu"), 400) == 128
+    assert build_module.generation_rows(BuildSettings(gen_rows=24), loaded_on("cuda"), 400) == 24
+    for free, rows in ((80e9, 2048), (10e9, 256), (per_row * 2 * 100, 64), (per_row * 2 * 5, 5)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(80e9)))
+        assert build_module.generation_rows(BuildSettings(), loaded_on("cuda"), 400) == rows

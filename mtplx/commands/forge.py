@@ -36,7 +36,9 @@ def _add_build(actions) -> None:
     g.add_argument("--temperatures", default="0,0.7,1.0",
                    help="sampling temperatures, mixed over prompts and rounds (default 0,0.7,1.0)")
     g.add_argument("--rounds", type=int, default=3, help="passes over the prompt set, at most")
-    g.add_argument("--gen-rows", type=int, default=128, help="sequences generated together")
+    g.add_argument("--gen-rows", type=int, default=None,
+                   help="sequences generated together (default: 128 on the CPU; on a GPU as many as half its "
+                        "free memory holds, up to 2048)")
     g.add_argument("--prompts", default=None, help="JSON list of training prompts (default: the built-in set)")
     g.add_argument("--text", action="append", default=[], help="plain-text file to add (repeatable)")
     g.add_argument("--self-prompts", type=int, default=0,
@@ -94,6 +96,8 @@ def _add_verify(actions) -> None:
                    help="held-out acceptance by depth at each temperature (0: greedy; others: mirror drafts)")
     g.add_argument("--acceptance-depth", type=int, default=3)
     g.add_argument("--acceptance-max-tokens", type=int, default=128)
+    g.add_argument("--acceptance-seeds", type=int, default=3,
+                   help="draws (a seed each) pooled at each sampled temperature (default 3; greedy runs once)")
     g.add_argument("--against", default=None,
                    help="a head folder (e.g. the shipped one) to measure the same way; exits non-zero if "
                         "--head's mean acceptance length is lower at any measured temperature")
@@ -131,7 +135,7 @@ def run_build(args) -> int:
         raise InvalidParameter("second-mlp", f"must be >= 0 (0: the trunk's width) and needs --head-layers 2, "
                                              f"got {args.second_mlp} with --head-layers {args.head_layers}")
     for name in ("tokens", "max_new_tokens", "rounds", "gen_rows", "depth", "batch_tokens", "measure_depth"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameter(name.replace("_", "-"), f"must be >= 1, got {getattr(args, name)}")
     if args.self_prompts < 0:
         raise InvalidParameter("self-prompts", f"must be >= 0 (0: none), got {args.self_prompts}")
@@ -196,6 +200,8 @@ def run_verify(args) -> int:
     parse_depths(args.depths)  # a bad value fails before the model loads
     _refuse_head_quantize(args)
     temperatures = parse_temperatures(args.acceptance_temperatures, "acceptance-temperatures")
+    if args.acceptance_seeds < 1:
+        raise InvalidParameter("acceptance-seeds", f"must be >= 1, got {args.acceptance_seeds}")
     if args.replace and not (args.against and args.head):
         raise InvalidParameter("replace", "--replace copies --head over --against: give both")
     engine = load_engine(args)
@@ -244,7 +250,7 @@ def held_out_acceptance(engine, args, temperatures) -> dict:
     prompts = ([engine.tokenizer.apply_chat_template(as_chat(p)) for p in HELD_OUT_PROMPTS] if engine.tokenizer
                else [list(p) for p in TOKEN_ID_SUITE])
     return acceptance_by_temperature(engine, prompts, temperatures=temperatures, depth=args.acceptance_depth,
-                                     max_tokens=args.acceptance_max_tokens, rows=8)
+                                     max_tokens=args.acceptance_max_tokens, rows=8, seeds=args.acceptance_seeds)
 
 
 def compare_heads(args, held: dict, temperatures) -> int:

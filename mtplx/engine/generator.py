@@ -129,6 +129,38 @@ class Generator:
         for seq in list(self.live.values()):
             self.release(seq)
 
+    def prefill_rows(self, seqs: list[Sequence]) -> None:
+        """Each row's whole remaining prompt in one trunk forward (rows padded to the longest),
+        then every row's first token in one sampling call: ``prefill`` for many new rows at once
+        (forge's corpus decoding admits rows as others finish; one forward each made the GPU's
+        host the bottleneck). A row's first token is drawn from its own noise stream, as
+        ``prefill`` draws it; on the GPU the padded batch's products may round differently from
+        a one-row forward's."""
+        rows = [s.prompt_ids[s.trunk_len:] for s in seqs]
+        if any(not r for r in rows):
+            raise ValueError("prefill_rows takes rows with prompt tokens left to feed")
+        if self.runner.states is not None:  # a hybrid's recurrent state: one row at a time
+            for seq in seqs:
+                self.prefill(seq)
+            return
+        for seq in seqs:
+            self._stage("prefill", seq)
+        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs])
+        self.runner.warn_on_kv_overflow()
+        for r, seq in enumerate(seqs):
+            own = hidden[r, : len(rows[r])]
+            logprobs.record_prompt(seq, self.runner.logits, own, seq.trunk_len)
+            seq.trunk_len = len(seq.prompt_ids)
+            if self.runner.head is not None and seq.mode == "mtp":
+                seq.hidden_backlog = _cat(seq.hidden_backlog, own)
+        last = torch.stack([hidden[r, len(rows[r]) - 1] for r in range(len(seqs))])
+        tokens = self._sample_rows(seqs, self.runner.logits(last))
+        now = time.perf_counter()
+        for seq, token in zip(seqs, tokens):
+            seq.stats.ttft_s = now - seq.t_start
+            seq.t_first = now
+            self._append(seq, [token])
+
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
         Returns True when the prompt is done."""

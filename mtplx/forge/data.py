@@ -157,12 +157,14 @@ def decode_rows(engine: Engine, requests: Iterator[tuple[str, Request]], rows: i
         while live or not exhausted:
             if deadline is not None and time.monotonic() > deadline:
                 return
-            while not exhausted and len(live) < rows:
+            new = []
+            while not exhausted and len(live) + len(new) < rows:
                 item = next(source, None)
                 if item is None:
                     exhausted = True
                     break
-                live.append((item[0], _start(engine, item[1])))
+                new.append(item)
+            live += _start_rows(engine, new)
             running = [s for _, s in live if not s.finished]
             if running:
                 with torch.inference_mode():
@@ -177,14 +179,28 @@ def decode_rows(engine: Engine, requests: Iterator[tuple[str, Request]], rows: i
             engine.generator.release(seq)
 
 
-def _start(engine: Engine, req: Request) -> Sequence:
-    """Admit and prefill one request (its first token is sampled here)."""
-    seq = engine.new_sequence(req)
-    with torch.inference_mode():
-        engine.generator.admit(seq)
-        try:
-            engine.generator.prefill(seq)
-        except BaseException:
+PREFILL_TOKENS = 8192  # padded prompt tokens per batched prefill forward
+
+
+def _start_rows(engine: Engine, items: list[tuple[str, Request]]) -> list[tuple[str, Sequence]]:
+    """Admit new requests and prefill them, several prompts per forward (``prefill_rows``: up to
+    PREFILL_TOKENS padded tokens each; their first tokens are sampled there)."""
+    started: list[tuple[str, Sequence]] = []
+    try:
+        with torch.inference_mode():
+            for key, req in items:
+                seq = engine.new_sequence(req)
+                engine.generator.admit(seq)
+                started.append((key, seq))
+            waiting = sorted(started, key=lambda x: len(x[1].prompt_ids) - x[1].trunk_len)  # alike lengths together
+            while waiting:
+                group = [waiting.pop(0)]
+                while waiting and (len(group) + 1) * (len(waiting[0][1].prompt_ids) - waiting[0][1].trunk_len) \
+                        <= PREFILL_TOKENS:
+                    group.append(waiting.pop(0))
+                engine.generator.prefill_rows([seq for _, seq in group])
+    except BaseException:
+        for _, seq in started:
             engine.generator.release(seq)
-            raise
-    return seq
+        raise
+    return started

@@ -39,20 +39,43 @@ def acceptance(engine: Engine, prompts: list[list[int]], *, depth: int, max_toke
         for i, (d, a) in enumerate(zip(st.drafted_by_depth, st.accepted_by_depth)):
             drafted[i] += d
             accepted[i] += a
-    return {"depth": depth, "temperature": temperature, "prompts": len(prompts), "generated_tokens": tokens,
-            "verify_calls": calls,
+    return _report(depth, temperature, len(prompts), tokens, calls, drafted, accepted)
+
+
+def _report(depth: int, temperature: float, prompts: int, tokens: int, calls: int, drafted: list[int],
+            accepted: list[int], seeds: int = 1) -> dict:
+    return {"depth": depth, "temperature": temperature, "prompts": prompts, "seeds": seeds,
+            "generated_tokens": tokens, "verify_calls": calls, "drafted": drafted, "accepted": accepted,
             "acceptance_by_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "mean_acceptance_length": 1 + sum(accepted) / calls if calls else None}
 
 
+def pooled(reports: list[dict]) -> dict:
+    """``acceptance`` reports of the same prompts and depth (other seeds) as one: counts summed."""
+    first = reports[0]
+    depth = first["depth"]
+    return _report(depth, first["temperature"], first["prompts"], sum(r["generated_tokens"] for r in reports),
+                   sum(r["verify_calls"] for r in reports),
+                   [sum(r["drafted"][i] for r in reports) for i in range(depth)],
+                   [sum(r["accepted"][i] for r in reports) for i in range(depth)],
+                   sum(r.get("seeds", 1) for r in reports))
+
+
+SEED_STRIDE = 100_003  # between the seeds of a temperature's draws (prompt i adds i)
+
+
 def acceptance_by_temperature(engine: Engine, prompts: list[list[int]], *, temperatures, depth: int,
-                              max_tokens: int = 128, rows: int = 32, seed: int = 0) -> dict:
+                              max_tokens: int = 128, rows: int = 32, seed: int = 0, seeds: int = 1) -> dict:
     """``acceptance`` at each temperature: {"greedy": report at 0 (if asked), "sampled":
-    {"0.7": report, ...}}."""
+    {"0.7": report, ...}}. seeds: draws at each temperature above 0, pooled (draw k seeds prompt
+    i with ``seed + k * SEED_STRIDE + i``): one seed is one trajectory per prompt, and a head's
+    sampled acceptance over 24 prompts moves by a few hundredths between draws. Greedy decoding
+    draws nothing, so it runs once."""
     out: dict = {"sampled": {}}
     for temperature in temperatures:
-        report = acceptance(engine, prompts, depth=depth, max_tokens=max_tokens, rows=rows,
-                            temperature=temperature, seed=seed)
+        draws = 1 if temperature == 0 else seeds
+        report = pooled([acceptance(engine, prompts, depth=depth, max_tokens=max_tokens, rows=rows,
+                                    temperature=temperature, seed=seed + k * SEED_STRIDE) for k in range(draws)])
         if temperature == 0:
             out["greedy"] = report
         else:
