@@ -294,14 +294,13 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     if cpu_kernels.sampling_usable(logits):  # the CPU's one call (kernels/cpu.py)
         rows, positions, vocab = logits.shape
         if top_k:  # top-k's cut taken from the same scaled logits as below: the same kept tokens
-            scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]
-            logits = logits.masked_fill(_top_k_cut(scaled, s.top_k), float("-inf"))
+            logits = logits.masked_fill(_top_k_cut(_scaled(logits, s.temperature), s.top_k), float("-inf"))
         per_token = lambda column: column.expand(rows, positions).reshape(-1)  # noqa: E731
         probs = cpu_kernels.process_probs(logits.reshape(-1, vocab), per_token(s.temperature), per_token(s.top_p),
                                           per_token(s.greedy)).view(rows, positions, vocab)
         return _min_p_rows(probs, s.min_p) if min_p else probs  # (a greedy row's one-hot stays one)
     logits = logits.float()
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature[:, :, None]
+    scaled = _scaled(logits, s.temperature)
     if top_k:
         scaled = scaled.masked_fill(_top_k_cut(scaled, s.top_k), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
@@ -313,6 +312,11 @@ def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, 
     if greedy:
         probs = torch.where(s.greedy[:, :, None], one_hot_argmax(logits), probs)
     return probs
+
+
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [rows, positions, V] less their row's largest, over the row's temperature [rows, 1]."""
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, :, None]
 
 
 def _min_p_rows(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
