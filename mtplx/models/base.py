@@ -13,7 +13,8 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.kernels import cpu as cpu_kernels, gemv
 from mtplx.models.config import ModelConfig
-from mtplx.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, dense_linear
+from mtplx.models.layers import (Attention, DecoderLayer, RMSNorm, RotaryEmbedding, cpu_row_step, dense_linear,
+                                 run_cpu_step)
 
 
 class DecoderStack(nn.Module):
@@ -64,8 +65,14 @@ class CausalLM(nn.Module):
         rotary = self.rotary.bind(meta.positions, x.dtype)
         delta, kept = None, {}
         last = len(self.model.layers) - 1
+        # a CPU row's blocks as C++ calls: asked once here, not by each block (about 5 us a block)
+        row_steps = cpu_row_step(x, rotary, cache.k[0])
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer.forward_chain(x, delta, rotary, meta, cache.k[i], cache.v[i])
+            step = layer._cpu_layer() if row_steps and type(layer) is DecoderLayer else None
+            if step is not None:
+                x, delta = run_cpu_step(step, x, delta, rotary, meta, cache.k[i], cache.v[i])
+            else:
+                x, delta = layer.forward_chain(x, delta, rotary, meta, cache.k[i], cache.v[i])
             if i in features and i != last:
                 kept[i] = x + delta  # the sum the next layer's norm forms again (same rounding)
         x, hidden = self.model.norm.add_forward(x, delta)

@@ -332,6 +332,21 @@ def fuse_projections(module: nn.Module) -> int:
     return fused
 
 
+def cpu_row_step(x: torch.Tensor, rotary, k_pool: torch.Tensor) -> bool:
+    """Whether a block's forward on x can be one C++ call (``DecoderLayer._cpu_layer``): one row
+    of at most ROW_EXACT_QUERIES tokens (a decode step, draft or verify) in float32 on the CPU,
+    RoPE bound for the forward, KV pools the kernel reads. A whole forward asks once
+    (``CausalLM.forward``): its layers share x's kind, the rotary and the pools' layout."""
+    return (x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_QUERIES and cpu_kernels.usable(x)
+            and isinstance(rotary, BoundRotary) and cpu_kernels.pools_usable(k_pool))
+
+
+def run_cpu_step(step, x, delta, rotary, meta, k_pool, v_pool):
+    """A block as its C++ call (``cpu_row_step`` said it may): (residual, mlp output)."""
+    table, positions = meta.first_row()
+    return step.step(x, delta, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, table, positions, meta.key_start)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
@@ -366,13 +381,8 @@ class DecoderLayer(nn.Module):
             return self._forward_decode(x, delta, rotary, meta, k_pool, v_pool)
         if self._mma_fusable(x, rotary):
             return self._forward_mma(x, delta, rotary, meta, k_pool, v_pool)
-        if x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_QUERIES and cpu_kernels.usable(x) \
-                and isinstance(rotary, BoundRotary) and cpu_kernels.pools_usable(k_pool):
-            step = self._cpu_layer()
-            if step is not None:  # one row's decode step, draft or verify: one C++ call
-                table, positions = meta.first_row()
-                return step.step(x, delta, *rotary.flat(), meta.slot_mapping, k_pool, v_pool, table, positions,
-                                 meta.key_start)
+        if cpu_row_step(x, rotary, k_pool) and (step := self._cpu_layer()) is not None:
+            return run_cpu_step(step, x, delta, rotary, meta, k_pool, v_pool)
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, meta, k_pool, v_pool))
         return x, self.mlp(h)
