@@ -39,10 +39,16 @@ def tuning_path() -> Path:
 
 def model_key(loaded, device, dtype, kv_dtype=None) -> str:
     """Identifies what a tuned depth was measured for. ``loaded``: a LoadedModel; ``kv_dtype``:
-    the KV cache's element type (None or the model's dtype: not part of the key)."""
+    the KV cache's element type (None or the model's dtype: not part of the key). A forged
+    head counts by its folder and, where its record holds one, its weights' sha256 (before
+    session 31 by its folder alone, so a verdict outlived the head it was measured with)."""
     source = Path(loaded.source).expanduser().resolve() if loaded.source else None
     size = _size(source) if source else 0
-    head = (loaded.head_info or {}).get("source", "") if loaded.head is not None else ""
+    info = (loaded.head_info or {}) if loaded.head is not None else {}
+    head = info.get("source", "")
+    sha = (info.get("provenance") or {}).get("weights_sha256")
+    if sha:  # a forged head replaced in place (a new shipped head) is another head: tune again
+        head = f"{head}@{sha[:16]}"
     key = f"{source}:{size}|head={head}|{getattr(device, 'type', device)}|{str(dtype).replace('torch.', '')}"
     if kv_dtype is not None and kv_dtype != dtype:
         key += f"|kv={str(kv_dtype).replace('torch.', '')}"

@@ -285,3 +285,20 @@ def test_cycle_costs_come_from_the_runs_of_the_named_draft_policy():
                                           "acceptance_by_depth": [0.5], "draft_policy": "mirror"}
     assert tuning.depth_costs(report).cycles == pytest.approx((1.5 * 100 / 120,))
     assert tuning.depth_costs(report, draft_policy="mirror").cycles == pytest.approx((1.5 * 100 / 150,))
+
+
+def test_a_forged_head_replaced_in_its_folder_is_tuned_again():
+    """The key names a forged head by its folder and its weights' sha256 (from its record): a
+    new head copied over the old one (forge verify --replace, a new shipped head) does not
+    inherit the old one's verdict; a head without a record keys by its folder alone."""
+    from types import SimpleNamespace
+
+    def loaded(provenance):
+        return SimpleNamespace(source=None, head=object(), quantize=None, head_quantize=None,
+                               head_info={"source": "/heads/h", "provenance": provenance})
+
+    old, new = loaded({"weights_sha256": "a" * 64}), loaded({"weights_sha256": "b" * 64})
+    key = tuning.model_key(old, "cpu", torch.float32)
+    assert "head=/heads/h@" + "a" * 16 in key
+    assert key != tuning.model_key(new, "cpu", torch.float32)
+    assert "head=/heads/h|" in tuning.model_key(loaded(None), "cpu", torch.float32)
