@@ -354,6 +354,16 @@ def test_responses_is_stateless(oai):
     assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
 
 
+def test_responses_refuse_an_empty_conversation(oai):
+    """input [] with no instructions leaves nothing to answer: a 400 naming input (a chat
+    template refuses an empty conversation; this was a 500, found by the fuzz test)."""
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input=[], max_output_tokens=2)
+    assert err.value.body["param"] == "input"
+    reply = oai.responses.create(model=MODEL, input=[], instructions="Say hi.", max_output_tokens=2)
+    assert reply.status in ("completed", "incomplete") and reply.output  # (2 tokens: cut by max_output_tokens)
+
+
 # -- logprobs ---------------------------------------------------------------------------------
 def test_chat_logprobs_whole_streamed_and_across_generation_modes(oai):
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)

@@ -95,6 +95,8 @@ class ResponsesRequest(RequestBody):
             return out + [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             _add_item(out, item, f"input.{i}")
+        if not out:  # (a chat template refuses an empty conversation)
+            raise _bad("input", "holds no item and there are no instructions: give at least one message")
         return out
 
     def sampling(self, default_temperature: float) -> dict:
