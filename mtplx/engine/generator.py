@@ -136,50 +136,45 @@ class Generator:
         host the bottleneck). A row's first token is drawn from its own noise stream, as
         ``prefill`` draws it; on the GPU the padded batch's products may round differently from
         a one-row forward's."""
-        rows = [s.prompt_ids[s.trunk_len:] for s in seqs]
-        if any(not r for r in rows):
+        if any(s.trunk_len >= len(s.prompt_ids) for s in seqs):
             raise ValueError("prefill_rows takes rows with prompt tokens left to feed")
         if self.runner.states is not None:  # a hybrid's recurrent state: one row at a time
             for seq in seqs:
                 self.prefill(seq)
             return
-        for seq in seqs:
-            self._stage("prefill", seq)
-        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs])
-        self.runner.warn_on_kv_overflow()
-        for r, seq in enumerate(seqs):
-            own = hidden[r, : len(rows[r])]
-            logprobs.record_prompt(seq, self.runner.logits, own, seq.trunk_len)
-            seq.trunk_len = len(seq.prompt_ids)
-            if self.runner.head is not None and seq.mode == "mtp":
-                seq.hidden_backlog = _cat(seq.hidden_backlog, own)
-        last = torch.stack([hidden[r, len(rows[r]) - 1] for r in range(len(seqs))])
-        tokens = self._sample_rows(seqs, self.runner.logits(last))
-        now = time.perf_counter()
-        for seq, token in zip(seqs, tokens):
-            seq.stats.ttft_s = now - seq.t_start
-            seq.t_first = now
-            self._append(seq, [token])
+        self._feed_prompts(seqs, [len(s.prompt_ids) for s in seqs])
 
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
         Returns True when the prompt is done."""
-        prompt = seq.prompt_ids
-        end = len(prompt) if chunk is None else min(len(prompt), seq.trunk_len + chunk)
-        self._stage("prefill", seq)
-        hidden = self.runner.trunk([seq], [prompt[seq.trunk_len:end]], [seq.trunk_len])[0]
+        end = len(seq.prompt_ids) if chunk is None else min(len(seq.prompt_ids), seq.trunk_len + chunk)
+        self._feed_prompts([seq], [end])
+        return end == len(seq.prompt_ids)
+
+    def _feed_prompts(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """Row r's prompt tokens from its trunk_len to ends[r] in one trunk forward (rows padded
+        to the longest); the rows whose prompt is then done sample their first token, in one call."""
+        rows = [s.prompt_ids[s.trunk_len:end] for s, end in zip(seqs, ends)]
+        for seq in seqs:
+            self._stage("prefill", seq)
+        hidden = self.runner.trunk(seqs, rows, [s.trunk_len for s in seqs])
         self.runner.warn_on_kv_overflow()
-        logprobs.record_prompt(seq, self.runner.logits, hidden, seq.trunk_len)
-        seq.trunk_len = end
-        if self.runner.head is not None and seq.mode == "mtp":
-            seq.hidden_backlog = _cat(seq.hidden_backlog, hidden)
-        if end < len(prompt):
-            return False
-        [token] = self._sample_rows([seq], self.runner.logits(hidden[-1:]))
-        seq.stats.ttft_s = time.perf_counter() - seq.t_start
-        seq.t_first = time.perf_counter()
-        self._append(seq, [token])
-        return True
+        for r, (seq, end) in enumerate(zip(seqs, ends)):
+            own = hidden[r, : len(rows[r])]
+            logprobs.record_prompt(seq, self.runner.logits, own, seq.trunk_len)
+            seq.trunk_len = end
+            if self.runner.head is not None and seq.mode == "mtp":
+                seq.hidden_backlog = _cat(seq.hidden_backlog, own)
+        done = [r for r, seq in enumerate(seqs) if seq.trunk_len == len(seq.prompt_ids)]
+        if not done:
+            return
+        last = torch.stack([hidden[r, len(rows[r]) - 1] for r in done])
+        tokens = self._sample_rows([seqs[r] for r in done], self.runner.logits(last))
+        now = time.perf_counter()
+        for r, token in zip(done, tokens):
+            seqs[r].stats.ttft_s = now - seqs[r].t_start
+            seqs[r].t_first = now
+            self._append(seqs[r], [token])
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> StepResult:
