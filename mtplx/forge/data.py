@@ -192,13 +192,13 @@ def _start_rows(engine: Engine, items: list[tuple[str, Request]]) -> list[tuple[
                 seq = engine.new_sequence(req)
                 engine.generator.admit(seq)
                 started.append((key, seq))
-            waiting = sorted(started, key=lambda x: len(x[1].prompt_ids) - x[1].trunk_len)  # alike lengths together
-            while waiting:
-                group = [waiting.pop(0)]
-                while waiting and (len(group) + 1) * (len(waiting[0][1].prompt_ids) - waiting[0][1].trunk_len) \
-                        <= PREFILL_TOKENS:
-                    group.append(waiting.pop(0))
-                engine.generator.prefill_rows([seq for _, seq in group])
+            left = sorted((seq for _, seq in started), key=lambda s: len(s.prompt_ids) - s.trunk_len)
+            while left:  # alike lengths together: the group's padded size is its count x its last's length
+                n = 1
+                while n < len(left) and (n + 1) * (len(left[n].prompt_ids) - left[n].trunk_len) <= PREFILL_TOKENS:
+                    n += 1
+                engine.generator.prefill_rows(left[:n])
+                left = left[n:]
     except BaseException:
         for _, seq in started:
             engine.generator.release(seq)
