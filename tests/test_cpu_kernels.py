@@ -639,8 +639,15 @@ def test_process_probs_keeps_what_the_pytorch_ops_keep(monkeypatch):
         want = process_logits(logits, s, **flags)
         assert torch.equal(probs.isnan(), want.isnan())
         real = ~want.isnan()
-        assert torch.equal(probs[real] > 0, want[real] > 0)
-        torch.testing.assert_close(probs[real], want[real], rtol=1e-5, atol=1e-30)
+        differ = real & ((probs > 0) != (want > 0))
+        if differ.any():  # only a token at the nucleus's edge, within float32 rounding of top_p
+            assert flags["top_p"] and differ.sum() <= 1, "kept tokens differ away from a nucleus edge"
+            r, position, token = differ.nonzero()[0].tolist()
+            p64 = torch.softmax(logits[r, position].double() / float(s.temperature[r]), -1)
+            before = p64[p64 > p64[token]].sum()  # the mass of the tokens above it
+            assert abs(float(before) - float(s.top_p[r])) < 1e-5, float(before)
+        same = real & ~differ
+        torch.testing.assert_close(probs[same], want[same], rtol=2e-5, atol=1e-30)
         masked = (logits == float("-inf")) & real  # 0 exactly (a greedy row of -inf: the one-hot at 0, as torch)
         assert torch.equal(probs[masked], want[masked])
 
