@@ -18,7 +18,7 @@ scale and offset per group of ``group_size`` inputs (a multiple of 32), both [ou
 (offsets [out, 0] for int8 weights whose offsets are all 0, GGUF's Q8_0: none stored or read):
 ``w = u * scale + zero`` with ``u`` the stored integer (int4: in [0, 15]). Activations are
 multiplied as float32, or (``activation_bits``) each 32 inputs of a row are rounded to int16
-(AVX-512 VNNI; the default where the CPU has it) or int8 (llama.cpp's rounding) with one scale
+(the default; AVX-512 VNNI or AVX2 products) or int8 (llama.cpp's rounding) with one scale
 and multiplied in integers; the offsets always see the float sums of the activations. Every
 kernel computes a token row the same way whatever else is in the batch, so a verify of 1 + D
 tokens gives each the numbers an AR step gives it.
@@ -79,8 +79,9 @@ def extension():
 
 
 def vector_width(force: int = 0) -> int:
-    """The vector width of the float-activation quantized products: 512 where the CPU has
-    AVX-512 (F, BW, VL, DQ; detected when the module loads), else 256 (AVX2). ``force`` (256 or
+    """The vector width of the quantized products: 512 where the CPU has AVX-512 (F, BW, VL, DQ;
+    detected when the module loads; int16 activations take VNNI there where it has that too),
+    else 256 (AVX2). ``force`` (256 or
     512) switches for the whole process, as ``MTPLX_CPU_VECTOR_WIDTH`` does at load; 512 is
     refused where the CPU lacks it."""
     return extension().quant_isa(force)
@@ -99,25 +100,20 @@ def usable(x: torch.Tensor) -> bool:
 # --- quantized matrix products ------------------------------------------------------------------
 
 def activation_bits() -> int:
-    """The bits a quantized layer's activations are multiplied at: 16 by default where the CPU
-    has AVX-512 VNNI (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
-    and multiplied in integers; int4 and int8 weights in groups of 32 or of a multiple of 64 with
-    a multiple of 64 inputs, the others stay float32), else 32 (float32).
-    ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``, ``int16`` (refused where the CPU lacks VNNI;
-    with the AVX2 width forced, ``vector_width(256)``, its products run as float32) or ``int8``
-    (llama.cpp's rounding, about 10% faster than float32 on the default model but its greedy
-    output leaves the float32 model's within a few dozen tokens; int16 and float32 kept 8 of 8
-    prompts identical for 64 tokens: docs/performance.md)."""
+    """The bits a quantized layer's activations are multiplied at: 16 by default where the
+    kernels are built (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
+    and multiplied in integers, on AVX-512 VNNI where the CPU has it, else with AVX2's vpmaddwd;
+    int4 and int8 weights in groups of 32 or of a multiple of 64 with a multiple of 64 inputs,
+    the others stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``,
+    ``int16`` or ``int8`` (llama.cpp's rounding, about 10% faster than float32 on the default
+    model but its greedy output leaves the float32 model's within a few dozen tokens; int16 and
+    float32 kept 8 of 8 prompts identical for 64 tokens: docs/performance.md)."""
     mode = os.environ.get(ACTIVATIONS_SWITCH, "")
     if mode not in ("", "float32", "int16", "int8"):
         raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32, int16 or int8")
     if mode in ("float32", "int8"):
         return 32 if mode == "float32" else 8
-    vnni = available() and extension().quant_has_vnni()
-    if mode == "int16" and not vnni:
-        raise ValueError(f"{ACTIVATIONS_SWITCH}=int16 needs the CPU kernels and AVX-512 VNNI "
-                         f"({'this CPU lacks VNNI' if available() else 'the kernels are not built here'})")
-    return 16 if vnni else 32
+    return 16 if available() else 32
 
 
 def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:

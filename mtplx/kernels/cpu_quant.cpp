@@ -11,7 +11,8 @@
 // are read in order beside its weights), the AVX2 ones in a pass of their own.
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
-// scaled), or are rounded to int16 (AVX-512 VNNI, int4 and int8 weights: tile_int16) or int8
+// scaled), or are rounded to int16 (int4 and int8 weights: tile_int16 on AVX-512 VNNI,
+// tile_int16_avx2 elsewhere) or int8
 // (llama.cpp's rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one
 // scale per 32 inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
 // [N, 0]: no offset term and no group sums.
@@ -47,8 +48,10 @@ struct Args {
   float* out;           // [M, N]
   const float* asum;    // [M, groups] float sums of each group of a's row (null without offsets)
   const at::Half* zero; // [N, groups], or null: every offset 0 (pack stores int8's so)
-  const int16_t* qw;    // [M, K / 64, 2, 32] int16 activations (VNNI path), or null
-  const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them
+  const int16_t* qw;    // int16 activations, [M, K / 64, 2, 32] (VNNI) or [M, K] (AVX2), or null
+  const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them (VNNI), or
+                        // [M, K / 32] with qw [M, K] in input order (AVX2: tile_int16_avx2)
+  bool vnni = false;    // which of the two int16 layouts qw and dw hold
 };
 
 // The 32 weights of chunk c of one row as four vectors of 8 floats.
@@ -180,7 +183,7 @@ inline __mmask16 first_lanes(int64_t n) {
 // 4.36 -> 2.89 ms in the int16 tile (with its division per pair counted away, below); the float
 // tiles 5.24 -> 4.67 ms, and 4.8 -> 4.35 with their weights too fetched four tiles ahead, not one.
 template <int O>
-MTPLX_AVX512 __attribute__((always_inline)) inline void prefetch_scales(const Args& p, int64_t n) {
+__attribute__((always_inline)) inline void prefetch_scales(const Args& p, int64_t n) {
   const int64_t groups = p.K / p.group;
   for (int o = 0; o < O; ++o) {
     const int64_t row = (n + o) * groups;
@@ -468,9 +471,122 @@ void add_offsets(const Args& p, int64_t n0, int64_t n1) {
   }
 }
 
+// --- int16 activations, AVX2 (CPUs without AVX-512 VNNI) ----------------------------------------
+// The same rounding as the VNNI path's (each 32 inputs of a row to int16 with one scale, max |a| /
+// 32767) and the same exact integer sums, with vpmaddwd (pairs of int16 products summed into
+// int32 lanes) and an add where VNNI fuses the two: a 32-input chunk's 16 bytes widen to 16 words,
+// the low nibbles (inputs 0-15) and the high ones (16-31), each multiplied by the row's 16 words
+// of those inputs; the 8 int32 lanes become float and are scaled by the weight's and the
+// activations' scales of the chunk into the row's accumulator. Per 32 int4 weights: 3
+// instructions to unpack and 6 per token row, where the float path (tile_float) takes 11 and 7
+// plus 4 loads. The activations lie in input order here, with one scale per 32 inputs.
+
+// The 32 weights of chunk c of one row as 16 words each of inputs 0-15 (lo) and 16-31 (hi).
+template <int Bits>
+__attribute__((always_inline)) inline void chunk_words(const uint8_t* row, int64_t c, __m256i& lo, __m256i& hi) {
+  if constexpr (Bits == 4) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)));
+    lo = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(b, 4);
+  } else {
+    const __m128i* q = reinterpret_cast<const __m128i*>(row + c * 32);
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(q));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1));
+  }
+}
+
+// Rows m0 .. m0 + R of output rows n .. n + O (the offsets are added after, by add_offsets).
+template <int Bits, int R, int O>
+inline void tile_int16_avx2(const Args& p, int64_t m0, int64_t n) {
+  const int64_t K = p.K, chunks = K / 32, per = p.group / 32, groups = K / p.group;
+  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
+  __m256 acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
+  prefetch_scales<O>(p, n + 4 * O);
+  for (int64_t g = 0, c = 0; g < groups; ++g) {
+    __m256 sc[O];
+    for (int o = 0; o < O; ++o) sc[o] = _mm256_set1_ps(_cvtsh_ss(p.scale[(n + o) * groups + g].x));
+    for (const int64_t end = c + per; c < end; ++c) {
+      if ((c & (Bits == 4 ? 3 : 1)) == 0)  // each cache line of the rows four tiles on
+        for (int o = 0; o < O; ++o)
+          _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + c * (Bits == 4 ? 16 : 32)),
+                       _MM_HINT_T0);
+      __m256 d[R];
+      for (int r = 0; r < R; ++r) d[r] = _mm256_broadcast_ss(p.dw + (m0 + r) * chunks + c);
+      for (int o = 0; o < O; ++o) {
+        __m256i lo, hi;
+        chunk_words<Bits>(p.w + (n + o) * row_bytes, c, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const __m256i* x = reinterpret_cast<const __m256i*>(p.qw + (m0 + r) * K + c * 32);
+          const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+          acc[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(sc[o], d[r]), _mm256_cvtepi32_ps(s), acc[o][r]);
+        }
+      }
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = hsum(acc[o][r]);
+}
+
+// One or two token rows: four output rows a tile; more: up to four token rows over two output rows.
+template <int Bits>
+void rows_range_int16_avx2(const Args& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (p.M <= 2) {
+    for (; n + 4 <= n1; n += 4) {
+      if (p.M == 2) tile_int16_avx2<Bits, 2, 4>(p, 0, n); else tile_int16_avx2<Bits, 1, 4>(p, 0, n);
+    }
+  }
+  for (; n < n1; n += 2) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p.M; m0 += 4) tile_int16_avx2<Bits, 4, 2>(p, m0, n);
+    switch (p.M - m0) {
+      case 3: tile_int16_avx2<Bits, 3, 2>(p, m0, n); break;
+      case 2: tile_int16_avx2<Bits, 2, 2>(p, m0, n); break;
+      case 1: tile_int16_avx2<Bits, 1, 2>(p, m0, n); break;
+      default: break;
+    }
+  }
+  add_offsets(p, n0, n1);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// quantize_rows_int16's rounding (the same integers and scales) in input order: qw [M, K],
+// dw [M, K / 32].
+void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t i = 0; i < M * K / 32; ++i) {
+    const float* x = a + 32 * i;
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + 8 * j);
+    float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude))));
+    if (!std::isfinite(hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]))))) amax = NAN;
+    const float up = amax > 0.f && amax < 0x1p-60f ? 0x1p60f : 1.f;
+    const float inv = amax > 0.f ? 32767.f / (amax * up) : 0.f;
+    const __m256 iv = _mm256_set1_ps(inv), uv = _mm256_set1_ps(up);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], uv), iv));
+    // packs interleaves the 128-bit halves: [0-3, 8-11, 4-7, 12-15] back to input order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw + 32 * i),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw + 32 * i + 16),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    dw[i] = amax / 32767.f;
+  }
+}
+
 template <int Bits>
 void rows_range(const Args& p, int64_t n0, int64_t n1) {
-  if (p.qw) return rows_range_int16<Bits>(p, n0, n1);
+  if (p.qw) return p.vnni ? rows_range_int16<Bits>(p, n0, n1) : rows_range_int16_avx2<Bits>(p, n0, n1);
   if (!p.qa && isa_in_use() == 512) return rows_range512<Bits>(p, n0, n1);
   const int64_t step = p.qa ? 2 : 1;
   for (int64_t n = n0; n < n1; n += step) {
@@ -510,12 +626,17 @@ bool has_offsets(const torch::Tensor& zero, int64_t N, int64_t groups) {
 
 }  // namespace
 
-// Whether tile_int16 takes this product: int4 or int8 weights in groups of 32 or of a multiple of
-// 64, K a multiple of 64, a CPU with AVX-512 VNNI and the 512-bit width in use.
+// Whether int16 activations apply to this product: int4 or int8 weights in groups of 32 or of a
+// multiple of 64, K a multiple of 64 (on AVX-512 VNNI tile_int16, else tile_int16_avx2).
 bool int16_applies(int64_t bits, int64_t group, int64_t K) {
+  return (bits == 4 || bits == 8) && K % 64 == 0 && (group == 32 || group % 64 == 0);
+}
+
+// Whether int16 activations run on tile_int16 (AVX-512 VNNI, the 512-bit width in use), else on
+// tile_int16_avx2.
+bool int16_vnni() {
   static const bool vnni = detect_vnni();
-  return vnni && isa_in_use() == 512 && (bits == 4 || bits == 8) && K % 64 == 0 &&
-         (group == 32 || group % 64 == 0);
+  return vnni && isa_in_use() == 512;
 }
 
 // Whether this CPU has AVX-512 VNNI (what int16 activations need).
@@ -523,7 +644,7 @@ bool quant_has_vnni() { return detect_vnni(); }
 
 // The vector width the float-activation products use: 512 where the CPU has AVX-512 (F, BW, VL,
 // DQ), else 256 (AVX2); ``quant_isa(256)`` forces AVX2 (tests, benchmarks; int16 activations
-// then run as float32), 512 is refused where the CPU lacks it. Returns the width now in use.
+// then run on tile_int16_avx2), 512 is refused where the CPU lacks it. Returns the width now in use.
 int64_t quant_isa(int64_t want) {
   if (want == 512) TORCH_CHECK(detect_isa() == 512, "this CPU has no AVX-512 (F, BW, VL, DQ)");
   TORCH_CHECK(want == 0 || want == 256 || want == 512, "isa: 256 or 512 (0 reads it)");
@@ -563,9 +684,11 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   Args p{a.data_ptr<float>(), nullptr, nullptr, M, K, N, group,
          static_cast<const uint8_t*>(w.data_ptr()), scale.data_ptr<at::Half>(), out.data_ptr<float>()};
   if (activations == 16 && int16_applies(bits, group, K)) {
+    p.vnni = int16_vnni();
     qw = torch::empty({M, K}, a.options().dtype(torch::kShort));
-    dw = torch::empty({M, K / 64, 16}, a.options());
-    quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    dw = p.vnni ? torch::empty({M, K / 64, 16}, a.options()) : torch::empty({M, K / 32}, a.options());
+    if (p.vnni) quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    else quantize_rows_int16_avx2(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
     p.qw = qw.data_ptr<int16_t>();
     p.dw = dw.data_ptr<float>();
   } else if (activations == 8) {
