@@ -21,18 +21,59 @@ int64_t quant_isa(int64_t want);  // cpu_quant.cpp: the vector width in use (0 r
 
 namespace {
 
-// sum_c a[c] * b[c], eight lanes at a time (d a multiple of 8 in every model here; a tail stays
-// scalar), the lanes summed in a fixed order.
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+// Eight elements of a pool row as float32: float32 pools as they are, float16 ones widened
+// (exactly) by F16C.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// sum_c a[c] * b[c] with b a pool row, widened as it is read: eight lanes at a time (d a
+// multiple of 8 in every model here; a tail stays scalar), the lanes summed in a fixed order.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float total = _mm_cvtss_f32(s);
-  for (; c < d; ++c) total += a[c] * b[c];
+  return _mm_cvtss_f32(s);
+}
+
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), widen8(b + c), acc);
+  float total = hsum8(acc);
+  for (; c < d; ++c) total += a[c] * static_cast<float>(b[c]);
   return total;
+}
+
+// s[u * stride + j] = scale * dot(q + u * d, k + at[j]) for G heads u and keys j in [first, last]
+// (d a multiple of 8): each key row read once for the G heads, their G sums independent chains.
+template <int G, typename KV>
+inline void head_dots(const float* q, const KV* k, const int64_t* at, int64_t first, int64_t last, int64_t d,
+                      float scale, float* s, size_t stride) {
+  for (int64_t j = first; j <= last; ++j) {
+    __m256 acc[G];
+    for (int u = 0; u < G; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 kv = widen8(k + at[j] + c);
+      for (int u = 0; u < G; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + u * d + c), kv, acc[u]);
+    }
+    for (int u = 0; u < G; ++u) s[u * stride + j] = hsum8(acc[u]) * scale;
+  }
+}
+
+// out[0 .. 8 T) = sum over keys j in [first, last] of s[j] * inv * v[at[j] ..], the T vectors of
+// sums in registers.
+template <int T, typename KV>
+inline void weigh_rows(const KV* v, const int64_t* at, const float* s, int64_t first, int64_t last, float inv,
+                       float* out) {
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t j = first; j <= last; ++j) {
+    const __m256 p = _mm256_set1_ps(s[j] * inv);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(p, widen8(v + at[j] + 8 * t), acc[t]);
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
 }
 
 // e^x for x <= 0 (softmax after its maximum is subtracted), eight lanes: 2^n e^r with
@@ -456,8 +497,12 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
     });
     return out;
   }
-  at::parallel_for(0, Q * heads, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
+  // a job per (query, KV head): each key row is read from memory once for the KV head's query
+  // heads (then from L1), not once per query head
+  at::parallel_for(0, Q * kv_heads, 1, [&](int64_t b, int64_t e) {
+    const size_t keys = static_cast<size_t>(std::max<int64_t>(most, 1));
+    std::vector<float> scores(keys * group);
+    std::vector<int64_t> where(keys);
     std::vector<float> wide(std::is_same_v<KV, float> ? 0 : static_cast<size_t>(d));  // a half pool's row widened
     auto row_of = [&](const KV* r) -> const float* {
       if constexpr (std::is_same_v<KV, float>) {
@@ -468,23 +513,47 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
       }
     };
     for (int64_t job = b; job < e; ++job) {
-      const int64_t i = job / heads, h = job % heads, kvh = h / group;
-      const float* qv = qp + (i * heads + h) * d;
-      const int64_t last = pp[i];
-      float top = -INFINITY;
-      for (int64_t j = key_start; j <= last; ++j) {
-        const KV* kv = kp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d;
-        scores[j] = dot(qv, row_of(kv), d) * sc;
-        top = std::max(top, scores[j]);
+      const int64_t i = job / kv_heads, kvh = job % kv_heads, last = pp[i];
+      // each key's offset in the pools, found once (no division per read)
+      for (int64_t j = key_start, blk = key_start / block, slot = key_start % block; j <= last; ++j) {
+        where[j] = ((tp[blk] * block + slot) * kv_heads + kvh) * d;
+        if (++slot == block) slot = 0, ++blk;
       }
-      const float total = exp_shifted(scores.data() + key_start, last + 1 - key_start, top);
-      float* o = op + i * heads * d + h * d;
-      std::fill(o, o + d, 0.f);
-      const float inv = 1.f / total;
-      for (int64_t j = key_start; j <= last; ++j) {
-        const float* vv = row_of(vp + ((tp[j / block] * block + j % block) * kv_heads + kvh) * d);
-        const float p = scores[j] * inv;
-        for (int64_t c = 0; c < d; ++c) o[c] += p * vv[c];
+      const float* qh = qp + (i * heads + kvh * group) * d;
+      for (int64_t g = 0; g < group; g += 4) {  // up to four heads' dot products of each key at once
+        const int n = static_cast<int>(std::min<int64_t>(4, group - g));
+        float* sg = scores.data() + g * keys;
+        if (d % 8) {
+          for (int64_t j = key_start; j <= last; ++j)
+            for (int u = 0; u < n; ++u) sg[u * keys + j] = dot(qh + (g + u) * d, kp + where[j], d) * sc;
+        } else if (n == 4) {
+          head_dots<4>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
+        } else if (n == 3) {
+          head_dots<3>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
+        } else if (n == 2) {
+          head_dots<2>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
+        } else {
+          head_dots<1>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * keys;
+        float top = -INFINITY;
+        for (int64_t j = key_start; j <= last; ++j) top = std::max(top, sg[j]);
+        const float inv = 1.f / exp_shifted(sg + key_start, last + 1 - key_start, top);
+        float* o = op + (i * heads + kvh * group + g) * d;
+        if (d % 8 == 0) {  // 64 elements of the output at a time in registers, each value row widened by F16C
+          int64_t x0 = 0;
+          for (; x0 + 64 <= d; x0 += 64) weigh_rows<8>(vp + x0, where.data(), sg, key_start, last, inv, o + x0);
+          for (; x0 < d; x0 += 8) weigh_rows<1>(vp + x0, where.data(), sg, key_start, last, inv, o + x0);
+          continue;
+        }
+        std::fill(o, o + d, 0.f);
+        for (int64_t j = key_start; j <= last; ++j) {
+          const float* vv = row_of(vp + where[j]);
+          const float p = sg[j] * inv;
+          for (int64_t c = 0; c < d; ++c) o[c] += p * vv[c];
+        }
       }
     }
   });
@@ -494,8 +563,11 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
 // One row's queries q [Q, heads, d] over its paged keys: query i attends keys
 // key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
 // Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
-// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else each query
-// head on its own over all its keys. The pools hold float32 or float16 (each element widened
+// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else (AVX2) each
+// query head on its own over all its keys, eight lanes at a time where d is a multiple of 8
+// (the value sums 64 lanes at a time in registers; 30 layers at the default model's shapes, 2
+// threads, Zen 3 (AVX2 only): 200 / 1,000 keys, 1 query 33 -> 19 / 283 -> 169 us a layer, 2 queries
+// 48 -> 25 / 333 -> 234; benchmarks/cpu_attention.py). The pools hold float32 or float16 (each element widened
 // exactly to float32 as it is read: the same numbers as attending over the pools' .float()).
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                             torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
