@@ -563,8 +563,8 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
 // One row's queries q [Q, heads, d] over its paged keys: query i attends keys
 // key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
 // Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
-// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else (AVX2) each
-// query head on its own over all its keys, eight lanes at a time where d is a multiple of 8
+// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else (AVX2) the
+// query heads of each KV head together over all their keys, eight lanes at a time where d is a multiple of 8
 // (the value sums 64 lanes at a time in registers; 30 layers at the default model's shapes, 2
 // threads, Zen 3 (AVX2 only): 200 / 1,000 keys, 1 query 33 -> 19 / 283 -> 169 us a layer, 2 queries
 // 48 -> 25 / 333 -> 234; benchmarks/cpu_attention.py). The pools hold float32 or float16 (each element widened
