@@ -81,14 +81,27 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
             torch.testing.assert_close(out[i, h * d:(h + 1) * d], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [512, 256])
 @pytest.mark.parametrize("key_start", [0, 1, 130])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32), (8, 2, 128)])
-def test_row_attention_over_spans_of_keys(key_start, heads, kv_heads, d):
-    """The AVX-512 path (d a multiple of 16): queries over up to 300 keys (three spans of 128),
-    the KV head's query heads sharing its rows, against softmax(q k / sqrt) v in float64; each
-    query the same alone as among others (the spans depend on key positions only)."""
-    if cpu_kernels.vector_width() != 512:
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32), (8, 2, 128), (7, 1, 64),
+                                              (6, 2, 20)])
+def test_row_attention_over_spans_of_keys(width, key_start, heads, kv_heads, d):
+    """Queries over up to 300 keys against softmax(q k / sqrt) v in float64, each query the same
+    alone as among others: on the AVX-512 path (d a multiple of 16: three spans of 128, the KV
+    head's query heads sharing its rows; the spans depend on key positions only) and on the AVX2
+    one (width 256, or d not a multiple of 16: a job per KV head, its query heads' dot products up
+    to four at a time, seven heads a KV head in two such passes; d = 20 the scalar tails)."""
+    before = cpu_kernels.vector_width()
+    if width == 512 and before != 512:
         pytest.skip("no AVX-512 here")
+    cpu_kernels.vector_width(width)
+    try:
+        _attention_over_spans(key_start, heads, kv_heads, d)
+    finally:
+        cpu_kernels.vector_width(before)
+
+
+def _attention_over_spans(key_start, heads, kv_heads, d):
     block, blocks = 16, 24
     k_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(7))
     v_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(8))
