@@ -497,8 +497,8 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
     });
     return out;
   }
-  // a job per (query, KV head): each key row is read from memory once for the KV head's query
-  // heads (then from L1), not once per query head
+  // a job per (query, KV head): each key row is read once for up to four of the KV head's query
+  // heads (head_dots), not once per query head
   at::parallel_for(0, Q * kv_heads, 1, [&](int64_t b, int64_t e) {
     const size_t keys = static_cast<size_t>(std::max<int64_t>(most, 1));
     std::vector<float> scores(keys * group);
