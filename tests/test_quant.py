@@ -2,7 +2,7 @@
 against the gguf package's own dequantization, and models loaded quantized.
 
 Two CPU backends: "cpu" (kernels/cpu.py's C++ kernel: float32 activations, float16 scales and
-offsets; int16 activations by default where the CPU has AVX-512 VNNI, int8 where asked) and "int4pack" (PyTorch's packed int4 kernel: bf16
+offsets; int16 activations by default, on AVX-512 VNNI or AVX2 products, int8 where asked) and "int4pack" (PyTorch's packed int4 kernel: bf16
 activations and scales, fp32 accumulation). Each reference is the exact (float64) product of
 what the kernel holds: the weight rebuilt from the integers and the rounded scales, times the
 activations as the kernel rounds them; the tolerance is the kernel's own rounding."""
@@ -227,7 +227,17 @@ def test_activation_bits_follow_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="float32, int16 or int8"):
         cpu_kernels.activation_bits()
     monkeypatch.delenv(cpu_kernels.ACTIVATIONS_SWITCH)
-    assert cpu_kernels.activation_bits() == (16 if cpu_kernels.available() else 32)
+    # int16 where it runs on VNNI or on the AVX2 tile (an AVX-512 CPU without VNNI keeps float32)
+    kernels = cpu_kernels.available()
+    assert cpu_kernels.activation_bits() == (
+        16 if kernels and (cpu_kernels.extension().quant_has_vnni() or cpu_kernels.vector_width() == 256) else 32)
+    if kernels:
+        before = cpu_kernels.vector_width()
+        try:
+            cpu_kernels.vector_width(256)
+            assert cpu_kernels.activation_bits() == 16
+        finally:
+            cpu_kernels.vector_width(before)
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "int16")
     assert cpu_kernels.activation_bits() == 16
 

@@ -104,7 +104,9 @@ def activation_bits() -> int:
     kernels are built (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
     and multiplied in integers, on AVX-512 VNNI where the CPU has it, else with AVX2's vpmaddwd;
     int4 and int8 weights in groups of 32 or of a multiple of 64 with a multiple of 64 inputs,
-    the others stay float32), else 32 (float32). ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``,
+    the others stay float32), except on AVX-512 CPUs without VNNI, which keep their 512-bit
+    float32 products (the 256-bit int16 tile was not measured there), and 32 (float32) where the
+    kernels are not built. ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``,
     ``int16`` or ``int8`` (llama.cpp's rounding, about 10% faster than float32 on the default
     model but its greedy output leaves the float32 model's within a few dozen tokens; int16 and
     float32 kept 8 of 8 prompts identical for 64 tokens: docs/performance.md)."""
@@ -113,7 +115,9 @@ def activation_bits() -> int:
         raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32, int16 or int8")
     if mode in ("float32", "int8"):
         return 32 if mode == "float32" else 8
-    return 16 if available() else 32
+    if mode == "int16":
+        return 16
+    return 16 if available() and (extension().quant_has_vnni() or vector_width() == 256) else 32
 
 
 def fits(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:

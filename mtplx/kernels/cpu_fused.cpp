@@ -41,7 +41,7 @@ inline float dot(const float* a, const KV* b, int64_t d) {
   int64_t c = 0;
   for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), widen8(b + c), acc);
   float total = hsum8(acc);
-  for (; c < d; ++c) total += a[c] * static_cast<float>(b[c]);
+  for (; c < d; ++c) total = std::fma(a[c], static_cast<float>(b[c]), total);  // (one rounding, either pool type)
   return total;
 }
 
@@ -498,8 +498,10 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
     return out;
   }
   // a job per (query, KV head): each key row is read once for up to four of the KV head's query
-  // heads (head_dots), not once per query head
-  at::parallel_for(0, Q * kv_heads, 1, [&](int64_t b, int64_t e) {
+  // heads (head_dots), not once per query head; where those jobs are fewer than two a thread, a
+  // job per four of its query heads (the same numbers either way)
+  const int64_t per = Q * kv_heads < 2 * at::get_num_threads() ? 4 : group, passes = (group + per - 1) / per;
+  at::parallel_for(0, Q * kv_heads * passes, 1, [&](int64_t b, int64_t e) {
     const size_t keys = static_cast<size_t>(std::max<int64_t>(most, 1));
     std::vector<float> scores(keys * group);
     std::vector<int64_t> where(keys);
@@ -513,15 +515,16 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
       }
     };
     for (int64_t job = b; job < e; ++job) {
-      const int64_t i = job / kv_heads, kvh = job % kv_heads, last = pp[i];
+      const int64_t i = job / (kv_heads * passes), kvh = job / passes % kv_heads, last = pp[i];
+      const int64_t g0 = job % passes * per, g1 = std::min(group, g0 + per);
       // each key's offset in the pools, found once (no division per read)
       for (int64_t j = key_start, blk = key_start / block, slot = key_start % block; j <= last; ++j) {
         where[j] = ((tp[blk] * block + slot) * kv_heads + kvh) * d;
         if (++slot == block) slot = 0, ++blk;
       }
       const float* qh = qp + (i * heads + kvh * group) * d;
-      for (int64_t g = 0; g < group; g += 4) {  // up to four heads' dot products of each key at once
-        const int n = static_cast<int>(std::min<int64_t>(4, group - g));
+      for (int64_t g = g0; g < g1; g += 4) {  // up to four heads' dot products of each key at once
+        const int n = static_cast<int>(std::min<int64_t>(4, g1 - g));
         float* sg = scores.data() + g * keys;
         if (d % 8) {
           for (int64_t j = key_start; j <= last; ++j)
@@ -536,7 +539,7 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
           head_dots<1>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         float* sg = scores.data() + g * keys;
         float top = -INFINITY;
         for (int64_t j = key_start; j <= last; ++j) top = std::max(top, sg[j]);
@@ -1267,7 +1270,7 @@ bool take_half_overflow() { return half_overflow.exchange(false, std::memory_ord
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "a [M, K] float32 @ group-quantized w [N, K]^T -> [M, N] float32");
-  m.def("quant_has_vnni", &quant_has_vnni, "whether the CPU has AVX-512 VNNI (int16 activations)");
+  m.def("quant_has_vnni", &quant_has_vnni, "whether the CPU has AVX-512 VNNI (int16 activations on its 512-bit tile)");
   m.def("quant_isa", &quant_isa, "the float products' vector width (256 or 512); a width forces it, 0 reads it");
   m.def("bf16_matmul", &bf16_matmul, "a [M, K] float32 @ a bfloat16 w [N, K]^T -> [M, N] float32");
   m.def("dense_matmul", &dense_matmul, "a [M, K] float32 @ a bfloat16, float16 or float32 w [N, K]^T -> [M, N] float32");
