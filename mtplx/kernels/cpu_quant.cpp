@@ -406,6 +406,17 @@ MTPLX_VNNI void rows_range_int16(const Args& p, int64_t n0, int64_t n1) {
   }
 }
 
+// The int16 rounding of one 32-input chunk from its largest magnitude (NaN where an input is not
+// finite): q = round((a up) inv), d = amax / 32767. A chunk below 2^-60 is scaled up by 2^60
+// first, so that 32767 / max stays finite; an all-zero chunk gets inv 0. Both quantizers' rule.
+struct ChunkScale {
+  float up, inv, d;
+};
+__attribute__((always_inline)) inline ChunkScale chunk_scale(float amax) {
+  const float up = amax > 0.f && amax < 0x1p-60f ? 0x1p60f : 1.f;
+  return {up, amax > 0.f ? 32767.f / (amax * up) : 0.f, amax / 32767.f};
+}
+
 // Each 32 inputs of a row as int16 with one scale d = max |a| / 32767 (q = round(a * 32767 /
 // max |a|), to nearest even, in float32: (a 2^60) (32767 / (max 2^60)) below max 2^-60; 0 where
 // the 32 are all 0; d NaN where one is not finite, so that the outputs are NaN as float32
@@ -424,15 +435,13 @@ MTPLX_VNNI void quantize_rows_int16(const float* a, int64_t M, int64_t K, int16_
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, magnitude),
                                                         _mm512_and_ps(x1, magnitude)));
         if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(x0, x1)))) amax = NAN;  // outputs NaN, as floats'
-        // a chunk below 2^-60 is scaled up by 2^60 first, so that 32767 / max stays finite
-        const float up = amax > 0.f && amax < 0x1p-60f ? 0x1p60f : 1.f;
-        const float inv = amax > 0.f ? 32767.f / (amax * up) : 0.f;
-        const __m512 iv = _mm512_set1_ps(inv), uv = _mm512_set1_ps(up);
+        const ChunkScale cs = chunk_scale(amax);
+        const __m512 iv = _mm512_set1_ps(cs.inv), uv = _mm512_set1_ps(cs.up);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, uv), iv))));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 + 16 * h),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, uv), iv))));
-        _mm256_storeu_ps(ds + 8 * h, _mm256_set1_ps(amax / 32767.f));
+        _mm256_storeu_ps(ds + 8 * h, _mm256_set1_ps(cs.d));
       }
     }
   }
@@ -559,8 +568,8 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// quantize_rows_int16's rounding (the same integers and scales) in input order: qw [M, K],
-// dw [M, K / 32].
+// quantize_rows_int16's rounding (chunk_scale: the same integers and scales) in input order:
+// qw [M, K], dw [M, K / 32].
 void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t i = 0; i < M * K / 32; ++i) {
@@ -570,9 +579,8 @@ void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw,
     float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
                                     _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude))));
     if (!std::isfinite(hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]))))) amax = NAN;
-    const float up = amax > 0.f && amax < 0x1p-60f ? 0x1p60f : 1.f;
-    const float inv = amax > 0.f ? 32767.f / (amax * up) : 0.f;
-    const __m256 iv = _mm256_set1_ps(inv), uv = _mm256_set1_ps(up);
+    const ChunkScale cs = chunk_scale(amax);
+    const __m256 iv = _mm256_set1_ps(cs.inv), uv = _mm256_set1_ps(cs.up);
     __m256i q[4];
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], uv), iv));
     // packs interleaves the 128-bit halves: [0-3, 8-11, 4-7, 12-15] back to input order
@@ -580,7 +588,7 @@ void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw,
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw + 32 * i + 16),
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
-    dw[i] = amax / 32767.f;
+    dw[i] = cs.d;
   }
 }
 
@@ -686,9 +694,13 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
   if (activations == 16 && int16_applies(bits, group, K)) {
     p.vnni = int16_vnni();
     qw = torch::empty({M, K}, a.options().dtype(torch::kShort));
-    dw = p.vnni ? torch::empty({M, K / 64, 16}, a.options()) : torch::empty({M, K / 32}, a.options());
-    if (p.vnni) quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
-    else quantize_rows_int16_avx2(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    if (p.vnni) {
+      dw = torch::empty({M, K / 64, 16}, a.options());
+      quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    } else {
+      dw = torch::empty({M, K / 32}, a.options());
+      quantize_rows_int16_avx2(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
+    }
     p.qw = qw.data_ptr<int16_t>();
     p.dw = dw.data_ptr<float>();
   } else if (activations == 8) {
