@@ -22,6 +22,28 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def force_width():
+    """``force_width(w)``: the CPU kernels' products and attention at vector width ``w`` (256:
+    AVX2, 512: AVX-512) for the rest of the test, 512 skipped where the width in use is not 512;
+    the width in use is put back at the end."""
+    from mtplx.kernels import cpu
+
+    before: list[int] = []
+
+    def force(width: int) -> None:
+        current = cpu.vector_width()
+        if width == 512 and current != 512:
+            pytest.skip("no AVX-512 here")
+        if not before:
+            before.append(current)
+        cpu.vector_width(width)
+
+    yield force
+    if before:
+        cpu.vector_width(before[0])
+
+
+@pytest.fixture
 def serve(tmp_path, default_gguf):
     """Start servers with ``serve(*args)``; any still running at the end is killed."""
     from tests.serve_process import ServeProcess

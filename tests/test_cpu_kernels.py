@@ -85,23 +85,13 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
 @pytest.mark.parametrize("key_start", [0, 1, 130])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 32), (8, 2, 128), (7, 1, 64),
                                               (6, 2, 20)])
-def test_row_attention_over_spans_of_keys(width, key_start, heads, kv_heads, d):
+def test_row_attention_over_spans_of_keys(width, key_start, heads, kv_heads, d, force_width):
     """Queries over up to 300 keys against softmax(q k / sqrt) v in float64, each query the same
     alone as among others: on the AVX-512 path (d a multiple of 16: three spans of 128, the KV
     head's query heads sharing its rows; the spans depend on key positions only) and on the AVX2
     one (width 256, or d not a multiple of 16: a job per KV head, its query heads' dot products up
     to four at a time, seven heads a KV head in two such passes; d = 20 the scalar tails)."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
-    cpu_kernels.vector_width(width)
-    try:
-        _attention_over_spans(key_start, heads, kv_heads, d)
-    finally:
-        cpu_kernels.vector_width(before)
-
-
-def _attention_over_spans(key_start, heads, kv_heads, d):
+    force_width(width)
     block, blocks = 16, 24
     k_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(7))
     v_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(8))
@@ -142,52 +132,40 @@ def test_row_attention_of_a_short_context_splits_the_heads():
 
 
 @pytest.mark.parametrize("width", [512, 256])
-def test_row_attention_keeps_a_nan_key_visible(width):
+def test_row_attention_keeps_a_nan_key_visible(width, force_width):
     """A NaN key makes its KV head's query heads NaN (over spans, and on the per-head path),
     the other heads their own numbers."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     heads, kv_heads, d = 6, 2, 64
     k_pool, v_pool = (torch.randn(40, 16, kv_heads, d, generator=_gen(s)) for s in (15, 16))
     table, positions = torch.randperm(40, generator=_gen(17)), torch.tensor([600])
     q = torch.randn(1, heads, d, generator=_gen(18))
-    try:
-        cpu_kernels.vector_width(width)
-        clean = cpu_kernels.row_attention(q, k_pool, v_pool, table, positions, 0, 0.125).view(heads, d)
-        for key in (5, 300, 600):
-            k = k_pool.clone()
-            k.view(-1, kv_heads, d)[table[key // 16] * 16 + key % 16, 0] = float("nan")
-            out = cpu_kernels.row_attention(q, k, v_pool, table, positions, 0, 0.125).view(heads, d)
-            assert out[:3].isnan().all(), key
-            assert torch.equal(out[3:], clean[3:]), key
-    finally:
-        cpu_kernels.vector_width(before)
+    clean = cpu_kernels.row_attention(q, k_pool, v_pool, table, positions, 0, 0.125).view(heads, d)
+    for key in (5, 300, 600):
+        k = k_pool.clone()
+        k.view(-1, kv_heads, d)[table[key // 16] * 16 + key % 16, 0] = float("nan")
+        out = cpu_kernels.row_attention(q, k, v_pool, table, positions, 0, 0.125).view(heads, d)
+        assert out[:3].isnan().all(), key
+        assert torch.equal(out[3:], clean[3:]), key
 
 
 @pytest.mark.parametrize("width", [512, 256])
 @pytest.mark.parametrize("heads,kv_heads,d,positions", [(9, 3, 64, [299, 127, 128, 5]), (6, 2, 24, [40, 7]),
                                                      (6, 2, 20, [40, 7]), (4, 1, 12, [33])])
-def test_row_attention_over_float16_pools(width, heads, kv_heads, d, positions):
+def test_row_attention_over_float16_pools(width, heads, kv_heads, d, positions, force_width):
     """float16 pools: each element widened exactly as it is read, so the output is bit for bit
     the float32 path's over the pools' ``.float()`` (over spans of keys, and on the per-head
     path: AVX2 width, or a head size not a multiple of 16)."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     block, blocks = 16, 24
     k_pool, v_pool = (torch.randn(blocks, block, kv_heads, d, generator=_gen(s)).half() for s in (20, 21))
     table = torch.randperm(blocks, generator=_gen(22))[:20]
     pos = torch.tensor(positions)
     q = torch.randn(len(positions), heads, d, generator=_gen(23)) * 0.5
-    try:
-        cpu_kernels.vector_width(width)
-        for key_start in (0, 1):
-            half = cpu_kernels.row_attention(q, k_pool, v_pool, table, pos, key_start, d ** -0.5)
-            wide = cpu_kernels.row_attention(q, k_pool.float(), v_pool.float(), table, pos, key_start, d ** -0.5)
-            assert half.dtype == torch.float32 and torch.equal(half, wide)
-    finally:
-        cpu_kernels.vector_width(before)
+    for key_start in (0, 1):
+        half = cpu_kernels.row_attention(q, k_pool, v_pool, table, pos, key_start, d ** -0.5)
+        wide = cpu_kernels.row_attention(q, k_pool.float(), v_pool.float(), table, pos, key_start, d ** -0.5)
+        assert half.dtype == torch.float32 and torch.equal(half, wide)
 
 
 @pytest.mark.parametrize("d", [64, 12])  # (12: eight at a time, then one at a time)
@@ -240,18 +218,11 @@ def test_a_finite_value_past_float16s_range_sets_the_overflow_record(d):
 
 
 @pytest.mark.parametrize("width", [512, 256])
-def test_row_attention_of_no_keys_is_zero(width):
+def test_row_attention_of_no_keys_is_zero(width, force_width):
     """A query whose keys all lie before key_start attends nothing: zeros, as before."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     pool = torch.randn(2, 16, 1, 16, generator=_gen(11))
-    try:
-        cpu_kernels.vector_width(width)
-        out = cpu_kernels.row_attention(torch.randn(1, 2, 16), pool, pool, torch.tensor([1, 0]), torch.tensor([5]), 6,
-                                        0.25)
-    finally:
-        cpu_kernels.vector_width(before)
+    out = cpu_kernels.row_attention(torch.randn(1, 2, 16), pool, pool, torch.tensor([1, 0]), torch.tensor([5]), 6, 0.25)
     assert torch.equal(out, torch.zeros(1, 32))
 
 
@@ -396,44 +367,32 @@ def test_avx512_and_avx2_products_agree_with_the_dequantized_weight(bits, k, gro
 
 
 @pytest.mark.parametrize("width", [256, 512])
-def test_bf16_weights_multiply_as_their_float32_copy(width):
+def test_bf16_weights_multiply_as_their_float32_copy(width, force_width):
     """bf16_matmul: a [M, K] float32 times a bfloat16 weight gives the product with that weight
     widened to float32, within float32 summation error, each row the same alone as among others,
     at both vector widths."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     w = torch.randn(37, 96, generator=_gen(21)).to(torch.bfloat16)
-    try:
-        cpu_kernels.vector_width(width)
-        for rows in (1, 2, 3, 5):
-            a = torch.randn(rows, 96, generator=_gen(rows + 30))
-            out = cpu_kernels.bf16_matmul(a, w)
-            torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
-            assert torch.equal(out[-1], cpu_kernels.bf16_matmul(a[-1:], w)[0])
-    finally:
-        cpu_kernels.vector_width(before)
+    for rows in (1, 2, 3, 5):
+        a = torch.randn(rows, 96, generator=_gen(rows + 30))
+        out = cpu_kernels.bf16_matmul(a, w)
+        torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[-1], cpu_kernels.bf16_matmul(a[-1:], w)[0])
 
 
 @pytest.mark.parametrize("width", [256, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dense_weights_multiply_as_their_float32_values(width, dtype):
+def test_dense_weights_multiply_as_their_float32_values(width, dtype, force_width):
     """dense_matmul: a bfloat16, float16 or float32 weight widened exactly to float32, within
     float32 summation error of the float64 product, each row the same alone as among others."""
-    before = cpu_kernels.vector_width()
-    if width == 512 and before != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     w = torch.randn(37, 96, generator=_gen(22)).to(dtype)
-    try:
-        cpu_kernels.vector_width(width)
-        for rows in (1, 2, 3, 5, 49):
-            a = torch.randn(rows, 96, generator=_gen(rows + 40))
-            out = cpu_kernels.dense_matmul(a, w)
-            torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
-            for r in (0, rows - 1):
-                assert torch.equal(out[r], cpu_kernels.dense_matmul(a[r:r + 1], w)[0])
-    finally:
-        cpu_kernels.vector_width(before)
+    for rows in (1, 2, 3, 5, 49):
+        a = torch.randn(rows, 96, generator=_gen(rows + 40))
+        out = cpu_kernels.dense_matmul(a, w)
+        torch.testing.assert_close(out.double(), a.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        for r in (0, rows - 1):
+            assert torch.equal(out[r], cpu_kernels.dense_matmul(a[r:r + 1], w)[0])
 
 
 def test_a_float_output_matrix_reads_its_narrowest_exact_width():

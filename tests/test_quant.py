@@ -144,15 +144,11 @@ def _int16_widths():
 
 
 @pytest.fixture(params=_int16_widths())
-def int16_width(request):
+def int16_width(request, force_width):
     """Runs the test with the quantized products at this vector width (int16 activations on
-    tile_int16_avx2 at 256, tile_int16 at 512), then puts the width back."""
-    before = cpu_kernels.vector_width()
-    cpu_kernels.vector_width(request.param)
-    try:
-        yield request.param
-    finally:
-        cpu_kernels.vector_width(before)
+    tile_int16_avx2 at 256, tile_int16 at 512; conftest's force_width puts the width back)."""
+    force_width(request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("out,inp,group", [(64, 128, 32), (48, 256, 64), (32, 512, 128), (16, 256, 256),
@@ -219,7 +215,7 @@ def test_int16_activations_leave_other_layouts_on_float32(bits, inp, group, monk
     assert torch.equal(default, QuantLinear(qw, backend="cpu")(x))
 
 
-def test_activation_bits_follow_the_switch(monkeypatch):
+def test_activation_bits_follow_the_switch(monkeypatch, force_width):
     for mode, bits in (("float32", 32), ("int8", 8)):
         monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, mode)
         assert cpu_kernels.activation_bits() == bits
@@ -232,12 +228,8 @@ def test_activation_bits_follow_the_switch(monkeypatch):
     assert cpu_kernels.activation_bits() == (
         16 if kernels and (cpu_kernels.extension().quant_has_vnni() or cpu_kernels.vector_width() == 256) else 32)
     if kernels:
-        before = cpu_kernels.vector_width()
-        try:
-            cpu_kernels.vector_width(256)
-            assert cpu_kernels.activation_bits() == 16
-        finally:
-            cpu_kernels.vector_width(before)
+        force_width(256)
+        assert cpu_kernels.activation_bits() == 16
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_SWITCH, "int16")
     assert cpu_kernels.activation_bits() == 16
 
