@@ -59,13 +59,12 @@ def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], 
                 if t == 0 and policy == "mirror":
                     continue  # greedy requests draft by argmax whatever the policy
                 sums = out.setdefault(f"t{t}", {}).setdefault(name if fmt is None else f"{name}+{fmt}",
-                                                              {"seconds": 0.0, "tokens": 0, "cycles": 0, "ar_steps": 0})
+                                                              {"seconds": 0.0, "tokens": 0, "cycles": 0})
                 r = engines[fmt].generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=depth,
                                     draft_policy=policy, max_tokens=tokens, ignore_eos=True, **sampling)
                 sums["seconds"] += r.stats["decode_s"]
                 sums["tokens"] += r.stats["generated_tokens"] - 1
                 sums["cycles"] += r.stats.get("verify_calls") or 0
-                sums["ar_steps"] += r.stats.get("ar_steps") or 0  # depth="auto" rows' AR steps (depth 0)
     return out
 
 
@@ -105,9 +104,9 @@ def main() -> None:
             for regime, configs in res.items():
                 for config, sums in configs.items():
                     into = totals[name].setdefault(regime, {}).setdefault(config, {"seconds": 0.0, "tokens": 0,
-                                                                                    "cycles": 0, "ar_steps": 0})
+                                                                                    "cycles": 0})
                     for key in into:
-                        into[key] += sums.get(key, 0)
+                        into[key] += sums[key]
     summary = {}
     for name, regimes in totals.items():
         for regime, configs in regimes.items():
@@ -116,15 +115,12 @@ def main() -> None:
                 rate = s["tokens"] / s["seconds"]
                 summary.setdefault(name, {}).setdefault(regime, {})[config] = {
                     "tok_s": round(rate, 1), "x_ar": round(rate / ar, 3),
-                    # an auto row's AR steps are not cycles: the tokens a drafting cycle commits
-                    "tokens_per_cycle": round((s["tokens"] - s["ar_steps"]) / s["cycles"], 3) if s["cycles"] else None,
-                    "ar_step_share": round(s["ar_steps"] / (s["ar_steps"] + s["cycles"]), 3) if s["cycles"] else None}
+                    "tokens_per_cycle": round(s["tokens"] / s["cycles"], 3) if s["cycles"] else None}
     for name, regimes in summary.items():
         for regime, configs in regimes.items():
             print(f"{name:8s} {regime:5s} " + "  ".join(
-                f"{c} {v['tok_s']:.1f} ({v['x_ar']:.3f}x" + (f", {v['tokens_per_cycle']:.2f}/cycle" if v["tokens_per_cycle"]
-                                                              else "")
-                + (f", {v['ar_step_share']:.0%} AR steps" if v["ar_step_share"] else "") + ")" for c, v in configs.items()))
+                f"{c} {v['tok_s']:.1f} ({v['x_ar']:.3f}x" + (f", {v['tokens_per_cycle']:.2f}/cycle)" if v["tokens_per_cycle"]
+                                                              else ")") for c, v in configs.items()))
     if "baseline" in summary:
         print("this / baseline: " + "; ".join(
             f"{regime} {c} {v['tok_s'] / summary['baseline'][regime][c]['tok_s']:.3f}x"

@@ -4,10 +4,8 @@ greedy equals AR, a seed gives the same tokens chained or not (test_mtp_chained.
 rows keep the AR distribution (test_mtp_sampling_exact.py)."""
 
 import pytest
-import torch
 
-from mtplx.engine.adaptive_depth import HYSTERESIS, PROBE_AFTER, AutoDepth, DepthCosts, DepthPlan, batch_depth
-from mtplx.engine.llm_engine import cost_machine
+from mtplx.engine.adaptive_depth import HYSTERESIS, AutoDepth, DepthCosts, DepthPlan, batch_depth
 from mtplx.errors import InvalidParameter
 from tests.tiny_models import repeat_head, tiny_engine
 
@@ -18,15 +16,13 @@ def plan(prior=(0.5, 0.43, 0.5), costs=GPU, max_depth=3) -> DepthPlan:
     return DepthPlan(max_depth, costs, prior)
 
 
-def decode_alone(p: DepthPlan, accepted, cycles: int = 20, chained: bool = True) -> list[int]:
+def decode_alone(p: DepthPlan, accepted, cycles: int = 20) -> list[int]:
     """A lone row's depths over ``cycles`` cycles, as the generator picks them (each from the
-    outcomes two cycles back and the last depth); ``accepted(depth)``: each cycle's accepted
-    count; ``chained`` False: an unchained engine's choices (AR steps, no hysteresis)."""
+    outcomes two cycles back and the last depth); ``accepted(depth)``: each cycle's accepted count."""
     depths, depth = [], p.first_depth
     for k in range(cycles):
-        depth = batch_depth([p], [p.expected_at(in_flight=False)], incumbent=depth if k else None, chained=chained,
-                            probe=p.probe_due(in_flight=False))
-        p.observe(depth, accepted(depth) if depth else 0)
+        depth = batch_depth([p], [p.expected_at(in_flight=False)], incumbent=depth if k else None)
+        p.observe(depth, accepted(depth))
         depths.append(depth)
     return depths
 
@@ -41,52 +37,6 @@ def test_a_row_whose_drafts_are_rejected_falls_back_to_depth_one():
     p = plan(prior=(0.9, 0.9, 0.9))
     assert p.first_depth == 3
     assert decode_alone(p, lambda d: 0)[-1] == 1
-
-
-CPU_AVX2 = DepthCosts((1.46, 1.89, 2.44), 0.55)  # `mtplx tune` on an AVX2 CPU (docs/performance.md, session 32)
-
-
-def test_a_row_whose_drafts_do_not_pay_takes_ar_steps_and_probes_its_drafts():
-    """Where cycles do not chain, AR (one token for one step) is a depth too: a row whose drafts
-    are all rejected stops drafting, and once PROBE_AFTER AR steps have committed (seen two
-    cycles late, as its acceptance is) drafts one depth-1 cycle, the only way it learns whether
-    drafting pays again; one probe a run, never two in a row."""
-    p = plan(prior=(0.58,) * 3, costs=CPU_AVX2)
-    assert p.first_depth == 1  # a row's first cycle drafts, whatever its prior says
-    depths = decode_alone(p, lambda d: 0, cycles=60, chained=False)
-    assert depths[:3] == [1, 1, 1]  # its first outcome is seen at its third cycle
-    settled = depths[3:]
-    run = [0] * (PROBE_AFTER + 1) + [1]  # the eighth AR step is seen when the ninth is under way
-    assert settled[:50] == run * 5
-    assert decode_alone(plan(prior=(0.58,) * 3, costs=CPU_AVX2), lambda d: 0, cycles=60) == [1] * 60  # chained: never AR
-
-
-def test_a_row_at_ar_steps_drafts_again_once_its_probes_pass():
-    p = plan(prior=(0.58,) * 3, costs=CPU_AVX2)
-    assert decode_alone(p, lambda d: 0, cycles=30, chained=False)[-PROBE_AFTER:].count(0) >= PROBE_AFTER - 1
-    later = decode_alone(p, lambda d: d, cycles=100, chained=False)  # now every draft passes
-    assert 0 not in later[-50:] and later[-20:] == [3] * 20
-
-
-def test_a_batch_steps_ar_only_where_no_depth_pays_for_its_rows():
-    """Depth 0 is one depth among the others, weighed over the batch: a row whose drafts all pass
-    drafts alone at 3; beside one row that accepts nothing the pair drafts at 2, beside three
-    the batch steps AR (each drafting cycle costs
-    all four rows), and a fixed-depth row (the cycle drafts anyway) keeps them drafting."""
-    keen, *dull = [plan(prior=(0.58,) * 3, costs=CPU_AVX2) for _ in range(8)]
-    for _ in range(30):
-        keen.observe(3, 3)
-        for p in dull:
-            p.observe(1, 0)
-
-    def depth(plans, incumbent, floor=0):
-        return batch_depth(plans, [p.expected_at(in_flight=False) for p in plans], incumbent, floor, chained=False)
-
-    assert depth(dull, incumbent=1) == 0
-    assert depth([keen], incumbent=0) == 3
-    assert depth([keen] + dull[:1], incumbent=0) == 2  # depth 1: (2.0 + 1.0) / 1.46, depth 2: 4.0 / 1.89, AR: 2
-    assert depth([keen] + dull[:3], incumbent=1) == 0  # depth 1: (2.0 + 3.0) / 1.46 = 3.4, AR: 4
-    assert depth(dull, incumbent=1, floor=2) == 2  # the cycle costs a depth-2 one anyway
 
 
 def test_a_cycles_depth_depends_only_on_outcomes_two_cycles_back():
@@ -174,53 +124,6 @@ def test_auto_depth_greedy_equals_ar_and_uses_several_depths(chain):
     assert engine.runner.blocks.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_auto_rows_take_ar_steps_where_drafts_do_not_pay(chain):
-    """Priced like an AVX2 CPU's cycles, a random head's drafts (rarely right) do not pay: on an
-    engine whose cycles do not chain an auto row steps AR between probe cycles, and its head
-    catches up on the skipped positions when it drafts; greedy decoding still equals AR, and a
-    seed still fixes a sampled row's tokens (argmax drafts: this near-uniform model's mirror
-    drafts pass). On an engine built to chain, every cycle drafts."""
-    built, _ = tiny_engine("qwen3")
-    engine = type(built)(built.loaded, chain=chain) if chain else built
-    assert engine.generator.auto_chained == chain
-    engine.auto_depth = AutoDepth(3, CPU_AVX2)
-    prompt = [5, 17, 33, 2, 8, 9, 10, 11, 40]
-    ar = engine.generate(prompt, mode="ar", max_tokens=80)
-    auto = engine.generate(prompt, mode="mtp", depth="auto", max_tokens=80)
-    assert auto.token_ids == ar.token_ids
-    stats = auto.stats
-    if chain:
-        assert stats["ar_steps"] == 0
-    else:
-        assert stats["ar_steps"] > 4 * stats["verify_calls"] > 0, stats
-        assert stats["generated_tokens"] == stats["ar_steps"] + stats["verify_calls"] + stats["accepted_tokens"] + 1
-    sampled = [engine.generate(prompt, mode="mtp", depth="auto", max_tokens=80, temperature=0.7, seed=7,
-                               draft_policy="greedy") for _ in range(2)]
-    assert sampled[0].token_ids == sampled[1].token_ids
-    assert (sampled[0].stats["ar_steps"] > 0) != chain
-    assert engine.runner.blocks.num_used_blocks == 0
-
-
-def test_an_ar_step_keeps_its_trunk_state_for_the_heads_catch_up():
-    """After AR steps the head's backlog holds the trunk's hidden state at every position it has
-    not seen, the states a forward over the whole sequence computes there."""
-    engine, _ = tiny_engine("qwen3", kv_dtype=torch.float32)
-    engine.auto_depth = AutoDepth(3, CPU_AVX2)
-    seq = engine.new_sequence(engine.make_request([5, 17, 33, 2, 8, 9, 10, 11, 40], mode="mtp", depth="auto",
-                                                  max_tokens=40))
-    engine.generator.admit(seq)
-    engine.generator.prefill(seq)
-    while seq.stats.ar_steps < PROBE_AFTER - 1 or seq.depth != 0:  # in a run of AR steps
-        engine.step([seq])
-    assert seq.hidden_backlog.shape[0] == seq.trunk_len - seq.head_len + 1 > PROBE_AFTER // 2
-    fresh, _ = tiny_engine("qwen3", kv_dtype=torch.float32)  # the same weights, no prefix cache
-    whole = fresh.new_sequence(fresh.make_request(seq.tokens[:seq.trunk_len], mode="mtp", depth=1, max_tokens=1))
-    fresh.generator.admit(whole)
-    fresh.generator.prefill(whole)  # its backlog: the trunk's state at every prompt position
-    torch.testing.assert_close(seq.hidden_backlog, whole.hidden_backlog[seq.head_len - 1:], atol=1e-4, rtol=1e-4)
-
-
 def test_depth_auto_is_validated_and_bounded_by_max_depth():
     engine, _ = tiny_engine("qwen3")
     req = engine.make_request([1, 2, 3], mode="mtp", depth="auto")
@@ -232,28 +135,14 @@ def test_depth_auto_is_validated_and_bounded_by_max_depth():
         type(engine)(engine.loaded, max_depth=0)
 
 
-@pytest.mark.parametrize("width", [256, 512])
-def test_cpus_whose_kernels_run_256_bits_wide_take_their_own_cycle_costs(width, force_width):
-    """An AVX2 CPU's verify of two tokens costs more against a step than an AVX-512 one's
-    (session 32: 1.46 AR steps a depth-1 cycle against 1.30), so its engines price cycles from
-    its own measured table; a depth-1 cycle there must promise 1.51 tokens to pay."""
-    force_width(width)
-    machine = cost_machine(torch.device("cpu"))
-    assert machine == ("cpu-avx2" if width == 256 else "cpu")
-    engine, _ = tiny_engine("llama")
-    assert engine.auto_depth.costs == DepthCosts.default(machine)
-    assert (engine.auto_depth.costs.of(1) > DepthCosts.default("cpu").of(1)) == (width == 256)
-
-
 def test_untuned_engines_price_sampled_cycles_apart_from_greedy_ones():
     """Without a tuned cost table, greedy rows plan with the device's greedy cycle costs and
     sampled rows with its sampled ones (on the CPU the measured greedy table made sampled rows
     draft deeper than paid); a tuned greedy table without a sampled one serves both, as before."""
     engine, _ = tiny_engine("llama")
-    machine = cost_machine(engine.device)
-    assert engine.auto_depth.costs == DepthCosts.default(machine)
-    assert engine.auto_depth.sampled_costs == DepthCosts.default_sampled(machine)
-    assert engine.auto_depth.plan(greedy=False).costs == DepthCosts.default_sampled(machine)
+    assert engine.auto_depth.costs == DepthCosts.default("cpu")
+    assert engine.auto_depth.sampled_costs == DepthCosts.default_sampled("cpu")
+    assert engine.auto_depth.plan(greedy=False).costs == DepthCosts.default_sampled("cpu")
     tuned = DepthCosts((1.1, 1.3, 1.5), 0.2)
     assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(greedy=False).costs == tuned
     assert isinstance(engine.auto_depth, AutoDepth)

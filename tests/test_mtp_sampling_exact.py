@@ -34,13 +34,13 @@ def exact_distribution(hf, params: SamplingParams, length: int = 3) -> dict[tupl
 
 
 def sample_mtp(engine, n: int, depth: int, policy: str, samplers: list[dict] | None = None, length: int = 3,
-               rows: int | None = None, **sampler) -> list[tuple]:
-    """n independent ``length``-token MTP continuations, decoded as rows of one batch (at most
-    ``rows`` at a time; row i with ``samplers[i % len(samplers)]`` where given)."""
+               **sampler) -> list[tuple]:
+    """n independent ``length``-token MTP continuations, decoded as rows of one batch (row i
+    with ``samplers[i % len(samplers)]`` where given)."""
     requests = [(i, engine.make_request(PROMPT, mode="mtp", depth=depth, max_tokens=length, seed=10_000 + i,
                                         draft_policy=policy, **(samplers[i % len(samplers)] if samplers else sampler)))
                 for i in range(n)]
-    done = dict(decode_rows(engine, iter(requests), rows or n))
+    done = dict(decode_rows(engine, iter(requests), n))
     seqs = [done[i] for i in range(n)]
     assert engine.runner.blocks.num_used_blocks == 0
     return [tuple(s.generated) for s in seqs]
@@ -166,28 +166,16 @@ def test_chained_sampled_rows_of_different_settings_keep_each_distribution(depth
     assert any(launches)  # the rows decoded chained
 
 
-@pytest.mark.parametrize("samplers", [PLAIN, FILTERED], ids=["plain", "filtered"])
-def test_auto_rows_that_step_ar_keep_each_distribution(samplers):
-    """Unchained, auto rows may take AR steps (depth 0) between drafting cycles, the head
-    catching up on the positions it skipped: rows of two samplers, 16 at a time, whose batch
-    steps AR after its drafts are rejected and drafts 3 after they pass."""
-    engine, hf = _engine(head="repeat")
-    ar_steps = _auto_depth_rows_keep_each_distribution(engine, hf, "mirror", samplers, costs=(1.2, 1.3, 1.4), rows=16)
-    assert ar_steps > 100
-
-
-def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers, costs=(1.0, 1.1, 1.2), rows=None) -> int:
+def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers):
     """depth="auto" rows start at depth 1; a row's third cycle drafts 3 tokens if its first
-    cycle's draft was accepted, else 1 (or with ``costs`` that price depth 1 over an AR step,
-    unchained, an AR step): its depth depends on its own earlier draws. Five tokens, so later
-    cycles' tokens are tested: the last two tokens' joint distribution (marginalised from the
-    enumerated five-token one) and the first three's. Returns the rows' AR steps."""
-    engine.auto_depth = AutoDepth(3, DepthCosts(costs, 0.1), greedy_prior=(0.3,) * 3,
+    cycle's draft was accepted, else 1: its depth depends on its own earlier draws. Five
+    tokens, so later cycles' tokens are tested: the last two tokens' joint distribution
+    (marginalised from the enumerated five-token one) and the first three's."""
+    engine.auto_depth = AutoDepth(3, DepthCosts((1.0, 1.1, 1.2), 0.1), greedy_prior=(0.3,) * 3,
                                   sampled_prior=(0.3,) * 3, rate=1.0)
-    depths, ar_steps = set(), {}
+    depths = set()
     engine.generator.observers.append(lambda event, seq: depths.add(len(seq.stats.cycles_by_depth)))
-    engine.generator.observers.append(lambda event, seq: ar_steps.__setitem__(seq.seq_id, seq.stats.ar_steps))
-    samples = sample_mtp(engine, N, "auto", policy, samplers=samplers, length=5, rows=rows)
+    samples = sample_mtp(engine, N, "auto", policy, samplers=samplers, length=5)
     assert depths >= {1, 3}  # rows that stayed at depth 1 and rows that went to 3
     for i, sampler in enumerate(samplers):
         dist = exact_distribution(hf, SamplingParams(**sampler), length=5)
@@ -196,7 +184,6 @@ def _auto_depth_rows_keep_each_distribution(engine, hf, policy, samplers, costs=
             for k, p in dist.items():
                 marginal[k[part]] = marginal.get(k[part], 0.0) + p
             assert_fits([s[part] for s in samples[i::2]], marginal)
-    return sum(ar_steps.values())
 
 
 @pytest.mark.parametrize("chained,head", [(False, "random"), (True, "repeat")])

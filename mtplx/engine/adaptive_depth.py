@@ -30,18 +30,6 @@ once too), so a seed gives the same tokens chained or not, and a row decoded alo
 it did before batches shared a depth. Which rows share a batch changes the depth, so a seeded
 row's tokens (not their distribution) depend on the rows decoded beside it. A switch needs a
 clear gain (``HYSTERESIS``): every depth change ends a chain.
-
-On an engine whose cycles do not chain (the CPU), a switch ends nothing, so the depth with the
-most expected tokens per unit of cost is taken without hysteresis, and depth 0 is one of the
-choices: a batch's auto rows take AR steps, one token for one step's cost, where no depth
-promises more (drafts that keep being rejected, or a machine whose verify costs nearly as much
-as the tokens it adds). The head does not run then; it catches up on the skipped positions at
-the next drafting cycle (``Sequence.hidden_backlog`` keeps their trunk states). An AR step
-observes no acceptance, so a row at depth 0 drafts one probe cycle at depth 1 after every
-``PROBE_AFTER`` AR steps and returns to drafting where its drafts have begun to pass. A chained
-AR step keeps no trunk state for the head, so an engine that chains (CUDA graphs) keeps the
-lowest depth at 1 and its hysteresis (``Generator.auto_chained``, fixed when it is built), and
-an MTP row's AR step never chains.
 """
 
 from __future__ import annotations
@@ -57,7 +45,6 @@ from dataclasses import dataclass
 HYSTERESIS = 0.10
 RATE = 0.15  # weight of the newest cycle in the running acceptance (about the last 6-7 cycles)
 DEFAULT_MAX_DEPTH = 3
-PROBE_AFTER = 8  # AR steps of an auto row at depth 0 before a depth-1 cycle measures its drafts again
 
 # Conditional acceptance by position before a row has committed anything. Greedy: the session-15
 # SmolLM2 head's on forge's 24 held-out prompts at depth 3 (docs/forge.md), 0.575 / 0.332 / 0.193
@@ -81,10 +68,7 @@ SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 class DepthCosts:
     """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
     the table cost ``per_draft`` more each. Defaults (``default``: greedy cycles,
-    ``default_sampled``: sampled ones). An AVX2 CPU's ("cpu-avx2": Zen 3, two threads, `mtplx
-    tune`, docs/performance.md sessions 32 and 33): greedy the mean of two runs (1.46 / 1.89 /
-    2.44 and 1.56 / 2.30 / 2.73), 1.51 / 2.09 / 2.58 AR steps; sampled (T 0.7, top-p 0.95, one
-    run) 1.55 / 2.15 / 2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
+    ``default_sampled``: sampled ones). The CPU's, since session 18, as `mtplx tune` measures
     them (`benchmarks/auto_depth.py`: the tune prompts, AR and depths 1-3 side by side, two
     threads, the shipped head; `cpu_s18_auto_depth_measured.json`): greedy 1.30 / 1.84 / 2.17
     AR steps, sampled (T 0.7 argmax and T 1.0 mirror drafts, averaged) 1.34 / 1.82 / 2.05. The
@@ -110,28 +94,20 @@ class DepthCosts:
     per_draft: float
 
     def of(self, depth: int) -> float:
-        if depth == 0:  # an AR step
-            return 1.0
         if depth <= len(self.cycles):
             return self.cycles[depth - 1]
         return self.cycles[-1] + self.per_draft * (depth - len(self.cycles))
 
     @classmethod
-    def default(cls, machine: str) -> DepthCosts:
-        """``machine``: "cuda", "cpu" (AVX-512), or "cpu-avx2" (a CPU whose kernels run 256 bits
-        wide: their verify of 2 tokens costs more against a step, `kernels.cpu.vector_width`)."""
-        if machine == "cuda":
+    def default(cls, device_type: str) -> DepthCosts:
+        if device_type == "cuda":
             return cls((1.21, 1.45, 1.56), 0.11)
-        if machine == "cpu-avx2":
-            return cls((1.51, 2.09, 2.58), 0.49)
         return cls((1.30, 1.84, 2.17), 0.33)
 
     @classmethod
-    def default_sampled(cls, machine: str) -> DepthCosts:
-        if machine == "cuda":
+    def default_sampled(cls, device_type: str) -> DepthCosts:
+        if device_type == "cuda":
             return cls((1.21, 1.49, 1.61), 0.12)
-        if machine == "cpu-avx2":
-            return cls((1.55, 2.15, 2.70), 0.56)
         return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
@@ -177,20 +153,14 @@ class DepthPlan:
         self.alpha = list(prior)
         self.initial = self.expected_tokens()
         self.history: deque[tuple[float, ...]] = deque(maxlen=2)  # E(1..max_depth) after its last two commits
-        self.idle = 0  # AR steps committed since its last drafting cycle
-        self.idle_history: deque[int] = deque(maxlen=2)  # ``idle`` after its last two commits
 
     @property
     def first_depth(self) -> int:
-        """The depth this row alone would take before its first commit (at least 1: a row's
-        first cycles measure its drafts)."""
+        """The depth this row alone would take before its first commit."""
         return batch_depth([self], [self.initial], incumbent=None)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted (an AR
-        step: none drafted; it tests nothing)."""
-        self.idle = self.idle + 1 if drafted == 0 else 0
-        self.idle_history.append(self.idle)
+        """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted."""
         for j in range(min(drafted, accepted + 1)):  # positions that were tested
             self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
         scale = self.alpha[0] / max(self.prior[0], 1e-3)
@@ -208,14 +178,6 @@ class DepthPlan:
             return h[-1] if h else self.initial
         return h[-2] if len(h) == 2 else self.initial
 
-    def probe_due(self, in_flight: bool) -> bool:
-        """Whether the row's AR steps, counted with ``expected_at``'s lag, call for a probe: the
-        ``PROBE_AFTER``-th of a run, and each ``PROBE_AFTER + 1`` after (the lag lets one more
-        AR step commit before the probe's own commit is seen, so a probe is never asked twice)."""
-        h = self.idle_history
-        idle = (h[-1] if h else 0) if in_flight else (h[-2] if len(h) == 2 else 0)
-        return idle % (PROBE_AFTER + 1) == PROBE_AFTER
-
     def expected_tokens(self) -> tuple[float, ...]:
         tokens, reach, out = 1.0, 1.0, []
         for j in range(self.max_depth):
@@ -226,21 +188,16 @@ class DepthPlan:
 
 
 def batch_depth(plans: list[DepthPlan], expected: list[tuple[float, ...]], incumbent: int | None,
-                floor: int = 0, chained: bool = True, probe: bool = False) -> int:
+                floor: int = 0) -> int:
     """The depth of a cycle's auto rows, with these plans and expected tokens by depth (each
     row's ``expected_at``): the most expected tokens of all of them per unit of the cycle's
-    cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row).
-    Where cycles chain (``chained``), the incumbent (the auto rows' current depth) stays unless
-    another promises ``HYSTERESIS`` more. Where they do not, a switch costs nothing, so the best
-    depth is taken as it is, and it may be 0, an AR step (one token for one step's cost), except
-    where ``probe`` (a row's ``probe_due``): then a depth-1 cycle tests the drafts again."""
+    cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row);
+    the incumbent (the auto rows' current depth) stays unless another promises ``HYSTERESIS``
+    more."""
     deepest = max(p.max_depth for p in plans)
-    score = {d: sum((e[min(d, p.max_depth) - 1] if d else 1.0) / p.costs.of(max(d, floor))
-                    for p, e in zip(plans, expected))
-             for d in range(0 if not chained else 1, deepest + 1)}
+    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor)) for p, e in zip(plans, expected))
+             for d in range(1, deepest + 1)}
     best = max(score, key=score.get)
-    if incumbent in score and score[best] <= score[incumbent] * (1 + (HYSTERESIS if chained else 0.0)):
-        best = incumbent
-    if best == 0 and probe:
-        return 1
+    if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS):
+        return incumbent
     return best

@@ -65,9 +65,6 @@ class Generator:
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = runner.model.config.vocab_size
         self.chain = CycleChain(runner, kv, chain)
-        # depth="auto" as for chained cycles (hysteresis, no AR steps) where the engine chains:
-        # fixed when built, so turning chaining on or off (tests) leaves the rows' depths as they were
-        self.auto_chained = chain
         self.fault_hook: FaultHook | None = None  # per-row fault points; None (no cost) unless injecting
         self.live: dict[int, Sequence] = {}  # admitted and not yet released, by seq_id
         self._sampler: tuple[tuple[int, ...], SamplerBatch] | None = None  # the last batch's, by seq_ids
@@ -209,9 +206,7 @@ class Generator:
         depth="auto" rows the batch's (``adaptive_depth.batch_depth``), weighed over these rows
         and the rows of each one's last cycle (the one in flight, where chained) that are not
         here: ended or released since. A chained cycle launched before the host saw a row end
-        carries it once more, so the unchained path counts it once too (adaptive_depth.py).
-        On an engine whose cycles do not chain, auto rows may take AR steps (depth 0) and switch
-        depths without hysteresis."""
+        carries it once more, so the unchained path counts it once too (adaptive_depth.py)."""
         if seqs[0].mode != "mtp":  # AR steps
             return [0] * len(seqs)
         if all(s.depth_plan is None for s in seqs):
@@ -227,8 +222,7 @@ class Generator:
         auto = [s for s in rows if s.depth_plan is not None]
         floor = max((s.depth for s in rows if s.depth_plan is None), default=0)
         depth = batch_depth([s.depth_plan for s in auto], [s.depth_plan.expected_at(s.seq_id in flying) for s in auto],
-                            max(s.depth for s in seqs if s.depth_plan is not None), floor, self.auto_chained,
-                            any(s.depth_plan.probe_due(s.seq_id in flying) for s in auto))
+                            max(s.depth for s in seqs if s.depth_plan is not None), floor)
         return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
@@ -238,9 +232,7 @@ class Generator:
         # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
         # needs them on the host); sampled rows too, their acceptance chained on the device
         device = self.runner.states is None and all(s.counts is None and not s.host_path for s in seqs)
-        # an MTP row's AR step (depth="auto") does not chain: a chained step keeps no trunk state for the head
-        chains = device and (depth > 0 or seqs[0].mode != "mtp") and self.chain.takes(seqs, depth)
-        if chains and self._start_chain(seqs, depth, result):
+        if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
         on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
@@ -287,13 +279,10 @@ class Generator:
                 continue
             try:
                 if seq.mode == "mtp":
-                    if seq.depth:
-                        seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
-                    else:  # an auto row's AR step: the head catches up on it at the next drafting cycle
-                        seq.stats.ar_steps += 1
+                    seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
                     if seq.depth_plan is not None:
                         seq.depth_plan.observe(len(drafts), accepted)
-                    seq.hidden_backlog = None if continued else _cat(seq.hidden_backlog, hidden[r, : accepted + 1])
+                    seq.hidden_backlog = None if continued else hidden[r, : accepted + 1]
                 seq.trunk_len += accepted + 1
                 if not continued:
                     self.kv.trim(seq, seq.trunk_len)

@@ -41,16 +41,6 @@ MIRROR_FROM_TEMPERATURE = 0.85
 CPU_MIRROR_FROM_TEMPERATURE = 0.6
 
 
-def cost_machine(device: torch.device) -> str:
-    """The machine class whose default cycle costs (``DepthCosts.default``) fit this device:
-    "cuda", "cpu-avx2" where the CPU kernels run 256 bits wide, else "cpu"."""
-    if device.type != "cpu":
-        return device.type
-    from mtplx.kernels import cpu as cpu_kernels
-
-    return "cpu-avx2" if cpu_kernels.available() and cpu_kernels.vector_width() == 256 else "cpu"
-
-
 def mirror_from(device_type: str) -> float:
     """The temperature from which draft_policy "auto" samples drafts from the head (mirror)."""
     return MIRROR_FROM_TEMPERATURE if device_type == "cuda" else CPU_MIRROR_FROM_TEMPERATURE
@@ -142,10 +132,9 @@ class Engine:
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
-        if depth_costs is None:  # not tuned: the machine's tables, greedy and sampled cycles apart
-            machine = cost_machine(self.device)
-            depth_costs = DepthCosts.default(machine)
-            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(machine)
+        if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
+            depth_costs = DepthCosts.default(self.device.type)
+            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(self.device.type)
         self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs)
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth

@@ -12,8 +12,7 @@ class DecodeStats:
     cycles_by_depth: list[int] = field(default_factory=list)  # cycles that drafted 1, 2, ... tokens
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    verify_calls: int = 0  # MTP cycles (each one verify)
-    ar_steps: int = 0  # AR steps of a depth="auto" row (adaptive_depth.py: depth 0), not cycles
+    verify_calls: int = 0
     drafted_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
     correction_tokens: int = 0
