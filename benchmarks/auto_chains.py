@@ -2,11 +2,12 @@
 change ends a chain of cycles, and the next chain starts from the host's state. Per
 configuration (AR, fixed depths, auto), on the held-out chat prompts through
 ``engine.generate``, side by side: decode tok/s, tokens a cycle, chain starts per 100 tokens
-(``Generator.observers``' "chain_start") and, for auto, how often a cycle's depth differs from
-the one before it.
+(``Generator.observers``' "chain_start"; always 0 on the CPU, whose engines do not chain) and,
+for auto, how often a cycle's depth differs from the one before it.
 
     PYTHONPATH=. python benchmarks/auto_chains.py --model GGUF --device cuda [--head DIR]
-        [--depths 1,3,auto] [--regimes greedy,t0.7] [--prompts 12] [--max-tokens 256] --out FILE.json
+        [--depths 1,3,auto] [--regimes greedy,t0.7] [--draft-policy auto|greedy|mirror] [--prompts 12]
+        [--max-tokens 256] --out FILE.json
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--regimes", default="greedy,t0.7")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--draft-policy", default="auto", help="the MTP requests' draft policy (auto, greedy, mirror)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -57,17 +59,21 @@ def main() -> None:
     engine.generator.observers.append(observe)
     configs = [("ar", None)] + [("mtp", d if d == "auto" else int(d)) for d in args.depths.split(",")]
     engine.generate("Hello", mode="mtp", max_tokens=8)  # warm
-    report = {"device": str(engine.device), "max_tokens": args.max_tokens, "prompts": args.prompts, "regimes": {}}
+    prompts = HELD_OUT_CHAT[:args.prompts]
+    report = {"device": str(engine.device), "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
+              "torch": torch.__version__, "dtype": str(engine.dtype), "model": args.model, "head": args.head,
+              "auto_depth": repr(engine.auto_depth), "max_tokens": args.max_tokens, "prompts": len(prompts),
+              "draft_policy": args.draft_policy, "regimes": {}}
     for regime in args.regimes.split(","):
         sums = {}
-        for i, prompt in enumerate(HELD_OUT_CHAT[:args.prompts]):
-            sampling = dict(REGIMES[regime], **({"seed": 1234 + i} if REGIMES[regime]["temperature"] else {}))
+        for prompt in prompts:  # sampled: seed 1234 on every prompt, as sampled_decoding.py's engine runs
+            sampling = dict(REGIMES[regime], **({"seed": 1234} if REGIMES[regime]["temperature"] else {}))
             for mode, depth in configs:
                 name = mode if depth is None else f"mtp_d{depth}"
                 events.update(chain_start=0, switches=0)
                 r = engine.generate([{"role": "user", "content": prompt}], chat=True, mode=mode, depth=depth,
                                     max_tokens=args.max_tokens, ignore_eos=True,
-                                    **({"draft_policy": "auto"} if mode == "mtp" else {}), **sampling)
+                                    **({"draft_policy": args.draft_policy} if mode == "mtp" else {}), **sampling)
                 s = sums.setdefault(name, {"seconds": 0.0, "tokens": 0, "cycles": 0, "chain_starts": 0, "switches": 0})
                 s["seconds"] += r.stats["decode_s"]
                 s["tokens"] += r.stats["generated_tokens"] - 1
