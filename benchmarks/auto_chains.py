@@ -19,10 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sampled_decoding import HELD_OUT_CHAT  # noqa: E402
-
-REGIMES = {"greedy": {"temperature": 0.0}, "t0.7": {"temperature": 0.7, "top_p": 0.95},
-           "t1.0": {"temperature": 1.0}}
+from sampled_decoding import HELD_OUT_CHAT, REGIMES  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +29,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--depths", default="1,3,auto")
-    ap.add_argument("--regimes", default="greedy,t0.7")
+    ap.add_argument("--regimes", default="greedy,t0.7", help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-policy", default="auto", help="the MTP requests' draft policy (auto, greedy, mirror)")
@@ -66,8 +63,8 @@ def main() -> None:
               "draft_policy": args.draft_policy, "regimes": {}}
     for regime in args.regimes.split(","):
         sums = {}
-        for prompt in prompts:  # sampled: seed 1234 on every prompt, as sampled_decoding.py's engine runs
-            sampling = dict(REGIMES[regime], **({"seed": 1234} if REGIMES[regime]["temperature"] else {}))
+        sampling = REGIMES[regime]  # sampled_decoding.py's settings (sampled: seed 1234 on every prompt)
+        for prompt in prompts:
             for mode, depth in configs:
                 name = mode if depth is None else f"mtp_d{depth}"
                 events.update(chain_start=0, switches=0)
