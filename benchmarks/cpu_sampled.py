@@ -5,7 +5,8 @@ its own per round, ``engine.generate`` wall-clock. Per temperature and configura
 tok/s as all runs' tokens after the first over their decode seconds, and the tokens a cycle
 commits. Configurations (``--configs``, ``CONFIGS``): AR; MTP at depth 1 and 2 with argmax drafts
 ("greedy"), with mirror drafts and with the engine's own draft policy ("auto"), and at
-depth="auto" ("mtpauto_auto"). ``--head-quantize int8`` (or int4, fp8) runs each MTP
+depth="auto" ("mtpauto_auto"); a request naming no mode at the default depth ("default") and at
+depth="auto" ("default_dauto"), which decode as the engine decides. ``--head-quantize int8`` (or int4, fp8) runs each MTP
 configuration a second time on an engine whose head is quantized (``mtplx.load(head_quantize=)``),
 named "<config>+int8". Every child process runs every configuration on each prompt in turn, so
 machine noise hits them alike; ``--baseline-tree DIR`` adds another checkout's package
@@ -32,7 +33,10 @@ from trees import add_arguments, rounds, with_baseline  # noqa: E402
 
 CONFIGS = {"ar": ("ar", 1, "greedy"), "mtp1_greedy": ("mtp", 1, "greedy"), "mtp1_mirror": ("mtp", 1, "mirror"),
            "mtp2_greedy": ("mtp", 2, "greedy"), "mtp2_mirror": ("mtp", 2, "mirror"), "mtp1_auto": ("mtp", 1, "auto"),
-           "mtp2_auto": ("mtp", 2, "auto"), "mtpauto_auto": ("mtp", "auto", "auto")}  # name: (mode, depth, policy)
+           "mtp2_auto": ("mtp", 2, "auto"), "mtpauto_auto": ("mtp", "auto", "auto"),
+           # a request naming no mode (the engine's default: before `mtplx tune`, AR where MTP is expected to
+           # lose) at the default depth and at depth="auto"
+           "default": (None, None, "auto"), "default_dauto": (None, "auto", "auto")}  # name: (mode, depth, policy)
 DEFAULT_CONFIGS = "ar,mtp1_greedy,mtp1_mirror,mtp2_greedy,mtp2_mirror,mtp1_auto"
 
 
@@ -48,7 +52,7 @@ def one_run(threads: int, tokens: int, prompts: int, temperatures: list[float], 
         engines[head_quantize] = mtplx.load(device="cpu", quantize="gguf", head_quantize=head_quantize)
     for engine in engines.values():
         engine.generate("Hello", mode="mtp", max_tokens=8)  # kernels built and warm
-    runs = [(name, fmt) for name in configs for fmt in engines if fmt is None or CONFIGS[name][0] == "mtp"]
+    runs = [(name, fmt) for name in configs for fmt in engines if fmt is None or CONFIGS[name][0] != "ar"]
     out = {}
     for t in temperatures:
         for i, prompt in enumerate(HELD_OUT_CHAT[:prompts]):  # every configuration per prompt, in turn

@@ -27,7 +27,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1); where `mtplx tune`
     found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
     decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
-    ``depth`` is not given). depth="auto": each request's rows pick each cycle's depth (1 to
+    ``depth`` is not given). Before `mtplx tune` has run for this model and device, a request
+    that names no mode decodes AR where MTP is expected to lose at its temperature and depth:
+    the head's own measured acceptance (its ``mtplx_forge.json``) against this machine kind's
+    default cycle costs (``Engine(estimated=...)``). depth="auto": each request's rows pick each cycle's depth (1 to
     ``max_depth``, default 3) from their own acceptance and the cycle costs `mtplx tune` measured
     (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
     quantize: the trunk's linear weights: None (default, auto): a GGUF file's own 4/8-bit blocks
@@ -90,4 +93,5 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
                   sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
                   depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"),
-                  tensor_parallel=tp, kv_dtype=kv)
+                  tensor_parallel=tp, kv_dtype=kv,
+                  estimated=() if choice else ("greedy", "sampled"))  # untuned: AR where MTP is expected to lose

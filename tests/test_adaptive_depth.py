@@ -5,7 +5,9 @@ rows keep the AR distribution (test_mtp_sampling_exact.py)."""
 
 import pytest
 
-from mtplx.engine.adaptive_depth import HYSTERESIS, AutoDepth, DepthCosts, DepthPlan, batch_depth
+from mtplx.engine.adaptive_depth import (
+    GREEDY_PRIOR, HYSTERESIS, SAMPLED_PRIOR, AutoDepth, DepthCosts, DepthPlan, batch_depth, head_priors)
+from mtplx.engine.llm_engine import cost_machine
 from mtplx.errors import InvalidParameter
 from tests.tiny_models import repeat_head, tiny_engine
 
@@ -140,9 +142,78 @@ def test_untuned_engines_price_sampled_cycles_apart_from_greedy_ones():
     sampled rows with its sampled ones (on the CPU the measured greedy table made sampled rows
     draft deeper than paid); a tuned greedy table without a sampled one serves both, as before."""
     engine, _ = tiny_engine("llama")
-    assert engine.auto_depth.costs == DepthCosts.default("cpu")
-    assert engine.auto_depth.sampled_costs == DepthCosts.default_sampled("cpu")
-    assert engine.auto_depth.plan(greedy=False).costs == DepthCosts.default_sampled("cpu")
+    machine = cost_machine(engine.device)
+    assert machine in ("cpu", "cpu-avx2")
+    assert engine.auto_depth.costs == DepthCosts.default(machine)
+    assert engine.auto_depth.sampled_costs == DepthCosts.default_sampled(machine)
+    assert engine.auto_depth.plan(0.7).costs == DepthCosts.default_sampled(machine)
+    assert engine.auto_depth.plan(0.0).costs == DepthCosts.default(machine)
     tuned = DepthCosts((1.1, 1.3, 1.5), 0.2)
-    assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(greedy=False).costs == tuned
+    assert type(engine)(engine.loaded, depth_costs=tuned).auto_depth.plan(0.7).costs == tuned
     assert isinstance(engine.auto_depth, AutoDepth)
+
+
+def _record(greedy=(0.6, 0.36, 0.216), sampled=None) -> dict:
+    """An ``mtplx_forge.json`` ``measured`` section: acceptance by position, greedy and by temperature."""
+    measured = {"held_out": {"depth": 3, "acceptance_by_depth": list(greedy)}} if greedy else {}
+    if sampled:
+        measured["held_out_sampled"] = {str(t): {"temperature": t, "acceptance_by_depth": list(a)} for t, a in sampled.items()}
+    return {"measured": measured}
+
+
+def test_a_heads_recorded_acceptance_becomes_conditional_rates_by_temperature():
+    priors = head_priors(_record(sampled={1.0: (0.5, 0.2, 0.05), 0.7: (0.55, 0.33, 0.198)}))
+    assert [t for t, _ in priors] == [0.0, 0.7, 1.0]
+    assert priors[0][1] == pytest.approx((0.6, 0.6, 0.6))
+    assert priors[1][1] == pytest.approx((0.55, 0.6, 0.6))
+    assert priors[2][1] == pytest.approx((0.5, 0.4, 0.25))
+    assert head_priors(None) == head_priors({}) == head_priors({"measured": {"held_out": {"x": 1}}}) == ()
+    assert head_priors(_record(greedy=(0.0, 0.0, 0.0))) == ()  # a collapsed run says nothing of the rates
+
+
+def test_the_prior_follows_the_heads_measurement_along_temperature():
+    auto = AutoDepth(3, DepthCosts.default("cuda"), measured=head_priors(
+        _record(sampled={0.7: (0.56, 0.3136, 0.175616), 1.0: (0.5, 0.25, 0.125)})))
+    assert auto.prior(0.0) == pytest.approx((0.6, 0.6, 0.6))
+    assert auto.prior(0.7) == pytest.approx((0.56, 0.56, 0.56))
+    assert auto.prior(0.85) == pytest.approx((0.53, 0.53, 0.53))  # halfway between 0.7 and 1.0
+    assert auto.prior(0.35) == pytest.approx((0.58, 0.58, 0.58))  # halfway between greedy and 0.7
+    assert auto.prior(1.3) == pytest.approx((0.44, 0.44, 0.44))  # along the last two runs' slope
+    assert auto.prior(9.0) == pytest.approx((0.02, 0.02, 0.02))  # never below 0.02
+    assert auto.plan(0.85).prior == auto.prior(0.85) and auto.plan(0.0).costs == auto.costs
+    assert auto.measured_for(0.0) and auto.measured_for(1.5)
+    greedy_only = AutoDepth(3, DepthCosts.default("cuda"), measured=head_priors(_record()))
+    assert greedy_only.prior(0.0) == pytest.approx((0.6, 0.6, 0.6))
+    assert greedy_only.prior(0.7) == SAMPLED_PRIOR and not greedy_only.measured_for(0.7)  # no sampled run
+    bare = AutoDepth(3, DepthCosts.default("cuda"))
+    assert bare.prior(0.0) == GREEDY_PRIOR and bare.prior(1.0) == SAMPLED_PRIOR and not bare.measured_for(0.0)
+
+
+def test_the_expected_speedup_is_tokens_over_cycle_cost_under_the_prior():
+    costs = DepthCosts((1.5, 2.0, 2.4), 0.4)
+    auto = AutoDepth(3, costs, measured=((0.0, (0.8, 0.8, 0.8)),))
+    tokens = (1.8, 1.8 + 0.64, 1.8 + 0.64 + 0.512)
+    assert auto.expected_speedup(0.0, 1) == (1, pytest.approx(tokens[0] / 1.5))
+    assert auto.expected_speedup(0.0) == (3, pytest.approx(tokens[2] / 2.4))  # the best of depths 1-3
+    assert auto.expected_speedup(0.0, 4)[1] == pytest.approx((tokens[2] + 0.8 ** 4) / 2.8)  # past the table
+
+
+@pytest.mark.parametrize("estimated", [True, False])
+def test_an_untuned_request_naming_no_mode_decodes_ar_where_mtp_is_expected_to_lose(estimated):
+    """With the head's record saying drafts accept 0.6 greedy and 0.3 at temperature 1, and
+    cycles costing 1.5 AR steps at depth 1, a greedy request that names no mode decodes MTP
+    (1.6 / 1.5 tokens a step) and one at temperature 1 AR (1.3 / 1.5), also at depth="auto";
+    one that names mtp decodes MTP, and a tuned engine (``estimated`` empty) keeps its default."""
+    engine, _ = tiny_engine("qwen3")
+    engine.loaded.head_info = {**engine.loaded.head_info, "provenance": _record(
+        greedy=(0.6, 0.36, 0.216), sampled={1.0: (0.3, 0.09, 0.027)})}
+    costs = DepthCosts((1.5, 2.2, 2.8), 0.6)
+    engine = type(engine)(engine.loaded, depth_costs=costs, sampled_depth_costs=costs,
+                          estimated=("greedy", "sampled") if estimated else ())
+    assert engine.make_request([3, 4, 5]).mode == "mtp"
+    hot = engine.make_request([3, 4, 5], temperature=1.0)
+    assert hot.mode == ("ar" if estimated else "mtp") and hot.depth == (0 if estimated else 1)
+    assert engine.make_request([3, 4, 5], temperature=1.0, depth="auto").mode == ("ar" if estimated else "mtp")
+    assert engine.make_request([3, 4, 5], temperature=1.0, mode="mtp").mode == "mtp"
+    result = engine.generate([3, 4, 5], temperature=1.0, seed=3, max_tokens=6)
+    assert result.stats["mode"] == hot.mode and len(result.token_ids) == 6

@@ -68,7 +68,10 @@ SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 class DepthCosts:
     """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
     the table cost ``per_draft`` more each. Defaults (``default``: greedy cycles,
-    ``default_sampled``: sampled ones). The CPU's, since session 18, as `mtplx tune` measures
+    ``default_sampled``: sampled ones). An AVX2 CPU's ("cpu-avx2": Zen 3, two threads, `mtplx
+    tune`, docs/performance.md sessions 32 and 33): greedy the mean of two runs (1.46 / 1.89 /
+    2.44 and 1.56 / 2.30 / 2.73), 1.51 / 2.09 / 2.58 AR steps; sampled (T 0.7, top-p 0.95, one
+    run) 1.55 / 2.15 / 2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
     them (`benchmarks/auto_depth.py`: the tune prompts, AR and depths 1-3 side by side, two
     threads, the shipped head; `cpu_s18_auto_depth_measured.json`): greedy 1.30 / 1.84 / 2.17
     AR steps, sampled (T 0.7 argmax and T 1.0 mirror drafts, averaged) 1.34 / 1.82 / 2.05. The
@@ -99,15 +102,21 @@ class DepthCosts:
         return self.cycles[-1] + self.per_draft * (depth - len(self.cycles))
 
     @classmethod
-    def default(cls, device_type: str) -> DepthCosts:
-        if device_type == "cuda":
+    def default(cls, machine: str) -> DepthCosts:
+        """``machine`` (``cost_machine``): "cuda", "cpu" (AVX-512), or "cpu-avx2" (a CPU whose
+        kernels run 256 bits wide, where a verify of 2 tokens costs more against a step)."""
+        if machine == "cuda":
             return cls((1.21, 1.45, 1.56), 0.11)
+        if machine == "cpu-avx2":
+            return cls((1.51, 2.09, 2.58), 0.49)
         return cls((1.30, 1.84, 2.17), 0.33)
 
     @classmethod
-    def default_sampled(cls, device_type: str) -> DepthCosts:
-        if device_type == "cuda":
+    def default_sampled(cls, machine: str) -> DepthCosts:
+        if machine == "cuda":
             return cls((1.21, 1.49, 1.61), 0.12)
+        if machine == "cpu-avx2":
+            return cls((1.55, 2.15, 2.70), 0.55)
         return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
@@ -124,11 +133,35 @@ class DepthCosts:
         return cls(cycles, max(per_draft, 0.05))
 
 
+def head_priors(provenance: dict | None) -> tuple[tuple[float, tuple[float, ...]], ...]:
+    """A forged head's own held-out acceptance (``mtplx_forge.json``'s ``measured``: greedy as
+    temperature 0, sampled by temperature) as conditional acceptance by position, sorted by
+    temperature: ((0.0, (a1, a2, a3)), (0.7, ...), (1.0, ...)); () where it records none."""
+    measured = (provenance or {}).get("measured") or {}
+    runs = [(0.0, measured.get("held_out"))]
+    runs += [(t, run) for t, run in (measured.get("held_out_sampled") or {}).items()]
+    out = {}
+    for t, run in runs:
+        try:
+            t, rates = float(t), [float(a) for a in run["acceptance_by_depth"]]
+        except (TypeError, KeyError, ValueError):
+            continue
+        if not rates or not 0.0 < rates[0] <= 1.0 or not 0.0 <= t:
+            continue
+        cond, reach = [], 1.0
+        for a in rates:  # P(j accepted) / P(j - 1 accepted)
+            cond.append(min(0.98, max(0.02, a / reach if reach > 0 else 0.0)))
+            reach = a
+        out[t] = tuple(cond)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class AutoDepth:
     """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs (of
-    greedy cycles, and of sampled ones where measured apart) and the prior acceptance for greedy
-    and for sampled rows."""
+    greedy cycles, and of sampled ones where measured apart) and the prior acceptance: the head's
+    own measurement by temperature where it records one (``measured``, ``head_priors``), else
+    the constants for greedy and for sampled rows."""
 
     max_depth: int
     costs: DepthCosts
@@ -136,12 +169,71 @@ class AutoDepth:
     greedy_prior: tuple[float, ...] = GREEDY_PRIOR
     sampled_prior: tuple[float, ...] = SAMPLED_PRIOR
     rate: float = RATE
+    measured: tuple[tuple[float, tuple[float, ...]], ...] = ()
 
-    def plan(self, greedy: bool) -> DepthPlan:
-        prior = self.greedy_prior if greedy else self.sampled_prior
-        prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
-        costs = self.costs if greedy else self.sampled_costs or self.costs
-        return DepthPlan(self.max_depth, costs, prior, self.rate)
+    def prior(self, temperature: float) -> tuple[float, ...]:
+        """Conditional acceptance by position (max_depth of them) expected of a row sampled at
+        ``temperature`` (0: greedy). From the head's measurement where it has one for the regime
+        (greedy: its greedy run; sampled: at least one sampled run), linear in temperature
+        between the measured ones and along the last two past them, within [0.02, 0.98]; else
+        the constants."""
+        points = self._points(temperature)
+        if points:
+            prior = _interpolate(points, max(temperature, 0.0))
+        else:
+            prior = self.greedy_prior if temperature <= 0 else self.sampled_prior
+        return tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
+
+    def _points(self, temperature: float) -> list:
+        """The measured runs a row at ``temperature`` reads: greedy rows the greedy run, sampled
+        ones all runs where at least one is sampled; [] where the head measured neither."""
+        if temperature <= 0:
+            return [(t, a) for t, a in self.measured if t == 0]
+        return list(self.measured) if any(t > 0 for t, _ in self.measured) else []
+
+    def measured_for(self, temperature: float) -> bool:
+        """Whether the prior at ``temperature`` is the head's own measurement."""
+        return bool(self._points(temperature))
+
+    def costs_of(self, greedy: bool) -> DepthCosts:
+        return self.costs if greedy else self.sampled_costs or self.costs
+
+    def plan(self, temperature: float) -> DepthPlan:
+        return DepthPlan(self.max_depth, self.costs_of(temperature <= 0), self.prior(temperature), self.rate)
+
+    def expected_speedup(self, temperature: float, depth: int | None = None) -> tuple[int, float]:
+        """(depth, its expected tokens per unit of cycle cost under the prior, i.e. the expected
+        speed-up over AR) for a row at ``temperature``: at ``depth``, or (None) the best depth
+        up to max_depth."""
+        plan = self.plan(temperature)
+        tokens = plan.expected_tokens()
+        depths = range(1, self.max_depth + 1) if depth is None else [depth]
+        speed = {d: _tokens_at(tokens, plan.prior, d) / plan.costs.of(d) for d in depths}
+        best = max(speed, key=speed.get)
+        return best, speed[best]
+
+
+def _interpolate(points, t: float):
+    if len(points) == 1:
+        return points[0][1]
+    width = min(len(a) for _, a in points)
+    i = next((k for k in range(1, len(points)) if t <= points[k][0]), len(points) - 1)
+    (t0, a0), (t1, a1) = points[i - 1], points[i]
+    f = (t - t0) / (t1 - t0)
+    return tuple(min(0.98, max(0.02, a0[j] + f * (a1[j] - a0[j]))) for j in range(width))
+
+
+def _tokens_at(tokens: tuple[float, ...], prior: tuple[float, ...], depth: int) -> float:
+    """E(depth): ``tokens`` holds E(1..max_depth); deeper ones extend with the last rate."""
+    if depth <= len(tokens):
+        return tokens[depth - 1]
+    out, reach = tokens[-1], 1.0
+    for a in prior:
+        reach *= a
+    for _ in range(depth - len(tokens)):
+        reach *= prior[-1]
+        out += reach
+    return out
 
 
 class DepthPlan:

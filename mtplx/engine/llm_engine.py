@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
 
-from mtplx.engine.adaptive_depth import DEFAULT_MAX_DEPTH, AutoDepth, DepthCosts
+from mtplx.engine.adaptive_depth import DEFAULT_MAX_DEPTH, AutoDepth, DepthCosts, head_priors
 from mtplx.engine.faults import FaultHook
 from mtplx.engine.generator import Generator, StepResult
 from mtplx.engine.kv_allocator import KVAllocator
@@ -39,6 +39,24 @@ MIRROR_FROM_TEMPERATURE = 0.85
 # head's logits and a race each (about 0.15 ms on that CPU), which their acceptance (1.57 against
 # 1.46 tokens a cycle at 0.7) repays from about 0.6.
 CPU_MIRROR_FROM_TEMPERATURE = 0.6
+
+
+# Before `mtplx tune`, a request that names no mode decodes MTP only where it is expected to beat
+# AR by this much (``Engine.expected_to_lose``). On an AVX2 CPU (session 34: the 12 held-out chat
+# prompts, `benchmarks/cpu_sampled.py --rounds 3`, cpu_s34_avx2_estimate_ab_2threads.json) the
+# estimate read 2-3% above the measured ratios: depth 1 greedy 1.071 against 1.051 / 1.071x,
+# T 0.7 1.008 against 0.989 / 0.974x, T 1.0 0.974 against 0.952x (two trees' runs).
+MIN_EXPECTED_SPEEDUP = 1.03
+
+
+def cost_machine(device: torch.device) -> str:
+    """Which default cycle-cost table (``DepthCosts.default``) prices this device's cycles:
+    "cuda", "cpu-avx2" where the CPU kernels run 256 bits wide, else "cpu"."""
+    if device.type == "cuda":
+        return "cuda"
+    from mtplx.kernels import cpu as cpu_kernels
+
+    return "cpu-avx2" if cpu_kernels.available() and cpu_kernels.vector_width() == 256 else "cpu"
 
 
 def mirror_from(device_type: str) -> float:
@@ -81,7 +99,8 @@ class Engine:
                  default_mode: str | None = None, sampled_mode: str | None = None,
                  sampled_depth: int | str | None = None, max_depth: int = DEFAULT_MAX_DEPTH,
                  depth_costs: DepthCosts | None = None, sampled_depth_costs: DepthCosts | None = None,
-                 tensor_parallel: TensorParallel | None = None, kv_dtype=None):
+                 tensor_parallel: TensorParallel | None = None, kv_dtype=None,
+                 estimated: Iterable[str] = ()):
         """chain: launch each greedy cycle before the host reads the last one (chain.py); None:
         where CUDA graphs replay the cycles (on the CPU the eager chain only costs host time).
         default_mode: "ar" or "mtp" for requests that name none (None: mtp when the model
@@ -94,7 +113,11 @@ class Engine:
         tensor_parallel: rank 0's handle on the other ranks (``tensor_parallel.launch``, which
         also gave ``loaded``, rank 0's slice): every forward is mirrored on them; no CUDA graphs.
         kv_dtype: the KV cache's element type (``runtime.resolve_kv_dtype``: by default float16
-        on the CPU for a float32 model, else the model's dtype)."""
+        on the CPU for a float32 model, else the model's dtype).
+        estimated: the regimes ("greedy", "sampled") whose requests, where they name no mode,
+        decode AR when MTP is expected to lose at their temperature and depth
+        (``expected_to_lose``). ``mtplx.load`` names both where `mtplx tune` has no verdict for
+        the model; by default none."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
@@ -133,9 +156,12 @@ class Engine:
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
-            depth_costs = DepthCosts.default(self.device.type)
-            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(self.device.type)
-        self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs)
+            machine = cost_machine(self.device)
+            depth_costs = DepthCosts.default(machine)
+            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(machine)
+        self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs,
+                                    measured=head_priors(loaded.head_info.get("provenance")))
+        self.estimated = frozenset(estimated)
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.runner.compile_kernels()
@@ -203,6 +229,7 @@ class Engine:
         if not params.greedy:
             default_mode = self.sampled_mode or default_mode
             default_depth = self.sampled_depth or default_depth
+        named_mode = mode
         mode = mode or (default_mode if self.has_mtp else None) or ("mtp" if self.has_mtp else "ar")
         if mode not in ("ar", "mtp"):
             raise InvalidParameter("mode", f"{mode!r} is not one of 'ar', 'mtp'")
@@ -218,12 +245,24 @@ class Engine:
         depth = self._check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
+        if mode == "mtp" and named_mode is None and self.expected_to_lose(params.temperature, "auto" if adaptive else depth):
+            mode = "ar"  # `mtplx tune` measures it instead
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
                        depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos),
                        adaptive=adaptive and mode == "mtp")
+
+    def expected_to_lose(self, temperature: float, depth: int | str) -> bool:
+        """Whether a request of this regime that names no mode decodes AR: the regime is one of
+        ``estimated`` (untuned), the head records its own acceptance for it, and under that
+        acceptance and this machine's cycle costs no MTP cycle at ``depth`` ("auto": any depth up
+        to max_depth) is expected to beat an AR step by ``MIN_EXPECTED_SPEEDUP``."""
+        regime = "greedy" if temperature <= 0 else "sampled"
+        if regime not in self.estimated or not self.auto_depth.measured_for(temperature):
+            return False
+        return self.auto_depth.expected_speedup(temperature, None if depth == "auto" else depth)[1] < MIN_EXPECTED_SPEEDUP
 
     @staticmethod
     def _check_depth(depth, name: str = "depth", allow_auto: bool = True) -> int | str:
@@ -235,7 +274,7 @@ class Engine:
         return depth
 
     def new_sequence(self, req: Request) -> Sequence:
-        plan = self.auto_depth.plan(req.params.greedy) if req.adaptive and req.mode == "mtp" else None
+        plan = self.auto_depth.plan(req.params.temperature) if req.adaptive and req.mode == "mtp" else None
         return Sequence(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens,
                         noise=NoiseStream(req.params.seed), mode=req.mode,
                         depth=plan.first_depth if plan else req.depth, depth_plan=plan,
