@@ -180,7 +180,8 @@ def test_the_prior_follows_the_heads_measurement_along_temperature():
     assert auto.prior(0.35) == pytest.approx((0.58, 0.58, 0.58))  # halfway between greedy and 0.7
     assert auto.prior(1.3) == pytest.approx((0.44, 0.44, 0.44))  # along the last two runs' slope
     assert auto.prior(9.0) == pytest.approx((0.02, 0.02, 0.02))  # never below 0.02
-    assert auto.plan(0.85).prior == auto.prior(0.85) and auto.plan(0.0).costs == auto.costs
+    assert auto.plan(0.0).costs == auto.plan(0.85).costs == auto.costs  # no sampled table: the greedy one
+    assert auto.plan(0.0).prior == GREEDY_PRIOR and auto.plan(0.85).prior == SAMPLED_PRIOR  # rows start from the constants
     assert auto.measured_for(0.0) and auto.measured_for(1.5)
     greedy_only = AutoDepth(3, DepthCosts.default("cuda"), measured=head_priors(_record()))
     assert greedy_only.prior(0.0) == pytest.approx((0.6, 0.6, 0.6))
@@ -217,3 +218,9 @@ def test_an_untuned_request_naming_no_mode_decodes_ar_where_mtp_is_expected_to_l
     assert engine.make_request([3, 4, 5], temperature=1.0, mode="mtp").mode == "mtp"
     result = engine.generate([3, 4, 5], temperature=1.0, seed=3, max_tokens=6)
     assert result.stats["mode"] == hot.mode and len(result.token_ids) == 6
+    if estimated:  # the reason names the estimate and how to get MTP anyway
+        assert "0.87x AR" in hot.mtp_disabled_reason and "generation_mode mtp" in hot.mtp_disabled_reason
+        assert result.stats["mtp_disabled_reason"] == hot.mtp_disabled_reason
+    else:
+        assert hot.mtp_disabled_reason is None and result.stats["mtp_disabled_reason"] is None
+    assert engine.make_request([3, 4, 5]).mtp_disabled_reason is None

@@ -304,3 +304,24 @@ def test_an_engine_error_fails_only_its_job(engine):
         scheduler.stop()
     assert ok.result.finish_reason in ("stop", "length")
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_an_untuned_request_decoded_ar_by_the_estimate_says_why(engine, monkeypatch):
+    """A sampled request naming no mode, where the head's recorded acceptance and the cycle
+    costs expect MTP to lose (Engine.expected_to_lose), decodes AR and its stats say why; one
+    asking for mtp gets MTP."""
+    from dataclasses import replace
+
+    from mtplx.engine.adaptive_depth import DepthCosts
+
+    monkeypatch.setattr(engine, "estimated", frozenset({"sampled"}))
+    monkeypatch.setattr(engine, "auto_depth", replace(
+        engine.auto_depth, sampled_costs=DepthCosts((1.5, 2.2, 2.8), 0.6), measured=((1.0, (0.3, 0.3, 0.3)),)))
+    scheduler = started(engine, "serial")
+    try:
+        plain, asked = (run_concurrently(engine, scheduler, PROMPTS[:1], max_tokens=8, temperature=1.0, seed=4, **kw)[0]
+                        for kw in ({}, {"mode": "mtp"}))
+    finally:
+        scheduler.stop()
+    assert plain.result.stats["generation_mode"] == "ar" and "0.87x AR" in plain.result.stats["mtp_disabled_reason"]
+    assert asked.result.stats["generation_mode"] == "mtp" and asked.result.stats["mtp_disabled_reason"] is None

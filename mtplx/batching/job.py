@@ -145,5 +145,5 @@ class Job:
             "scheduler_lane": self.lane,
             "queue_wait_s": (started - self.t_enqueued) if started is not None else None,
             "run_s": (self.t_finished - started) if self.t_finished is not None and started is not None else None,
-            "mtp_disabled_reason": self.mtp_disabled_reason,
+            "mtp_disabled_reason": self.mtp_disabled_reason or self.request.mtp_disabled_reason,
         }

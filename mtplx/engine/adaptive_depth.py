@@ -159,9 +159,10 @@ def head_priors(provenance: dict | None) -> tuple[tuple[float, tuple[float, ...]
 @dataclass(frozen=True)
 class AutoDepth:
     """What ``depth="auto"`` rows of one engine share: the deepest depth, the cycle costs (of
-    greedy cycles, and of sampled ones where measured apart) and the prior acceptance: the head's
-    own measurement by temperature where it records one (``measured``, ``head_priors``), else
-    the constants for greedy and for sampled rows."""
+    greedy cycles, and of sampled ones where measured apart), the prior acceptance rows start
+    from (constants for greedy and for sampled rows) and the head's own measured acceptance by
+    temperature where it records one (``measured``, ``head_priors``), from which an untuned
+    engine judges whether MTP pays at all (``expected_speedup``)."""
 
     max_depth: int
     costs: DepthCosts
@@ -199,16 +200,25 @@ class AutoDepth:
         return self.costs if greedy else self.sampled_costs or self.costs
 
     def plan(self, temperature: float) -> DepthPlan:
-        return DepthPlan(self.max_depth, self.costs_of(temperature <= 0), self.prior(temperature), self.rate)
+        """A row's plan. Its running estimate starts from the constants, not from the head's
+        measurement (``prior``): on an H100 through mtp_batch (session 34, two A/B runs of
+        each tree, `gpu_h100_s34_sched_ab_*.json`) rows started from the head's record decoded
+        T 1.0 at one stream 1.217x / 1.220x AR against 1.258x / 1.250x from the constants, and
+        within 1% of them elsewhere."""
+        greedy = temperature <= 0
+        prior = self.greedy_prior if greedy else self.sampled_prior
+        prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
+        return DepthPlan(self.max_depth, self.costs_of(greedy), prior, self.rate)
 
     def expected_speedup(self, temperature: float, depth: int | None = None) -> tuple[int, float]:
-        """(depth, its expected tokens per unit of cycle cost under the prior, i.e. the expected
+        """(depth, its expected tokens per unit of cycle cost under ``prior``, i.e. the expected
         speed-up over AR) for a row at ``temperature``: at ``depth``, or (None) the best depth
         up to max_depth."""
-        plan = self.plan(temperature)
-        tokens = plan.expected_tokens()
+        prior = self.prior(temperature)
+        costs = self.costs_of(temperature <= 0)
+        tokens = DepthPlan(self.max_depth, costs, prior).expected_tokens()
         depths = range(1, self.max_depth + 1) if depth is None else [depth]
-        speed = {d: _tokens_at(tokens, plan.prior, d) / plan.costs.of(d) for d in depths}
+        speed = {d: _tokens_at(tokens, prior, d) / costs.of(d) for d in depths}
         best = max(speed, key=speed.get)
         return best, speed[best]
 

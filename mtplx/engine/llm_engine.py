@@ -89,6 +89,7 @@ class Request:
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (prompt scoring; None: off)
     adaptive: bool = False  # depth="auto": each cycle's depth chosen from the acceptance of its rows (adaptive_depth.py)
+    mtp_disabled_reason: str | None = None  # why a request that named no mode decodes AR on a model with a head
 
 
 class Engine:
@@ -245,14 +246,19 @@ class Engine:
         depth = self._check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
+        reason = None
         if mode == "mtp" and named_mode is None and self.expected_to_lose(params.temperature, "auto" if adaptive else depth):
-            mode = "ar"  # `mtplx tune` measures it instead
+            best, speedup = self.auto_depth.expected_speedup(params.temperature, None if adaptive else depth)
+            mode, reason = "ar", (
+                f"not tuned (`mtplx tune`): at temperature {params.temperature:g} the head's recorded acceptance and "
+                f"this machine's cycle costs ({cost_machine(self.device)}) expect MTP depth {best} at "
+                f"{speedup:.2f}x AR, under {MIN_EXPECTED_SPEEDUP:.2f}x; generation_mode mtp asks for it")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
                        depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos),
-                       adaptive=adaptive and mode == "mtp")
+                       adaptive=adaptive and mode == "mtp", mtp_disabled_reason=reason)
 
     def expected_to_lose(self, temperature: float, depth: int | str) -> bool:
         """Whether a request of this regime that names no mode decodes AR: the regime is one of
@@ -328,7 +334,9 @@ class Engine:
         pieces = []
         for seq, piece in self.run(req):
             pieces.append(piece)
-        return self.result(seq, "".join(pieces))
+        result = self.result(seq, "".join(pieces))
+        result.stats["mtp_disabled_reason"] = req.mtp_disabled_reason
+        return result
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens commit (several tokens per piece under MTP)."""
