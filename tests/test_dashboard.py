@@ -224,7 +224,7 @@ def test_live_settings_apply_to_the_next_request(server):
         stats, _ = stats_and_ids()
         assert (stats["generation_mode"], stats["depth"], stats["adaptive"]) == ("mtp", 3, False)
         assert one_sample(url)["defaults"] == {"generation_mode": "mtp", "depth": 3, "temperature": 0.0,
-                                               "engine_depth": state.engine.default_depth}
+                                               "engine_depth": state.engine.request_depth(state.default_temperature)}
         assert post({"scheduler_mode": "serial"}).status_code == 200  # unchanged: nothing to restart
     finally:
         assert post({"generation_mode": "auto", "depth": None, "temperature": "auto"}).status_code == 200

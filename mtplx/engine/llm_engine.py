@@ -115,10 +115,11 @@ class Engine:
         also gave ``loaded``, rank 0's slice): every forward is mirrored on them; no CUDA graphs.
         kv_dtype: the KV cache's element type (``runtime.resolve_kv_dtype``: by default float16
         on the CPU for a float32 model, else the model's dtype).
-        estimated: the regimes ("greedy", "sampled") whose requests, where they name no mode,
-        decode AR when MTP is expected to lose at their temperature and depth
-        (``expected_to_lose``). ``mtplx.load`` names both where `mtplx tune` has no verdict for
-        the model; by default none."""
+        estimated: the regimes ("greedy", "sampled") whose requests follow the estimate
+        (``estimates``): where they name no depth (and ``depth`` is not given), the depth the
+        head's recorded acceptance and this machine's cycle costs expect to be fastest, and where
+        they name no mode, AR when MTP is expected to lose (``expected_to_lose``). ``mtplx.load``
+        names both where `mtplx tune` has no verdict for the model; by default none."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
@@ -156,6 +157,7 @@ class Engine:
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
+        self.depth_given = depth is not None
         if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
             machine = cost_machine(self.device)
             depth_costs = DepthCosts.default(machine)
@@ -226,10 +228,8 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
         params.validate(self.config.vocab_size)
-        default_mode, default_depth = self.default_mode, self.default_depth
-        if not params.greedy:
-            default_mode = self.sampled_mode or default_mode
-            default_depth = self.sampled_depth or default_depth
+        default_mode = self.default_mode if params.greedy else self.sampled_mode or self.default_mode
+        default_depth = self.request_depth(params.temperature)
         named_mode = mode
         mode = mode or (default_mode if self.has_mtp else None) or ("mtp" if self.has_mtp else "ar")
         if mode not in ("ar", "mtp"):
@@ -260,13 +260,29 @@ class Engine:
                        depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos),
                        adaptive=adaptive and mode == "mtp", mtp_disabled_reason=reason)
 
-    def expected_to_lose(self, temperature: float, depth: int | str) -> bool:
-        """Whether a request of this regime that names no mode decodes AR: the regime is one of
-        ``estimated`` (untuned), the head records its own acceptance for it, and under that
-        acceptance and this machine's cycle costs no MTP cycle at ``depth`` ("auto": any depth up
-        to max_depth) is expected to beat an AR step by ``MIN_EXPECTED_SPEEDUP``."""
+    def request_depth(self, temperature: float) -> int | str:
+        """The depth of a request at ``temperature`` that names none: a sampled one the sampled
+        default where there is one; else the engine's depth where it was given one; else, where
+        requests follow the estimate (``estimates``), its best depth; else ``DEFAULT_DEPTH``."""
+        if temperature > 0 and self.sampled_depth:
+            return self.sampled_depth
+        if not self.depth_given and self.estimates(temperature):
+            return self.auto_depth.expected_speedup(temperature)[0]
+        return self.default_depth
+
+    def estimates(self, temperature: float) -> bool:
+        """Whether requests at ``temperature`` follow the estimate (``AutoDepth.expected_speedup``):
+        their regime is one of ``estimated`` (untuned) and the head records its own acceptance
+        for it. Such a request that names no depth takes the estimate's best depth, unless the
+        engine was given one; one that names no mode decodes AR where ``expected_to_lose``."""
         regime = "greedy" if temperature <= 0 else "sampled"
-        if regime not in self.estimated or not self.auto_depth.measured_for(temperature):
+        return regime in self.estimated and self.auto_depth.measured_for(temperature)
+
+    def expected_to_lose(self, temperature: float, depth: int | str) -> bool:
+        """Whether requests at ``temperature`` follow the estimate and, under the head's
+        recorded acceptance and this machine's cycle costs, no MTP cycle at ``depth`` ("auto":
+        any depth up to max_depth) is expected to beat an AR step by ``MIN_EXPECTED_SPEEDUP``."""
+        if not self.estimates(temperature):
             return False
         return self.auto_depth.expected_speedup(temperature, None if depth == "auto" else depth)[1] < MIN_EXPECTED_SPEEDUP
 

@@ -58,7 +58,7 @@ class ServerState:
         """The per-request defaults the dashboard may change while the server runs; None: auto."""
         settings = self.scheduler.settings
         return {"generation_mode": settings.generation_mode, "depth": settings.depth,
-                "temperature": self.default_temperature, "engine_depth": self.engine.default_depth}
+                "temperature": self.default_temperature, "engine_depth": self.engine.request_depth(self.default_temperature)}
 
     def remember(self, job: Job, result: JobResult | None) -> None:
         """A scheduler listener, once per ended job (on the model thread, or a handler's for a
