@@ -243,3 +243,44 @@ def test_an_untuned_request_naming_no_depth_takes_the_estimates_best_depth():
     result = estimated.generate([3, 4, 5], max_tokens=12)
     assert result.token_ids == estimated.generate([3, 4, 5], mode="ar", max_tokens=12).token_ids
     assert result.stats["mode"] == "mtp" and result.stats["depth"] == 3
+
+
+def test_the_cost_table_follows_the_cpu_kernels_width(monkeypatch):
+    """cost_machine: CUDA; the CPU kernels' width (512: "cpu", 256: "cpu-avx2"); none built:
+    "cpu-torch", where no table was measured, so an untuned engine does not follow the estimate."""
+    import torch
+
+    from mtplx.kernels import cpu as cpu_kernels
+
+    assert cost_machine(torch.device("cuda", 0)) == "cuda"
+    monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+    for width, machine in ((512, "cpu"), (256, "cpu-avx2")):
+        monkeypatch.setattr(cpu_kernels, "vector_width", lambda force=0, w=width: w)
+        assert cost_machine(torch.device("cpu")) == machine
+    assert DepthCosts.default("cpu-avx2").of(1) > DepthCosts.default("cpu").of(1)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert cost_machine(torch.device("cpu")) == "cpu-torch"
+    assert DepthCosts.default("cpu-torch") == DepthCosts.default("cpu")
+    engine, _ = tiny_engine("qwen3")
+    assert type(engine)(engine.loaded, estimated=("greedy", "sampled")).estimated == frozenset()
+
+
+def test_the_shipped_heads_record_decides_as_documented():
+    """docs/performance.md, session 34: with the default head's own record, an AVX2 CPU keeps
+    greedy MTP at depth 1 and decodes T 1.0 AR; CUDA drafts greedy at depth 3 and samples at
+    depth 1, MTP at every temperature up to 1.0."""
+    import json
+
+    from mtplx.loading.default_model import default_head_dir
+
+    record = json.loads((default_head_dir() / "mtplx_forge.json").read_text())
+    measured = head_priors(record)
+    assert [t for t, _ in measured] == [0.0, 0.7, 1.0]
+    avx2 = AutoDepth(3, DepthCosts.default("cpu-avx2"), DepthCosts.default_sampled("cpu-avx2"), measured=measured)
+    assert avx2.expected_speedup(0.0) == (1, pytest.approx(1.071, abs=0.001))
+    assert avx2.expected_speedup(1.0)[1] == pytest.approx(0.974, abs=0.001)
+    cuda = AutoDepth(3, DepthCosts.default("cuda"), DepthCosts.default_sampled("cuda"), measured=measured)
+    assert cuda.expected_speedup(0.0) == (3, pytest.approx(1.409, abs=0.001))
+    assert cuda.expected_speedup(0.0, 1)[1] == pytest.approx(1.337, abs=0.001)
+    assert [cuda.expected_speedup(t)[0] for t in (0.7, 1.0)] == [1, 1]
+    assert min(cuda.expected_speedup(t)[1] for t in (0.1, 0.4, 0.7, 1.0)) > 1.2

@@ -42,21 +42,28 @@ CPU_MIRROR_FROM_TEMPERATURE = 0.6
 
 
 # Before `mtplx tune`, a request that names no mode decodes MTP only where it is expected to beat
-# AR by this much (``Engine.expected_to_lose``). On an AVX2 CPU (session 34: the 12 held-out chat
-# prompts, `benchmarks/cpu_sampled.py --rounds 3`, cpu_s34_avx2_estimate_ab_2threads.json) the
-# estimate read 2-3% above the measured ratios: depth 1 greedy 1.071 against 1.051 / 1.071x,
-# T 0.7 1.008 against 0.989 / 0.974x, T 1.0 0.974 against 0.952x (two trees' runs).
+# AR by this much (``Engine.expected_to_lose``), and one that names no depth leaves the default
+# depth only for one expected this much faster (``Engine.request_depth``). On an AVX2 CPU (session
+# 34: the 12 held-out chat prompts, `benchmarks/cpu_sampled.py --rounds 3`, two runs of two trees,
+# cpu_s34_avx2_estimate_{,margin_}ab_2threads.json) the estimate of depth 1 read from 3.5% above
+# to 3.5% below the measured ratios: greedy 1.071 against 1.051 / 1.071 / 1.067 / 1.076x, T 0.7
+# 1.008 against 0.989 / 0.974 / 1.011 / 1.044x, T 1.0 0.974 against 0.952 / 0.952 / 0.961 /
+# 0.937x; the bar keeps MTP out where that error could make it lose.
 MIN_EXPECTED_SPEEDUP = 1.03
 
 
 def cost_machine(device: torch.device) -> str:
     """Which default cycle-cost table (``DepthCosts.default``) prices this device's cycles:
-    "cuda", "cpu-avx2" where the CPU kernels run 256 bits wide, else "cpu"."""
+    "cuda"; "cpu" (AVX-512) or "cpu-avx2" where the CPU kernels run 512 or 256 bits wide; else
+    "cpu-torch" (PyTorch's own ops: no table was measured there; auto takes the "cpu" one and
+    untuned requests do not follow the estimate, ``Engine.estimates``)."""
     if device.type == "cuda":
         return "cuda"
     from mtplx.kernels import cpu as cpu_kernels
 
-    return "cpu-avx2" if cpu_kernels.available() and cpu_kernels.vector_width() == 256 else "cpu"
+    if not cpu_kernels.available():
+        return "cpu-torch"
+    return "cpu-avx2" if cpu_kernels.vector_width() == 256 else "cpu"
 
 
 def mirror_from(device_type: str) -> float:
@@ -158,13 +165,14 @@ class Engine:
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
         self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.depth_given = depth is not None
+        self.cost_machine = cost_machine(self.device)
+        self.costs_source = "tuned" if depth_costs is not None else f"{self.cost_machine} defaults"
         if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
-            machine = cost_machine(self.device)
-            depth_costs = DepthCosts.default(machine)
-            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(machine)
+            depth_costs = DepthCosts.default(self.cost_machine)
+            sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(self.cost_machine)
         self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs,
                                     measured=head_priors(loaded.head_info.get("provenance")))
-        self.estimated = frozenset(estimated)
+        self.estimated = frozenset(estimated) if self.cost_machine != "cpu-torch" else frozenset()
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth
         self.runner.compile_kernels()
@@ -223,7 +231,11 @@ class Engine:
         """Validate every parameter and tokenise the prompt (errors name the parameter).
 
         A request that names no mode (or depth) gets the engine's default; a sampled one
-        (temperature > 0) the sampled default where the engine has one (``mtplx tune``).
+        (temperature > 0) the sampled default where the engine has one (``mtplx tune``). On an
+        untuned engine that follows the estimate (``estimated``), a request naming no depth takes
+        ``request_depth``'s, and one naming no mode decodes AR where ``expected_to_lose`` at its
+        depth (the named one, if any): the scheduler modes that batch MTP only (mtp_batch,
+        solo_mtp) refuse such a request, so callers of those name mode="mtp" (the server does).
         depth: 1..MAX_DEPTH, or "auto" (adaptive, up to the engine's ``max_depth``)."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
@@ -251,7 +263,7 @@ class Engine:
             best, speedup = self.auto_depth.expected_speedup(params.temperature, None if adaptive else depth)
             mode, reason = "ar", (
                 f"not tuned (`mtplx tune`): at temperature {params.temperature:g} the head's recorded acceptance and "
-                f"this machine's cycle costs ({cost_machine(self.device)}) expect MTP depth {best} at "
+                f"the cycle costs ({self.costs_source}) expect MTP depth {best} at "
                 f"{speedup:.2f}x AR, under {MIN_EXPECTED_SPEEDUP:.2f}x; generation_mode mtp asks for it")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
@@ -263,11 +275,15 @@ class Engine:
     def request_depth(self, temperature: float) -> int | str:
         """The depth of a request at ``temperature`` that names none: a sampled one the sampled
         default where there is one; else the engine's depth where it was given one; else, where
-        requests follow the estimate (``estimates``), its best depth; else ``DEFAULT_DEPTH``."""
+        requests follow the estimate (``estimates``), its best depth where that promises
+        ``MIN_EXPECTED_SPEEDUP`` times the default depth's speed-up; else ``DEFAULT_DEPTH``."""
         if temperature > 0 and self.sampled_depth:
             return self.sampled_depth
         if not self.depth_given and self.estimates(temperature):
-            return self.auto_depth.expected_speedup(temperature)[0]
+            best, speedup = self.auto_depth.expected_speedup(temperature)
+            default = self.auto_depth.expected_speedup(temperature, self.default_depth)[1]
+            if speedup >= default * MIN_EXPECTED_SPEEDUP:  # a clear gain over the default depth
+                return best
         return self.default_depth
 
     def estimates(self, temperature: float) -> bool:
