@@ -284,3 +284,19 @@ def test_the_shipped_heads_record_decides_as_documented():
     assert cuda.expected_speedup(0.0, 1)[1] == pytest.approx(1.337, abs=0.001)
     assert [cuda.expected_speedup(t)[0] for t in (0.7, 1.0)] == [1, 1]
     assert min(cuda.expected_speedup(t)[1] for t in (0.1, 0.4, 0.7, 1.0)) > 1.2
+
+
+def test_the_estimates_summary_says_what_plain_requests_decode():
+    """``Engine.estimate_summary`` (printed by `mtplx serve` before tuning): per regime the mode
+    and depth a request naming neither gets, with the expected speed-up; None where the engine
+    does not follow the estimate."""
+    engine, _ = tiny_engine("qwen3")
+    engine.loaded.head_info = {**engine.loaded.head_info, "provenance": _record(
+        greedy=(0.6, 0.36, 0.216), sampled={1.0: (0.3, 0.09, 0.027)})}
+    costs = DepthCosts((1.5, 2.2, 2.8), 0.6)
+    estimated = type(engine)(engine.loaded, depth_costs=costs, sampled_depth_costs=costs, estimated=("greedy", "sampled"))
+    summary = estimated.estimate_summary()
+    assert summary.startswith("greedy: MTP depth 1 (1.07x AR expected); T 0.7: AR (")
+    assert summary.endswith("T 1.0: AR (0.87x AR expected)")
+    assert estimated.costs_source == "tuned"  # costs given: not the machine's defaults
+    assert type(engine)(engine.loaded, depth_costs=costs).estimate_summary() is None

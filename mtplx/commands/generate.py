@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--mode", choices=("ar", "mtp"), default=None, help="default: mtp when the model has a head")
     p.add_argument("--depth", type=parse_depth, default=None,
-                   help="MTP draft depth, or auto (chosen cycle by cycle; default: tuned, else 1)")
+                   help="MTP draft depth, or auto (chosen cycle by cycle; default: tuned, else what the head's recorded acceptance "
+                        "and this machine kind's cycle costs expect fastest, else 1)")
     p.add_argument("--draft-policy", choices=("auto", "greedy", "mirror"), default="auto")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

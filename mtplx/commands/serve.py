@@ -113,6 +113,10 @@ def run(args) -> int:
         print(f"mtplx serve: {model_id} at http://{_url_host(cfg.host)}:{cfg.port}/v1 (scheduler "
               f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'}); "
               f"dashboard at http://{_url_host(cfg.host)}:{cfg.port}/dashboard", file=sys.stderr)
+        if (estimate := engine.estimate_summary()) is not None:
+            print(f"mtplx serve: not tuned on this machine; requests naming no mode or depth follow the head's recorded "
+                  f"acceptance and {engine.costs_source} cycle costs: {estimate} (`mtplx tune` measures them)",
+                  file=sys.stderr)
         server = DrainingServer(uvicorn_config(app, args.log_level), app.state.mtplx.scheduler, args.shutdown_grace_s)
         tp = engine.tensor_parallel
         if tp is not None:  # a rank that dies fails the requests in flight (500) and ends the server

@@ -286,6 +286,20 @@ class Engine:
                 return best
         return self.default_depth
 
+    def estimate_summary(self) -> str | None:
+        """What requests naming no mode or depth decode where they follow the estimate, greedy
+        and at temperatures 0.7 and 1.0, e.g. "greedy: MTP depth 1 (1.07x AR expected); T 0.7: AR
+        (1.01x)"; None where none follows it."""
+        parts = []
+        for label, t in (("greedy", 0.0), ("T 0.7", 0.7), ("T 1.0", 1.0)):
+            if not self.has_mtp or not self.estimates(t):
+                continue
+            depth = self.request_depth(t)
+            best, speedup = self.auto_depth.expected_speedup(t, None if depth == "auto" else depth)
+            mode = "AR" if speedup < MIN_EXPECTED_SPEEDUP else f"MTP depth {'auto' if depth == 'auto' else best}"
+            parts.append(f"{label}: {mode} ({speedup:.2f}x AR expected)")
+        return "; ".join(parts) or None
+
     def estimates(self, temperature: float) -> bool:
         """Whether requests at ``temperature`` follow the estimate (``AutoDepth.expected_speedup``):
         their regime is one of ``estimated`` (untuned) and the head records its own acceptance
