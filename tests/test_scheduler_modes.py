@@ -308,7 +308,7 @@ def test_an_engine_error_fails_only_its_job(engine):
 
 def test_an_untuned_request_decoded_ar_by_the_estimate_says_why(engine, monkeypatch):
     """A sampled request naming no mode, where the head's recorded acceptance and the cycle
-    costs expect MTP to lose (Engine.expected_to_lose), decodes AR and its stats say why; one
+    costs expect MTP to lose (Engine.mtp_estimate), decodes AR and its stats say why; one
     asking for mtp gets MTP."""
     from dataclasses import replace
 

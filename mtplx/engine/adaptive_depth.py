@@ -181,10 +181,13 @@ class AutoDepth:
         (mirror); requests below ``llm_engine.mirror_from`` draft by argmax, which accepts less
         at the same temperature (session 33, H100, T 0.7: 0.55 against 0.61 at depth 1)."""
         points = self._points(temperature)
-        if points:
-            prior = _interpolate(points, max(temperature, 0.0))
-        else:
-            prior = self.greedy_prior if temperature <= 0 else self.sampled_prior
+        if not points:
+            return self._constant_prior(temperature <= 0)
+        prior = _interpolate(points, max(temperature, 0.0))
+        return tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
+
+    def _constant_prior(self, greedy: bool) -> tuple[float, ...]:
+        prior = self.greedy_prior if greedy else self.sampled_prior
         return tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
 
     def _points(self, temperature: float) -> list:
@@ -208,9 +211,7 @@ class AutoDepth:
         T 1.0 at one stream 1.217x / 1.220x AR against 1.258x / 1.250x from the constants, and
         within 2% of them elsewhere."""
         greedy = temperature <= 0
-        prior = self.greedy_prior if greedy else self.sampled_prior
-        prior = tuple(prior[min(j, len(prior) - 1)] for j in range(self.max_depth))
-        return DepthPlan(self.max_depth, self.costs_of(greedy), prior, self.rate)
+        return DepthPlan(self.max_depth, self.costs_of(greedy), self._constant_prior(greedy), self.rate)
 
     def expected_speedup(self, temperature: float, depth: int | None = None) -> tuple[int, float]:
         """(depth, its expected tokens per unit of cycle cost under ``prior``, i.e. the expected
@@ -218,7 +219,7 @@ class AutoDepth:
         up to max_depth."""
         prior = self.prior(temperature)
         costs = self.costs_of(temperature <= 0)
-        tokens = DepthPlan(self.max_depth, costs, prior).expected_tokens()
+        tokens = DepthPlan(self.max_depth, costs, prior).initial  # E(1..max_depth) under the prior
         depths = range(1, self.max_depth + 1) if depth is None else [depth]
         speed = {d: _tokens_at(tokens, prior, d) / costs.of(d) for d in depths}
         best = max(speed, key=speed.get)

@@ -42,7 +42,7 @@ CPU_MIRROR_FROM_TEMPERATURE = 0.6
 
 
 # Before `mtplx tune`, a request that names no mode decodes MTP only where it is expected to beat
-# AR by this much (``Engine.expected_to_lose``), and one that names no depth leaves the default
+# AR by this much (``Engine.mtp_estimate``), and one that names no depth leaves the default
 # depth only for one expected this much faster (``Engine.request_depth``). On an AVX2 CPU (session
 # 34: the 12 held-out chat prompts, `benchmarks/cpu_sampled.py --rounds 3`,
 # cpu_s34_avx2_{estimate_ab,estimate_margin_ab,low_temperatures}_2threads.json) the estimate of
@@ -127,7 +127,7 @@ class Engine:
         estimated: the regimes ("greedy", "sampled") whose requests follow the estimate
         (``estimates``): where they name no depth (and ``depth`` is not given), the depth the
         head's recorded acceptance and this machine's cycle costs expect to be fastest, and where
-        they name no mode, AR when MTP is expected to lose (``expected_to_lose``). ``mtplx.load``
+        they name no mode, AR when MTP is expected to lose (``mtp_estimate``). ``mtplx.load``
         names both where `mtplx tune` has no verdict for the model; by default none."""
         for name, value in (("default_mode", default_mode), ("sampled_mode", sampled_mode)):
             if value not in (None, "ar", "mtp"):
@@ -235,7 +235,7 @@ class Engine:
         A request that names no mode (or depth) gets the engine's default; a sampled one
         (temperature > 0) the sampled default where the engine has one (``mtplx tune``). On an
         untuned engine that follows the estimate (``estimated``), a request naming no depth takes
-        ``request_depth``'s, and one naming no mode decodes AR where ``expected_to_lose`` at its
+        ``request_depth``'s, and one naming no mode decodes AR where ``mtp_estimate`` at its
         depth (the named one, if any): the scheduler modes that batch MTP only (mtp_batch,
         solo_mtp) refuse such a request, so callers of those name mode="mtp" (the server does).
         depth: 1..MAX_DEPTH, or "auto" (adaptive, up to the engine's ``max_depth``)."""
@@ -261,8 +261,10 @@ class Engine:
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
         reason = None
-        if mode == "mtp" and named_mode is None and self.expected_to_lose(params.temperature, "auto" if adaptive else depth):
-            best, speedup = self.auto_depth.expected_speedup(params.temperature, None if adaptive else depth)
+        estimate = self.mtp_estimate(params.temperature, "auto" if adaptive else depth) \
+            if mode == "mtp" and named_mode is None else None
+        if estimate is not None and estimate[1] < MIN_EXPECTED_SPEEDUP:  # MTP expected to lose
+            best, speedup = estimate
             mode, reason = "ar", (
                 f"not tuned (`mtplx tune`): at temperature {params.temperature:g} the head's recorded acceptance and "
                 f"the cycle costs ({self.costs_source}) expect MTP depth {best} at "
@@ -297,7 +299,7 @@ class Engine:
             if not self.has_mtp or not self.estimates(t):
                 continue
             depth = self.request_depth(t)
-            best, speedup = self.auto_depth.expected_speedup(t, None if depth == "auto" else depth)
+            best, speedup = self.mtp_estimate(t, depth)
             mode = "AR" if speedup < MIN_EXPECTED_SPEEDUP else f"MTP depth {'auto' if depth == 'auto' else best}"
             parts.append(f"{label}: {mode} ({speedup:.2f}x AR expected)")
         return "; ".join(parts) or None
@@ -306,17 +308,18 @@ class Engine:
         """Whether requests at ``temperature`` follow the estimate (``AutoDepth.expected_speedup``):
         their regime is one of ``estimated`` (untuned) and the head records its own acceptance
         for it. Such a request that names no depth takes the estimate's best depth, unless the
-        engine was given one; one that names no mode decodes AR where ``expected_to_lose``."""
+        engine was given one; one that names no mode decodes AR where ``mtp_estimate`` expects MTP to lose."""
         regime = "greedy" if temperature <= 0 else "sampled"
         return regime in self.estimated and self.auto_depth.measured_for(temperature)
 
-    def expected_to_lose(self, temperature: float, depth: int | str) -> bool:
-        """Whether requests at ``temperature`` follow the estimate and, under the head's
-        recorded acceptance and this machine's cycle costs, no MTP cycle at ``depth`` ("auto":
-        any depth up to max_depth) is expected to beat an AR step by ``MIN_EXPECTED_SPEEDUP``."""
+    def mtp_estimate(self, temperature: float, depth: int | str) -> tuple[int, float] | None:
+        """(depth, expected speed-up over AR) of an MTP request at ``temperature`` and ``depth``
+        ("auto": the best depth up to max_depth), under the head's recorded acceptance and this
+        machine's cycle costs, where requests at ``temperature`` follow the estimate; else None.
+        A request naming no mode decodes AR where the speed-up is below ``MIN_EXPECTED_SPEEDUP``."""
         if not self.estimates(temperature):
-            return False
-        return self.auto_depth.expected_speedup(temperature, None if depth == "auto" else depth)[1] < MIN_EXPECTED_SPEEDUP
+            return None
+        return self.auto_depth.expected_speedup(temperature, None if depth == "auto" else depth)
 
     @staticmethod
     def _check_depth(depth, name: str = "depth", allow_auto: bool = True) -> int | str:
