@@ -5,7 +5,7 @@ every prompt and seed. Seeded sampling makes a run one draw of trajectories; a h
 acceptance on 12 prompts moves by a few hundredths between draws (session 17), so this sums
 several. Greedy runs one seed (its trajectory is the trunk's, the same for every head).
 
-    python benchmarks/head_acceptance.py --heads NEW_DIR,OLD_DIR [--model GGUF] [--depth 1]
+    python benchmarks/head_acceptance.py --heads NEW_DIR,OLD_DIR [--model GGUF] [--device cpu] [--dtype D] [--depth 1]
         [--temperatures 0,0.7,1.0] [--seeds 11,12,13] [--max-tokens 96] --out FILE.json
 
 Sampled rows draft from the head's distribution (``draft_policy="mirror"``), greedy rows its argmax.
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--heads", required=True, help="comma-separated head folders")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="the trunk's dtype (default: mtplx.load's for the device)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--temperatures", default="0,0.7,1.0")
@@ -43,7 +44,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     heads = args.heads.split(",")
-    engines = [mtplx.load(args.model, device=args.device, head=h) for h in heads]
+    engines = [mtplx.load(args.model, device=args.device, dtype=args.dtype, head=h) for h in heads]
     prompts = list(HELD_OUT_CHAT) + list(HELD_OUT_PROMPTS)
     report = {"heads": heads, "depth": args.depth, "max_tokens": args.max_tokens, "prompts": len(prompts),
               "threads": torch.get_num_threads(), "temperatures": {}}

@@ -76,11 +76,12 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
 
 
-def _int16_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel's int16 activations stand for it: each 32 inputs of a row times
-    32767 / max |x| in float32, rounded to the nearest integer (ties to even), times max |x| /
-    32767 (float32); written out independently of the C++ code."""
-    groups = x.float().reshape(x.shape[0], -1, 32)
+def _int16_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the kernel's int16 activations stand for it: each ``block`` inputs of a row (32 on
+    AVX-512 VNNI, the whole row on AVX2) times 32767 / max |x| in float32, rounded to the nearest
+    integer (ties to even), times max |x| / 32767 (float32); written out independently of the
+    C++ code."""
+    groups = x.float().reshape(x.shape[0], -1, block)
     amax = groups.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))  # a true division
     return (torch.round(groups * inv).double() * (amax / 32767).double()).reshape(x.shape)
@@ -166,11 +167,11 @@ def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, gr
     layer = QuantLinear(qw, backend="cpu")
     assert layer.zero.shape[1] == (qw.zero.shape[1] if offsets else 0)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
-    x[0, :32] *= 40  # an outlier chunk: its own scale, the others keep theirs
+    x[0, :32] *= 40  # an outlier chunk: on VNNI its own scale, the others keep theirs
     w = _held_weight(qw, "cpu")
     offset = _held(qw.zero - 8 * qw.scale if bits == 4 else qw.zero, "cpu").double()
     scaled = w - offset.repeat_interleave(group, 1)
-    ref = _int16_rows(x) @ scaled.T + x.double().reshape(rows, -1, group).sum(-1) @ offset.T
+    ref = _int16_rows(x, 32 if int16_width == 512 else inp) @ scaled.T + x.double().reshape(rows, -1, group).sum(-1) @ offset.T
     bound = 2e-6 * (x.abs().double() @ w.abs().T) + 1e-6
     got = layer(x).double()
     assert ((got - ref).abs() <= bound).all()

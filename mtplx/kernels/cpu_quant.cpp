@@ -14,7 +14,7 @@
 // scaled), or are rounded to int16 (int4 and int8 weights: tile_int16 on AVX-512 VNNI,
 // tile_int16_avx2 elsewhere) or int8
 // (llama.cpp's rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one
-// scale per 32 inputs and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
+// scale per 32 inputs (AVX2's int16 tile: one scale per row) and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
 // [N, 0]: no offset term and no group sums.
 // The offsets always see the float sums. Every output is computed by the same instructions in
 // the same order whatever the number of rows m, so a row's result does not depend on the rows
@@ -50,7 +50,7 @@ struct Args {
   const at::Half* zero; // [N, groups], or null: every offset 0 (pack stores int8's so)
   const int16_t* qw;    // int16 activations, [M, K / 64, 2, 32] (VNNI) or [M, K] (AVX2), or null
   const float* dw;      // [M, K / 64, 16] their scales, as each pair's lanes need them (VNNI), or
-                        // [M, K / 32] with qw [M, K] in input order (AVX2: tile_int16_avx2)
+                        // [M], one a row, with qw [M, K] in input order (AVX2: tile_int16_avx2)
   bool vnni = false;    // which of the two int16 layouts qw and dw hold
 };
 
@@ -481,14 +481,17 @@ void add_offsets(const Args& p, int64_t n0, int64_t n1) {
 }
 
 // --- int16 activations, AVX2 (CPUs without AVX-512 VNNI) ----------------------------------------
-// The same rounding as the VNNI path's (each 32 inputs of a row to int16 with one scale, max |a| /
-// 32767) and the same exact integer sums, with vpmaddwd (pairs of int16 products summed into
-// int32 lanes) and an add where VNNI fuses the two: a 32-input chunk's 16 bytes widen to 16 words,
-// the low nibbles (inputs 0-15) and the high ones (16-31), each multiplied by the row's 16 words
-// of those inputs; the 8 int32 lanes become float and are scaled by the weight's and the
-// activations' scales of the chunk into the row's accumulator. Per 32 int4 weights: 3
-// instructions to unpack and 6 per token row, where the float path (tile_float) takes 11 and 7
-// plus 4 loads. The activations lie in input order here, with one scale per 32 inputs.
+// Each row is rounded to int16 with one scale for the whole row (max |a| / 32767; the VNNI path
+// takes one per 32 inputs), and the integer sums are exact as there, with vpmaddwd (pairs of
+// int16 products summed into int32 lanes) and an add where VNNI fuses the two: a 32-input chunk's
+// 16 bytes widen to 16 words, the low nibbles (inputs 0-15) and the high ones (16-31), each
+// multiplied by the row's 16 words of those inputs; the 8 int32 lanes become float and are
+// scaled by the weight's scale of the chunk into the row's accumulator, and the sum by the row's
+// scale at the end. Per 32 int4 weights: 3 instructions to unpack and 5 per token row (one per
+// chunk fewer than a scale per 32 inputs would take: the multiply of the two scales; the float
+// path, tile_float, takes 11 and 7 plus 4 loads). Measured on the default model's activations
+// (docs/performance.md, session 35) the row's scale keeps the products' error far below int8's
+// of llama.cpp (scale per 32 inputs). The activations lie in input order here.
 
 // The 32 weights of chunk c of one row as 16 words each of inputs 0-15 (lo) and 16-31 (hi).
 template <int Bits>
@@ -507,7 +510,7 @@ __attribute__((always_inline)) inline void chunk_words(const uint8_t* row, int64
 // Rows m0 .. m0 + R of output rows n .. n + O (the offsets are added after, by add_offsets).
 template <int Bits, int R, int O>
 inline void tile_int16_avx2(const Args& p, int64_t m0, int64_t n) {
-  const int64_t K = p.K, chunks = K / 32, per = p.group / 32, groups = K / p.group;
+  const int64_t K = p.K, per = p.group / 32, groups = K / p.group;
   const int64_t row_bytes = Bits == 4 ? K / 2 : K;
   __m256 acc[O][R];
   for (int o = 0; o < O; ++o)
@@ -521,8 +524,6 @@ inline void tile_int16_avx2(const Args& p, int64_t m0, int64_t n) {
         for (int o = 0; o < O; ++o)
           _mm_prefetch(reinterpret_cast<const char*>(p.w + (n + 4 * O + o) * row_bytes + c * (Bits == 4 ? 16 : 32)),
                        _MM_HINT_T0);
-      __m256 d[R];
-      for (int r = 0; r < R; ++r) d[r] = _mm256_broadcast_ss(p.dw + (m0 + r) * chunks + c);
       for (int o = 0; o < O; ++o) {
         __m256i lo, hi;
         chunk_words<Bits>(p.w + (n + o) * row_bytes, c, lo, hi);
@@ -530,13 +531,13 @@ inline void tile_int16_avx2(const Args& p, int64_t m0, int64_t n) {
           const __m256i* x = reinterpret_cast<const __m256i*>(p.qw + (m0 + r) * K + c * 32);
           const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
                                              _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
-          acc[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(sc[o], d[r]), _mm256_cvtepi32_ps(s), acc[o][r]);
+          acc[o][r] = _mm256_fmadd_ps(sc[o], _mm256_cvtepi32_ps(s), acc[o][r]);
         }
       }
     }
   }
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = hsum(acc[o][r]);
+    for (int r = 0; r < R; ++r) p.out[(m0 + r) * p.N + n + o] = hsum(acc[o][r]) * p.dw[m0 + r];
 }
 
 // One or two token rows: four output rows a tile; more: up to four token rows over two output rows.
@@ -568,27 +569,33 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// quantize_rows_int16's rounding (chunk_scale: the same integers and scales) in input order:
-// qw [M, K], dw [M, K / 32].
+// Each row as int16 with one scale (chunk_scale's rule, from the row's largest magnitude), in
+// input order: qw [M, K], dw [M].
 void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t i = 0; i < M * K / 32; ++i) {
-    const float* x = a + 32 * i;
-    __m256 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + 8 * j);
-    float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
-                                    _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude))));
-    if (!std::isfinite(hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]))))) amax = NAN;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = a + m * K;
+    __m256 big = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(row + k);
+      big = _mm256_max_ps(big, _mm256_and_ps(v, magnitude));
+      total = _mm256_add_ps(total, v);
+    }
+    float amax = hmax(big);
+    if (!std::isfinite(hsum(total))) amax = NAN;  // outputs NaN, as float32 activations' would be
     const ChunkScale cs = chunk_scale(amax);
     const __m256 iv = _mm256_set1_ps(cs.inv), uv = _mm256_set1_ps(cs.up);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], uv), iv));
-    // packs interleaves the 128-bit halves: [0-3, 8-11, 4-7, 12-15] back to input order
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw + 32 * i),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw + 32 * i + 16),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
-    dw[i] = cs.d;
+    for (int64_t i = 0; i < K / 32; ++i) {
+      const float* x = row + 32 * i;
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), uv), iv));
+      // packs interleaves the 128-bit halves: [0-3, 8-11, 4-7, 12-15] back to input order
+      int16_t* out = qw + m * K + 32 * i;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    }
+    dw[m] = cs.d;
   }
 }
 
@@ -698,7 +705,7 @@ torch::Tensor quant_matmul(torch::Tensor a, torch::Tensor w, torch::Tensor scale
       dw = torch::empty({M, K / 64, 16}, a.options());
       quantize_rows_int16(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
     } else {
-      dw = torch::empty({M, K / 32}, a.options());
+      dw = torch::empty({M}, a.options());
       quantize_rows_int16_avx2(p.a, M, K, qw.data_ptr<int16_t>(), dw.data_ptr<float>());
     }
     p.qw = qw.data_ptr<int16_t>();
