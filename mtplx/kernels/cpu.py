@@ -17,9 +17,9 @@ a row holds inputs ``32 c + j`` low and ``32 c + 16 + j`` high), int8 one per by
 scale and offset per group of ``group_size`` inputs (a multiple of 32), both [out, groups]
 (offsets [out, 0] for int8 weights whose offsets are all 0, GGUF's Q8_0: none stored or read):
 ``w = u * scale + zero`` with ``u`` the stored integer (int4: in [0, 15]). Activations are
-multiplied as float32, or (``activation_bits``) each 32 inputs of a row are rounded to int16
-(the default; AVX-512 VNNI or AVX2 products) or int8 (llama.cpp's rounding) with one scale
-and multiplied in integers; the offsets always see the float sums of the activations. Every
+multiplied as float32, or (``activation_bits``) rounded to int16 (the default: each 32 inputs
+of a row on one scale for AVX-512 VNNI products, the whole row on one scale for AVX2's) or int8
+(llama.cpp's rounding, each 32 inputs on one scale) and multiplied in integers; the offsets always see the float sums of the activations. Every
 kernel computes a token row the same way whatever else is in the batch, so a verify of 1 + D
 tokens gives each the numbers an AR step gives it.
 """
@@ -101,15 +101,17 @@ def usable(x: torch.Tensor) -> bool:
 
 def activation_bits() -> int:
     """The bits a quantized layer's activations are multiplied at: 16 by default where the
-    kernels are built (each 32 inputs of a row rounded to int16 with one scale, max |a| / 32767,
-    and multiplied in integers, on AVX-512 VNNI where the CPU has it, else with AVX2's vpmaddwd;
+    kernels are built (rounded to int16 with one scale, max |a| / 32767, and multiplied in
+    integers: each 32 inputs of a row on AVX-512 VNNI where the CPU has it, else each row on one
+    scale with AVX2's vpmaddwd, which saves a multiply per token row and 32 weights;
     int4 and int8 weights in groups of 32 or of a multiple of 64 with a multiple of 64 inputs,
     the others stay float32), except on AVX-512 CPUs without VNNI, which keep their 512-bit
     float32 products (the 256-bit int16 tile was not measured there), and 32 (float32) where the
     kernels are not built. ``MTPLX_CPU_ACTIVATIONS`` chooses: ``float32``,
     ``int16`` or ``int8`` (llama.cpp's rounding, about 10% faster than float32 on the default
-    model but its greedy output leaves the float32 model's within a few dozen tokens; int16 and
-    float32 kept 8 of 8 prompts identical for 64 tokens: docs/performance.md)."""
+    model but its greedy output leaves the float32 model's within a few dozen tokens, 0 of 8
+    prompts identical for 64 tokens; int16 per 32 inputs kept 8 of 8, int16 per row 7 of 8:
+    docs/performance.md, sessions 32 and 35)."""
     mode = os.environ.get(ACTIVATIONS_SWITCH, "")
     if mode not in ("", "float32", "int16", "int8"):
         raise ValueError(f"{ACTIVATIONS_SWITCH}={mode!r}: expected float32, int16 or int8")
