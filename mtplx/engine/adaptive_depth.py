@@ -69,9 +69,11 @@ class DepthCosts:
     """The time of a cycle of depth d = 1, 2, ... in AR steps (``cycles[d - 1]``); depths past
     the table cost ``per_draft`` more each. Defaults (``default``: greedy cycles,
     ``default_sampled``: sampled ones). An AVX2 CPU's ("cpu-avx2": Zen 3, two threads, `mtplx
-    tune`, docs/performance.md sessions 32 and 33): greedy the mean of two runs (1.46 / 1.89 /
-    2.44 and 1.56 / 2.30 / 2.73), 1.51 / 2.09 / 2.58 AR steps; sampled (T 0.7, top-p 0.95, one
-    run) 1.55 / 2.15 / 2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
+    tune`, the mean of two runs each): since session 35, when its products took one activation
+    scale per row, greedy 1.49 / 1.82 / 2.29 AR steps (1.50 / 1.79 / 2.15 and 1.49 / 1.84 /
+    2.43), sampled (T 0.7, top-p 0.95) 1.45 / 1.72 / 2.33 (1.45 / 1.75 / 2.34 and 1.45 / 1.68 /
+    2.31); before, sessions 32 and 33: greedy 1.51 / 2.09 / 2.58, sampled (one run) 1.55 / 2.15 /
+    2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
     them (`benchmarks/auto_depth.py`: the tune prompts, AR and depths 1-3 side by side, two
     threads, the shipped head; `cpu_s18_auto_depth_measured.json`): greedy 1.30 / 1.84 / 2.17
     AR steps, sampled (T 0.7 argmax and T 1.0 mirror drafts, averaged) 1.34 / 1.82 / 2.05. The
@@ -108,7 +110,7 @@ class DepthCosts:
         if machine == "cuda":
             return cls((1.21, 1.45, 1.56), 0.11)
         if machine == "cpu-avx2":
-            return cls((1.51, 2.09, 2.58), 0.49)
+            return cls((1.49, 1.82, 2.29), 0.47)
         return cls((1.30, 1.84, 2.17), 0.33)
 
     @classmethod
@@ -116,7 +118,7 @@ class DepthCosts:
         if machine == "cuda":
             return cls((1.21, 1.49, 1.61), 0.12)
         if machine == "cpu-avx2":
-            return cls((1.55, 2.15, 2.70), 0.55)
+            return cls((1.45, 1.72, 2.33), 0.61)
         return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
