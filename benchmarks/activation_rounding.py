@@ -1,7 +1,8 @@
 """How much the CPU's integer activations cost in precision, on the default model's own activations.
 
 The default model decodes a few held-out chat prompts greedily with its layers run one product
-at a time (not the one-call C++ layer), and every quantized product's input rows are kept. Each
+at a time (not the one-call C++ layer), and the input rows of every quantized product that takes
+the integer kernel (up to ``SMALL_ROWS`` rows: the decode steps, and prompts that short) are kept. Each
 product is then recomputed in float64 from the same (dequantized) weight, with the input rows
 rounded three ways, and compared with the float input's product:
 
@@ -50,9 +51,10 @@ def main() -> None:
 
     import mtplx
     import mtplx.models.layers as layers
+    from mtplx.kernels import cpu as cpu_kernels
     from mtplx.models.quant import QuantLinear
 
-    layers.cpu_row_step = lambda *a, **k: False  # every product through QuantLinear, one at a time
+    layers.DecoderLayer._cpu_layer = lambda self: None  # every product through QuantLinear, one at a time
     engine = mtplx.load()
     named = {name: m for name, m in engine.loaded.model.named_modules() if isinstance(m, QuantLinear)}
     modules = {id(m): name for name, m in named.items()}
@@ -60,13 +62,15 @@ def main() -> None:
 
     def keep(forward):
         def wrapped(self, x, *a, **k):
-            if id(self) in modules:  # the trunk's (not the MTP head's)
-                inputs.setdefault(modules[id(self)], []).append(x.detach().reshape(-1, x.shape[-1]).float().clone())
+            rows = x.detach().reshape(-1, x.shape[-1])
+            # the trunk's (not the MTP head's), of products that take the integer kernel (more rows
+            # take the dequantized weight's float32 product)
+            if id(self) in modules and rows.shape[0] <= cpu_kernels.SMALL_ROWS:
+                inputs.setdefault(modules[id(self)], []).append(rows.float().clone())
             return forward(self, x, *a, **k)
         return wrapped
 
-    QuantLinear.forward = keep(QuantLinear.forward)
-    QuantLinear.silu_mul_forward = keep(QuantLinear.silu_mul_forward)
+    QuantLinear.forward = keep(QuantLinear.forward)  # (silu_mul_forward calls it on the CPU)
     for prompt in HELD_OUT_CHAT[:args.prompts]:
         engine.generate([{"role": "user", "content": prompt}], chat=True, mode="ar", max_tokens=args.tokens,
                         temperature=0)

@@ -171,10 +171,16 @@ def test_int16_activations_multiply_the_rounded_activations_exactly(out, inp, gr
     w = _held_weight(qw, "cpu")
     offset = _held(qw.zero - 8 * qw.scale if bits == 4 else qw.zero, "cpu").double()
     scaled = w - offset.repeat_interleave(group, 1)
-    ref = _int16_rows(x, 32 if int16_width == 512 else inp) @ scaled.T + x.double().reshape(rows, -1, group).sum(-1) @ offset.T
+    sums = x.double().reshape(rows, -1, group).sum(-1) @ offset.T
+    block, other = (32, inp) if int16_width == 512 else (inp, 32)
+    ref = _int16_rows(x, block) @ scaled.T + sums
     bound = 2e-6 * (x.abs().double() @ w.abs().T) + 1e-6
     got = layer(x).double()
     assert ((got - ref).abs() <= bound).all()
+    # the other tile's rounding (a scale per 32 inputs, or per row) misses it: the outlier chunk
+    # of row 0 coarsens that row's scale by 40
+    if inp > 32:
+        assert ((_int16_rows(x, other) @ scaled.T + sums - ref).abs() > bound).any()
     # and float32 activations would have missed this reference (the test can tell them apart)
     floats = x.double() @ w.T
     assert ((floats - ref).abs() > bound).any()
@@ -194,8 +200,20 @@ def test_int16_activations_keep_a_non_finite_input_visible(int16_width):
     assert torch.equal(got[1], clean[1])
 
 
+def test_int16_activations_of_large_finite_inputs_stay_finite(int16_width):
+    """Inputs whose float32 sum would overflow, each finite, are rounded and multiplied like any
+    other (only an inf or NaN input makes a row NaN)."""
+    qw = _random_weight(16, 576, 4, 32)
+    layer = QuantLinear(qw, backend="cpu")
+    x = torch.full((1, 576), 1e36)
+    floats = x.double() @ _held_weight(qw, "cpu").T
+    got = layer(x).double()
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, floats, rtol=1e-3, atol=1e-3 * float(floats.abs().max()))
+
+
 def test_int16_activations_of_tiny_chunks_and_of_no_rows(int16_width):
-    """A chunk below 2^-60 (32767 / max would overflow float32) is scaled up first: the result
+    """Inputs below 2^-60 (32767 / max would overflow float32) are scaled up first: the result
     still matches the float one to the rounding's precision; a product of no rows is empty."""
     qw = _random_weight(16, 128, 4, 32)
     layer = QuantLinear(qw, backend="cpu")

@@ -19,9 +19,10 @@ scale and offset per group of ``group_size`` inputs (a multiple of 32), both [ou
 ``w = u * scale + zero`` with ``u`` the stored integer (int4: in [0, 15]). Activations are
 multiplied as float32, or (``activation_bits``) rounded to int16 (the default: each 32 inputs
 of a row on one scale for AVX-512 VNNI products, the whole row on one scale for AVX2's) or int8
-(llama.cpp's rounding, each 32 inputs on one scale) and multiplied in integers; the offsets always see the float sums of the activations. Every
-kernel computes a token row the same way whatever else is in the batch, so a verify of 1 + D
-tokens gives each the numbers an AR step gives it.
+(llama.cpp's rounding, each 32 inputs on one scale) and multiplied in integers; the offsets
+always see the float sums of the activations. Every kernel computes a token row the same way
+whatever else is in the batch, so a verify of 1 + D tokens gives each the numbers an AR step
+gives it.
 """
 
 from __future__ import annotations

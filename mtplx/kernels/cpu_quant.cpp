@@ -12,9 +12,9 @@
 //
 // Activations either stay float32 (each 32-input chunk's products summed in float32, then
 // scaled), or are rounded to int16 (int4 and int8 weights: tile_int16 on AVX-512 VNNI,
-// tile_int16_avx2 elsewhere) or int8
-// (llama.cpp's rounding: u8 x s8 pairs summed to int16, pairs of those to int32, exact) with one
-// scale per 32 inputs (AVX2's int16 tile: one scale per row) and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
+// tile_int16_avx2 elsewhere) or int8 (llama.cpp's rounding: u8 x s8 pairs summed to int16, pairs
+// of those to int32, exact) with one scale per 32 inputs (AVX2's int16 tile: one scale per row)
+// and multiplied in integers. int8 weights whose offsets are all 0 (Q8_0) come with zero
 // [N, 0]: no offset term and no group sums.
 // The offsets always see the float sums. Every output is computed by the same instructions in
 // the same order whatever the number of rows m, so a row's result does not depend on the rows
@@ -406,9 +406,10 @@ MTPLX_VNNI void rows_range_int16(const Args& p, int64_t n0, int64_t n1) {
   }
 }
 
-// The int16 rounding of one 32-input chunk from its largest magnitude (NaN where an input is not
-// finite): q = round((a up) inv), d = amax / 32767. A chunk below 2^-60 is scaled up by 2^60
-// first, so that 32767 / max stays finite; an all-zero chunk gets inv 0. Both quantizers' rule.
+// The int16 rounding of the inputs that share a scale (a 32-input chunk for the VNNI tile, a row
+// for AVX2's) from their largest magnitude (NaN where an input is not finite): q = round((a up)
+// inv), d = amax / 32767. Inputs all below 2^-60 are scaled up by 2^60 first, so that 32767 /
+// max stays finite; all-zero inputs get inv 0. Both quantizers' rule.
 struct ChunkScale {
   float up, inv, d;
 };
@@ -575,14 +576,15 @@ void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw,
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t m = 0; m < M; ++m) {
     const float* row = a + m * K;
-    __m256 big = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 big = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
-      const __m256 v = _mm256_loadu_ps(row + k);
-      big = _mm256_max_ps(big, _mm256_and_ps(v, magnitude));
-      total = _mm256_add_ps(total, v);
+      const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude);
+      big = _mm256_max_ps(big, v);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, inf, _CMP_NLT_UQ));  // |a| = inf, or NaN
     }
     float amax = hmax(big);
-    if (!std::isfinite(hsum(total))) amax = NAN;  // outputs NaN, as float32 activations' would be
+    if (_mm256_movemask_ps(bad)) amax = NAN;  // outputs NaN, as float32 activations' would be
     const ChunkScale cs = chunk_scale(amax);
     const __m256 iv = _mm256_set1_ps(cs.inv), uv = _mm256_set1_ps(cs.up);
     for (int64_t i = 0; i < K / 32; ++i) {
