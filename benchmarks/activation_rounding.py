@@ -2,9 +2,9 @@
 
 The default model decodes a few held-out chat prompts greedily with its layers run one product
 at a time (not the one-call C++ layer), and the input rows of every quantized product that takes
-the integer kernel (up to ``SMALL_ROWS`` rows: the decode steps, and prompts that short) are kept. Each
-product is then recomputed in float64 from the same (dequantized) weight, with the input rows
-rounded three ways, and compared with the float input's product:
+the integer kernel (up to ``SMALL_ROWS`` rows: the decode steps, and prompts that short) are
+kept. Each product is then recomputed in float64 from the same (dequantized) weight, with the
+input rows rounded three ways, and compared with the float input's product:
 
 - int16, one scale per 32 inputs (the AVX-512 VNNI tile's rounding);
 - int16, one scale per row (the AVX2 tile's, since session 35);
@@ -78,7 +78,7 @@ def main() -> None:
     by_kind: dict[str, dict[str, list[float]]] = {}
     for name, rows in inputs.items():
         a = torch.cat(rows)
-        w = named[name].dequantize().double()[:, :a.shape[1]]
+        w = named[name].dequantize().double()  # [out, in], padding rows cut
         exact = a.double() @ w.T
         top = exact.abs().amax(-1, keepdim=True).clamp_min(1e-30)
         kind = by_kind.setdefault(name.split(".")[-1], {})
@@ -91,7 +91,8 @@ def main() -> None:
     report = {kind: {label: {"max": max(v), "median": statistics.median(v)} for label, v in stats.items()}
               for kind, stats in sorted(by_kind.items())}
     for kind, stats in report.items():
-        print(kind + ": " + ", ".join(f"{label} {s['max']:.2e} (median {s['median']:.2e})" for label, s in stats.items()))
+        print(kind + ": " + ", ".join(f"{label} {s['max']:.2e} (median {s['median']:.2e})"
+                                      for label, s in stats.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "kinds": report},
                                               indent=1))

@@ -73,8 +73,8 @@ class DepthCosts:
     scale per row, greedy 1.49 / 1.82 / 2.29 AR steps (1.50 / 1.79 / 2.15 and 1.49 / 1.84 /
     2.43), sampled (T 0.7, top-p 0.95) 1.45 / 1.72 / 2.33 (1.45 / 1.75 / 2.34 and 1.45 / 1.68 /
     2.31; depth 2's unrounded mean, 1.715, would take T 0.7 requests to depth 2, which both runs
-    measured slower than depth 1 there); before, sessions 32 and 33: greedy 1.51 / 2.09 / 2.58, sampled (one run) 1.55 / 2.15 /
-    2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
+    measured slower than depth 1 there); before, sessions 32 and 33: greedy 1.51 / 2.09 / 2.58,
+    sampled (one run) 1.55 / 2.15 / 2.70. The AVX-512 CPU's, since session 18, as `mtplx tune` measures
     them (`benchmarks/auto_depth.py`: the tune prompts, AR and depths 1-3 side by side, two
     threads, the shipped head; `cpu_s18_auto_depth_measured.json`): greedy 1.30 / 1.84 / 2.17
     AR steps, sampled (T 0.7 argmax and T 1.0 mirror drafts, averaged) 1.34 / 1.82 / 2.05. The

@@ -574,9 +574,9 @@ inline float hmax(__m256 v) {
 // input order: qw [M, K], dw [M].
 void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw, float* dw) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
   for (int64_t m = 0; m < M; ++m) {
     const float* row = a + m * K;
-    const __m256 inf = _mm256_set1_ps(INFINITY);
     __m256 big = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
       const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude);
@@ -590,10 +590,12 @@ void quantize_rows_int16_avx2(const float* a, int64_t M, int64_t K, int16_t* qw,
     for (int64_t i = 0; i < K / 32; ++i) {
       const float* x = row + 32 * i;
       __m256i q[4];
-      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), uv), iv));
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), uv), iv));
       // packs interleaves the 128-bit halves: [0-3, 8-11, 4-7, 12-15] back to input order
       int16_t* out = qw + m * K + 32 * i;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
     }
