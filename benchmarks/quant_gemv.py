@@ -24,6 +24,8 @@ from mtplx.models.quant import QuantLinear, quantize
 # Qwen3-8B: hidden 4096, 32 query heads and 8 KV heads of 128, intermediate 12288, vocabulary 151936
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
             "lm_head": (151936, 4096)}
+# gate/up as a layer runs it: fused, SiLU(gate) * up as the GEMV's epilogue (the tensor-core kernel only)
+SILU_MATRICES = {"gate_up_silu": (24576, 4096)}
 ROTATE_BYTES = 512 << 20  # copies of a weight until this many bytes: several times the 60 MB L2
 
 
@@ -82,6 +84,8 @@ def effective(cfg: tuple[int, int, int, int], n: int, k: int, bits: int) -> tupl
 
 MMA_SWEEP = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 1, 1), (8, 2, 1),  # (WARPS, UNITS, SPLIT)
              (4, 1, 2), (4, 2, 2), (8, 1, 2), (4, 1, 4), (4, 2, 4)]
+# ``--wide`` for the tensor-core kernel: more tiles in flight a loop step (UNITS up to 8, 8 warps)
+MMA_WIDE = [(w, u, s) for w in (2, 4, 8) for u in (1, 2, 4, 8) for s in (1, 2, 4) if w * u <= 32]
 
 
 def _quantized(n: int, k: int, fmt: str, group: int, device, offsets: bool):
@@ -113,20 +117,27 @@ def mma_effective(cfg: tuple[int, int, int], tiles_k: int) -> tuple[int, int, in
 
 
 def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, device, group: int = 32,
-              offsets: bool = False) -> dict:
+              offsets: bool = False, wide: bool = False) -> dict:
     """The tensor-core GEMV on one weight [n, k] at each of ``rows_list``: its default config and
-    (unless quick) MMA_SWEEP, each checked against the dequantized weight first."""
+    (unless quick) MMA_SWEEP (wide: MMA_WIDE), each checked against the dequantized weight first
+    (a SILU_MATRICES one with its SiLU epilogue, against SiLU(gate) * up of the bf16-rounded sums)."""
     layer, qbytes, wq, bufs = _layer(n, k, fmt, group, device, offsets, "mma")
-    args = dict(n=n, k=k, bits=layer.bits)
+    silu = name in SILU_MATRICES
+    args = dict(n=n, k=k, bits=layer.bits, silu=silu)
     out = {}
     for rows in rows_list:
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         ref = x.float() @ wq.T
         magnitude = x.float().abs() @ wq.abs().T + 1e-6
+        if silu:
+            gate, up = ref.to(torch.bfloat16).float().chunk(2, dim=-1)
+            ref = F.silu(gate) * up
+            magnitude = ref.abs().amax() + 1e-6
         entry = {"us_by_config": {}}
-        default = mma_effective(quant_mma.config_for(n, k), layer.words.shape[1])
+        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None), layer.words.shape[1])
         worst, seen = 0.0, set()
-        for cfg in [default] + ([] if quick else [mma_effective(c, layer.words.shape[1]) for c in MMA_SWEEP]):
+        grid = MMA_WIDE if wide else MMA_SWEEP
+        for cfg in [default] + ([] if quick else [mma_effective(c, layer.words.shape[1]) for c in grid]):
             if cfg in seen:
                 continue
             seen.add(cfg)
@@ -199,12 +210,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int4,int8,fp8")
     ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--matrices", default=",".join(MATRICES))
+    ap.add_argument("--matrices", default=",".join(MATRICES), help=f"of {', '.join({**MATRICES, **SILU_MATRICES})}")
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
     ap.add_argument("--kernels", default="gemv,mma", help="gemv: the CUDA-core kernel; mma: the tensor-core one")
     ap.add_argument("--offsets", action="store_true", help="weights with group offsets (GGUF's Q4_1, Q4_K)")
     ap.add_argument("--group", type=int, default=32, help="inputs per scale group")
-    ap.add_argument("--wide", action="store_true", help="the CUDA-core kernel over wide_sweep's grid (1-4 rows)")
+    ap.add_argument("--wide", action="store_true",
+                    help="the CUDA-core kernel over wide_sweep's grid (1-4 rows), the tensor-core one over MMA_WIDE")
     args = ap.parse_args()
     device = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -215,12 +227,13 @@ def main() -> None:
         for kernel in kernels:
             if kernel == "mma" and fmt == "fp8":
                 continue
-            extra = {} if kernel == "mma" else {"wide": args.wide}
+            extra = {"wide": args.wide}
             bench = bench_mma if kernel == "mma" else bench_matrix
+            names = [name for name in args.matrices.split(",") if kernel == "mma" or name not in SILU_MATRICES]
             report["results"][f"{fmt} {kernel}"] = {
-                name: bench(name, *MATRICES[name], fmt, rows_list, args.quick, device, group=args.group,
-                            offsets=args.offsets, **extra)
-                for name in args.matrices.split(",")}
+                name: bench(name, *{**MATRICES, **SILU_MATRICES}[name], fmt, rows_list, args.quick, device,
+                            group=args.group, offsets=args.offsets, **extra)
+                for name in names}
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
 

@@ -495,17 +495,33 @@ def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:
     return usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0)
 
 
-def config_for(n: int, k: int) -> tuple[int, int, int]:
-    """(WARPS, UNITS, SPLIT) for a weight [n, k], from benchmarks/quant_gemv.py's sweep on the
-    H200 (benchmarks/results/gpu_h200_s12_quant_gemv.json; the 8B shape's matrices, int4 and
-    int8, 1 and 4 rows): four warps; for the few row tiles of q/k/v and o, four tiles per warp
-    per loop step; for long rows (down, 12,288 inputs), four splits of the inputs instead; for
-    many row tiles (fused gate/up: two, LM head: one) fewer tiles per step."""
+TWO_PER_SM = 264  # programs: two for each of the H100's and H200's 132 SMs
+
+
+def config_for(n: int, k: int, silu: bool = False, offsets: bool = False) -> tuple[int, int, int]:
+    """(WARPS, UNITS, SPLIT) for a weight [n, k] (silu: a fused gate/up weight with the SiLU
+    epilogue, whose programs each hold a gate tile and an up tile; offsets: with group offsets).
+    Four warps throughout; from
+    benchmarks/quant_gemv.py's sweeps of the 8B shape's matrices, int4 at 1 and 4 rows
+    (gpu_h200_s12_quant_gemv.json, groups of 32; gpu_h100_s36_mma_sweep_wide_r14_g128.json,
+    groups of 128 and up to eight tiles a warp):
+    - the LM head (many row tiles): one tile per warp per loop step;
+    - fused gate/up: with the SiLU epilogue one tile (H100: 23.5 / 24.1 us at 1 / 4 rows against
+      two tiles' 28.9 / 26.8), two with offsets (32.9 / 29.0 against one tile's 39.1 / 33.7;
+      gpu_h100_s36_mma_sweep_wide_offsets_g128.json) and without the epilogue (H200, session 12);
+    - few row tiles (at most two programs an SM) over long rows (o, down: 4,096 and 12,288
+      inputs): eight tiles a warp, so that each SM has more weights in flight (H100: o 6.1 / 6.5
+      us against four tiles' 7.2 / 7.6, down 13.8 / 15.4 against four splits of one tile's
+      16.2 / 16.9; Triton 3.6's ptxas for sm_90a: 948 bytes spilled, 6,704 with offsets, which
+      keep four tiles);
+    - else (q/k/v) four tiles a warp, or for rows of 8,192 inputs or more four splits of them."""
     row_tiles = -(-n // ROW_TILE)
     if row_tiles >= 4096:
         return 4, 1, 1
     if row_tiles >= 1024:
-        return 4, 2, 1
+        return (4, 1, 1) if silu and not offsets else (4, 2, 1)
+    if row_tiles <= TWO_PER_SM and k >= 4096 and not offsets:
+        return 4, 8, 1
     if k >= 8192:
         return 4, 1, 4
     return 4, 4, 1
@@ -526,7 +542,7 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         return x.new_empty(*x.shape[:-1], n_out)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
-    warps, units, split = config or config_for(n, k)
+    warps, units, split = config or config_for(n, k, silu, zeros is not None)
     tiles_k = words.shape[1]
     per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)  # whole loop steps per split
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
