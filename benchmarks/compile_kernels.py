@@ -83,7 +83,7 @@ def cases():
         silu = name == "gate_up"
         for bits in (4, 8):
             for zero in (False, True):
-                warps, units, split = quant_mma.config_for(n, k, silu, zero)
+                warps, units, split = quant_mma.config_for(n, k, silu, zero, bits)
                 c = dict(INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zero,
                          HAS_BIAS=False, PARTIAL=split > 1, SILU=silu, PDL=True)
                 yield quant_mma._mma_gemv_kernel, c, split > 1, f"int{bits} {name}{' offsets' if zero else ''}"

@@ -134,7 +134,7 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
             ref = F.silu(gate) * up
             magnitude = ref.abs().amax() + 1e-6
         entry = {"us_by_config": {}}
-        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None), layer.words.shape[1])
+        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None, layer.bits), layer.words.shape[1])
         worst, seen = 0.0, set()
         grid = MMA_WIDE if wide else MMA_SWEEP
         for cfg in [default] + ([] if quick else [mma_effective(c, layer.words.shape[1]) for c in grid]):

@@ -495,32 +495,34 @@ def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:
     return usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0)
 
 
-TWO_PER_SM = 264  # programs: two for each of the H100's and H200's 132 SMs
+TWO_PER_SM = 264  # row tiles: two programs for each of the H100's and H200's 132 SMs
 
 
-def config_for(n: int, k: int, silu: bool = False, offsets: bool = False) -> tuple[int, int, int]:
-    """(WARPS, UNITS, SPLIT) for a weight [n, k] (silu: a fused gate/up weight with the SiLU
-    epilogue, whose programs each hold a gate tile and an up tile; offsets: with group offsets).
-    Four warps throughout; from
-    benchmarks/quant_gemv.py's sweeps of the 8B shape's matrices, int4 at 1 and 4 rows
-    (gpu_h200_s12_quant_gemv.json, groups of 32; gpu_h100_s36_mma_sweep_wide_r14_g128.json,
-    groups of 128 and up to eight tiles a warp):
+def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: int = 4) -> tuple[int, int, int]:
+    """(WARPS, UNITS, SPLIT) for a weight [n, k] of ``bits`` (silu: a fused gate/up weight with
+    the SiLU epilogue, whose programs each hold a gate tile and an up tile; offsets: with group
+    offsets). Four warps throughout; from benchmarks/quant_gemv.py's sweeps of the 8B shape's
+    matrices at 1 and 4 rows (gpu_h200_s12_quant_gemv.json: int4 and int8, groups of 32, up to
+    four tiles a warp; int4 on the H100, groups of 128, up to eight:
+    gpu_h100_s36_mma_sweep_wide_{r14,offsets}_g128.json):
     - the LM head (many row tiles): one tile per warp per loop step;
-    - fused gate/up: with the SiLU epilogue one tile (H100: 23.5 / 24.1 us at 1 / 4 rows against
-      two tiles' 28.9 / 26.8), two with offsets (32.9 / 29.0 against one tile's 39.1 / 33.7;
-      gpu_h100_s36_mma_sweep_wide_offsets_g128.json) and without the epilogue (H200, session 12);
-    - few row tiles (at most two programs an SM) over long rows (o, down: 4,096 and 12,288
-      inputs): eight tiles a warp, so that each SM has more weights in flight (H100: o 6.1 / 6.5
-      us against four tiles' 7.2 / 7.6, down 13.8 / 15.4 against four splits of one tile's
-      16.2 / 16.9; Triton 3.6's ptxas for sm_90a: 948 bytes spilled, 6,704 with offsets, which
-      keep four tiles);
+    - fused gate/up: two tiles (H200, session 12), but int4 with the SiLU epilogue and no
+      offsets one (H100: 23.5 / 24.1 us at 1 / 4 rows against two tiles' 28.9 / 26.8; with
+      offsets one tile lost, 39.1 / 33.7 against 32.9 / 29.0);
+    - int4 without offsets, few row tiles (at most two programs an SM) over long rows (o, down:
+      4,096 and 12,288 inputs), no SiLU epilogue: eight tiles a warp, so that each SM has more
+      weights in flight (H100: o 6.1 / 6.5 us against four tiles' 7.2 / 7.6, down 13.8 / 15.4
+      against four splits of one tile's 16.2 / 16.9). Eight tiles spill (Triton 3.6's ptxas for
+      sm_90a: 948 bytes; 6,704 with offsets, where o measured slower: 7.6 / 8.3 against 6.9 /
+      7.2 us), and with the SiLU epilogue's two tiles a program took about 900 us;
     - else (q/k/v) four tiles a warp, or for rows of 8,192 inputs or more four splits of them."""
     row_tiles = -(-n // ROW_TILE)
+    int4 = bits == 4 and not offsets
     if row_tiles >= 4096:
         return 4, 1, 1
     if row_tiles >= 1024:
-        return (4, 1, 1) if silu and not offsets else (4, 2, 1)
-    if row_tiles <= TWO_PER_SM and k >= 4096 and not offsets:
+        return (4, 1, 1) if silu and int4 else (4, 2, 1)
+    if row_tiles <= TWO_PER_SM and k >= 4096 and int4 and not silu:
         return 4, 8, 1
     if k >= 8192:
         return 4, 1, 4
@@ -542,7 +544,7 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         return x.new_empty(*x.shape[:-1], n_out)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
-    warps, units, split = config or config_for(n, k, silu, zeros is not None)
+    warps, units, split = config or config_for(n, k, silu, zeros is not None, bits)
     tiles_k = words.shape[1]
     per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)  # whole loop steps per split
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
