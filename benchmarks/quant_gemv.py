@@ -26,6 +26,7 @@ MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
             "lm_head": (151936, 4096)}
 # gate/up as a layer runs it: fused, SiLU(gate) * up as the GEMV's epilogue (the tensor-core kernel only)
 SILU_MATRICES = {"gate_up_silu": (24576, 4096)}
+ALL_MATRICES = {**MATRICES, **SILU_MATRICES}
 ROTATE_BYTES = 512 << 20  # copies of a weight until this many bytes: several times the 60 MB L2
 
 
@@ -134,7 +135,8 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
             ref = F.silu(gate) * up
             magnitude = ref.abs().amax() + 1e-6
         entry = {"us_by_config": {}}
-        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None, layer.bits), layer.words.shape[1])
+        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None, layer.bits),
+                                layer.words.shape[1])
         worst, seen = 0.0, set()
         grid = MMA_WIDE if wide else MMA_SWEEP
         for cfg in [default] + ([] if quick else [mma_effective(c, layer.words.shape[1]) for c in grid]):
@@ -210,7 +212,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int4,int8,fp8")
     ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--matrices", default=",".join(MATRICES), help=f"of {', '.join({**MATRICES, **SILU_MATRICES})}")
+    ap.add_argument("--matrices", default=",".join(MATRICES), help=f"of {', '.join(ALL_MATRICES)}")
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
     ap.add_argument("--kernels", default="gemv,mma", help="gemv: the CUDA-core kernel; mma: the tensor-core one")
     ap.add_argument("--offsets", action="store_true", help="weights with group offsets (GGUF's Q4_1, Q4_K)")
@@ -227,12 +229,11 @@ def main() -> None:
         for kernel in kernels:
             if kernel == "mma" and fmt == "fp8":
                 continue
-            extra = {"wide": args.wide}
             bench = bench_mma if kernel == "mma" else bench_matrix
             names = [name for name in args.matrices.split(",") if kernel == "mma" or name not in SILU_MATRICES]
             report["results"][f"{fmt} {kernel}"] = {
-                name: bench(name, *{**MATRICES, **SILU_MATRICES}[name], fmt, rows_list, args.quick, device,
-                            group=args.group, offsets=args.offsets, **extra)
+                name: bench(name, *ALL_MATRICES[name], fmt, rows_list, args.quick, device, group=args.group,
+                            offsets=args.offsets, wide=args.wide)
                 for name in names}
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

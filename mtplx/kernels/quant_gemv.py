@@ -67,6 +67,7 @@ CHUNK = 4  # int32 words per chunk: 16 bytes
 GROUP_MULTIPLE = 32  # inputs: scale groups are multiples of this, or whole rows
 MAX_ROWS = 8  # token rows the GEMV takes; more go through dequantize + cuBLAS
 MAGIC = 0x4B000000  # the float 2^23, whose mantissa's units are 1
+TWO_PER_SM = 2 * 132  # programs: two for each of the H100's and H200's 132 SMs (a grid's target size)
 _FP16_MIN, _FP16_MAX = 6.2e-5, 65504.0  # float16's normal range
 
 
@@ -147,7 +148,7 @@ def config_for(n: int, k: int, rows: int, bits: int) -> tuple[int, int, int, int
     chunks = -(-k // inputs_per_chunk(bits))
     dot_c = 128 // inputs_per_chunk(bits)
     block_n, split = 32, 1
-    while triton.cdiv(n, block_n) * split < 2 * 132 and chunks // (2 * split) >= dot_c:
+    while triton.cdiv(n, block_n) * split < TWO_PER_SM and chunks // (2 * split) >= dot_c:
         split *= 2
     return block_n, 4, split, dot_c
 

@@ -495,9 +495,6 @@ def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:
     return usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0)
 
 
-TWO_PER_SM = 264  # row tiles: two programs for each of the H100's and H200's 132 SMs
-
-
 def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: int = 4) -> tuple[int, int, int]:
     """(WARPS, UNITS, SPLIT) for a weight [n, k] of ``bits`` (silu: a fused gate/up weight with
     the SiLU epilogue, whose programs each hold a gate tile and an up tile; offsets: with group
@@ -517,12 +514,12 @@ def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: 
       7.2 us), and with the SiLU epilogue's two tiles a program took about 900 us;
     - else (q/k/v) four tiles a warp, or for rows of 8,192 inputs or more four splits of them."""
     row_tiles = -(-n // ROW_TILE)
-    int4 = bits == 4 and not offsets
+    plain_int4 = bits == 4 and not offsets
     if row_tiles >= 4096:
         return 4, 1, 1
     if row_tiles >= 1024:
-        return (4, 1, 1) if silu and int4 else (4, 2, 1)
-    if row_tiles <= TWO_PER_SM and k >= 4096 and int4 and not silu:
+        return (4, 1, 1) if silu and plain_int4 else (4, 2, 1)
+    if row_tiles <= quant_gemv.TWO_PER_SM and k >= 4096 and plain_int4 and not silu:
         return 4, 8, 1
     if k >= 8192:
         return 4, 1, 4
