@@ -1,7 +1,13 @@
 """Compile the tensor-core GEMVs (inline PTX: kernels/mma_gemv.py, kernels/quant_mma.py) for an
 NVIDIA architecture on a machine without a GPU, and report each configuration's registers and
-spills from ptxas: a check to run before spending device time (a kernel Triton refuses, or a
-configuration that spills, shows here), not a measurement of speed.
+spills from ptxas, and whether the lane layout the mma fragments rely on held: every inline PTX
+of 4 packed elements over a 128-element tile axis must see them in Triton's layout of 4
+consecutive elements a lane and 32 lanes along that axis (``lane_layout``; a load whose
+addresses are not 4 contiguous elements a lane can make Triton choose another layout for the
+tile's operands, and the GEMV then sums the wrong elements: a version of the scales' load did,
+on an H100 in session 38, and this check flags it). A check to run before spending device time
+(a kernel Triton refuses, a configuration that spills, or a broken lane layout shows here), not
+a measurement of speed.
 
     pip install triton==3.6.0          # the device's version; its wheel bundles ptxas
     python benchmarks/compile_kernels.py [--arch 90] [--json r.json]
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,9 +40,10 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16
             "out_ptr": "*bf16"}
 
 
-def compile_ptx(fn, constexprs: dict, arch: int, partial: bool) -> str:
-    """The PTX of ``fn`` with these constexprs (other arguments: pointers as named, integers i32,
-    ``zk`` fp32; a partial-sum kernel writes float32)."""
+def compile_kernel(fn, constexprs: dict, arch: int, partial: bool):
+    """The compiled ``fn`` with these constexprs (other arguments: pointers as named and 16-byte
+    aligned, as Triton specializes them at run time, integers i32, ``zk`` fp32; a partial-sum
+    kernel writes float32)."""
     names = fn.arg_names
     sig = {}
     for n in names:
@@ -45,9 +53,38 @@ def compile_ptx(fn, constexprs: dict, arch: int, partial: bool) -> str:
             sig[n] = "*fp32" if n == "out_ptr" and partial else POINTERS[n]
         else:
             sig[n] = "fp32" if n == "zk" else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": constexprs["WARPS"]})
-    return kernel.asm["ptx"]
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS if n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": constexprs["WARPS"]})
+
+
+def lane_layout(ttgir: str) -> dict:
+    """{"tile_asm": how many inline PTX ops whose results are used take 4 packed elements of
+    tensors whose last axis is a 128-element tile, "broken": how many of them see that axis in
+    another layout than 4 consecutive elements a lane and 32 lanes (sizePerThread and
+    threadsPerWarp ending 4 and 32)}. Ops whose results nothing reads are left out: Triton keeps
+    copies of an impure one (the activations' loads under PDL) in other layouts after moving
+    it, and ptxas drops them (no more global loads in the SASS with PDL than without)."""
+    layouts = {name: (size, threads) for name, size, threads in re.findall(
+        r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\]", ttgir, re.M)}
+    lines = ttgir.splitlines()
+    tile_asm = broken = 0
+    for i, line in enumerate(lines):
+        if "elementwise_inline_asm" not in line or "packed_element = 4" not in line or "=" not in line:
+            continue
+        tensors = re.findall(r"tensor<((?:\d+x)+)\w+, (#\w+)>", line)
+        if not tensors or any(not shape.endswith("128x") for shape, _ in tensors):
+            continue
+        result = line.split("=")[0].strip().split(":")[0]
+        used = re.compile(re.escape(result) + r"(?![\w])")
+        if not any(used.search(other) for j, other in enumerate(lines) if j != i):
+            continue
+        tile_asm += 1
+        if any(not (layouts.get(name, ("", ""))[0].split(", ")[-1:] == ["4"]
+                    and layouts.get(name, ("", ""))[1].split(", ")[-1:] == ["32"]) for _, name in tensors):
+            broken += 1
+    return {"tile_asm": tile_asm, "broken": broken}
 
 
 def ptxas_info(ptx: str, arch: int) -> dict:
@@ -98,14 +135,20 @@ def main() -> None:
     for fn, constexprs, partial, label in cases():
         entry = {"kernel": fn.__name__, "case": label, "constexprs": constexprs}
         try:
-            entry.update(ptxas_info(compile_ptx(fn, constexprs, args.arch, partial), args.arch))
+            kernel = compile_kernel(fn, constexprs, args.arch, partial)
+            entry.update(ptxas_info(kernel.asm["ptx"], args.arch))
+            entry["lane_layout"] = lane_layout(kernel.asm["ttgir"])
+            if entry["lane_layout"]["broken"] or not entry["lane_layout"]["tile_asm"]:
+                entry["error"] = f"lane layout: {entry['lane_layout']}"
+                failed += 1
         except Exception as exc:  # report every failure, then exit 1
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
             failed += 1
         report.append(entry)
         cfg = (constexprs["WARPS"], constexprs["UNITS"])
         print(f"{label:32s} warps/units {cfg}: " + (entry.get("error", "")[:300] or
-              f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled"), flush=True)
+              f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled, "
+              f"{entry['lane_layout']['tile_asm']} tile PTX ops in the lane layout"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "cases": report},
                                               indent=2))
