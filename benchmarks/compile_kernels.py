@@ -81,8 +81,8 @@ def lane_layout(ttgir: str) -> dict:
         if not any(used.search(other) for j, other in enumerate(lines) if j != i):
             continue
         tile_asm += 1
-        if any(not (layouts.get(name, ("", ""))[0].split(", ")[-1:] == ["4"]
-                    and layouts.get(name, ("", ""))[1].split(", ")[-1:] == ["32"]) for _, name in tensors):
+        lanes = [layouts.get(name, ("", "")) for _, name in tensors]
+        if any(size.split(", ")[-1] != "4" or threads.split(", ")[-1] != "32" for size, threads in lanes):
             broken += 1
     return {"tile_asm": tile_asm, "broken": broken}
 

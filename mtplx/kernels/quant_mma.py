@@ -510,8 +510,9 @@ def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: 
       4,096 and 12,288 inputs), no SiLU epilogue: eight tiles a warp, so that each SM has more
       weights in flight (H100: o 6.1 / 6.5 us against four tiles' 7.2 / 7.6, down 13.8 / 15.4
       against four splits of one tile's 16.2 / 16.9). Eight tiles spill (Triton 3.6's ptxas for
-      sm_90a: 948 bytes; 6,704 with offsets, where o measured slower: 7.6 / 8.3 against 6.9 /
-      7.2 us), and with the SiLU epilogue's two tiles a program took about 900 us;
+      sm_90a, compiled without the run-time 16-byte alignment: 948 bytes, 8 with it; 6,704 with
+      offsets, where o measured slower: 7.6 / 8.3 against 6.9 / 7.2 us), and with the SiLU
+      epilogue's two tiles a program took about 900 us;
     - else (q/k/v) four tiles a warp, or for rows of 8,192 inputs or more four splits of them."""
     row_tiles = -(-n // ROW_TILE)
     plain_int4 = bits == 4 and not offsets
