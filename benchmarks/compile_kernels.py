@@ -13,7 +13,7 @@ a measurement of speed.
     python benchmarks/compile_kernels.py [--arch 90] [--json r.json]
 
 Each kernel is compiled at the configurations its ``config_for`` picks for SmolLM2's products (bf16,
-5-16 rows) and the 8B shape's (int4 and int8, with and without offsets, 1-8 rows), with SiLU,
+5-16 rows) and the 8B shape's (int4 in groups of 32 and 128, int8 in groups of 128, with and without offsets, 1-8 rows), with SiLU,
 bias and split-K variants; the exit status is 1 if any fails to compile.
 """
 
@@ -118,12 +118,14 @@ def cases():
         yield mma_gemv._bf16_mma_kernel, c, True, f"bf16 {name} 16 rows split"
     for name, (n, k) in QWEN3_8B.items():
         silu = name == "gate_up"
-        for bits in (4, 8):
+        for bits, group in ((4, 32), (4, 128), (8, 128)):
+            tpg = group // quant_mma.tile_k(bits) if quant_mma.whole_tile_groups(bits, group) else 0
             for zero in (False, True):
                 warps, units, split = quant_mma.config_for(n, k, silu, zero, bits)
                 c = dict(INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zero,
-                         HAS_BIAS=False, PARTIAL=split > 1, SILU=silu, PDL=True)
-                yield quant_mma._mma_gemv_kernel, c, split > 1, f"int{bits} {name}{' offsets' if zero else ''}"
+                         HAS_BIAS=False, PARTIAL=split > 1, SILU=silu, PDL=True, TPG=tpg)
+                yield (quant_mma._mma_gemv_kernel, c, split > 1,
+                       f"int{bits} g{group} {name}{' offsets' if zero else ''}")
 
 
 def main() -> None:

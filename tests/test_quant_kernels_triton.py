@@ -303,7 +303,7 @@ def test_mma_layout_dequantize_kernel_equals_the_weight(fmt, offsets):
 def test_mma_gemv_equals_dequantize_then_matmul(fmt, rows, offsets):
     from mtplx.kernels import quant_mma
 
-    for i, (out, inp, group) in enumerate(MMA_SHAPES + [(96, 4096, 32)]):
+    for i, (out, inp, group) in enumerate(MMA_SHAPES + [(96, 4096, 32), (48, 4096, 128)]):
         qw = _weight(fmt, out, inp, group, seed=i, offsets=offsets)
         layer = QuantLinear(qw, device=DEVICE, backend="mma")
         bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)

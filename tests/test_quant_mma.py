@@ -124,8 +124,9 @@ class _Warp:
             base, _, off = addr.rstrip("]").partition("+")
             at = self.value(lane, base) + int(off or 0)
             names = dst.strip("{} ").split(", ")
+            width = 2 if op.endswith(".b16") else 4
             for i, name in enumerate(names):
-                self.regs[lane][name] = int.from_bytes(self.memory[at + 4 * i: at + 4 * i + 4], "little")
+                self.regs[lane][name] = int.from_bytes(self.memory[at + width * i: at + width * (i + 1)], "little")
             return
         args = [a.strip() for a in rest.split(",")]
         v = [self.value(lane, a) for a in args[1:]]
@@ -143,6 +144,8 @@ class _Warp:
             assert not v[2] & 0x8888, "the simulator has no sign-replicating prmt selectors"
             pool = (v[0] & 0xFFFFFFFF) | ((v[1] & 0xFFFFFFFF) << 32)
             out = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "cvt.f32.f16":
+            out = _bits(float(np.frombuffer(np.uint16(v[0]).tobytes(), np.float16)[0]))
         elif op == "add.f32":
             out = _bits(np.float32(_f32(v[0])) + np.float32(_f32(v[1])))
         elif op == "fma.rn.f32":
@@ -174,16 +177,34 @@ class _Warp:
                 self.regs[lane][name] = _bits(d[g + 8 * (j // 2), 2 * t + j % 2])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def _lane_scales(tile: torch.Tensor) -> list[list[int]]:
+    """The 4 float32 scale operands (bits) of each lane for one tile of ``pack_scales``'s layout:
+    the lane group's 4 of [8, 4]; for the compact [8, 2] the pair PTX run on the simulator over
+    the pairs' bytes (float16, or float32 as ``_pair_asm(32)`` loads them)."""
+    if tile.shape[-1] == 4:
+        return [[_bits(float(s)) for s in tile[lane // 4]] for lane in range(32)]
+    size = tile.element_size()
+    load = _Warp([[0] * 4 + [2 * size * (lane // 4)] * 4 for lane in range(32)], tile.contiguous().numpy().tobytes())
+    load.run(quant_mma._pair_asm(8 * size))
+    return [[load.regs[lane][f"${i}"] for i in range(4)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.float16), (4, 64, torch.float16),
+                                               (4, 128, torch.float32), (8, 32, torch.float16)])
 @pytest.mark.parametrize("offsets", [False, True])
-def test_inline_ptx_computes_a_tile(bits, offsets):
+def test_inline_ptx_computes_a_tile(bits, group, dtype, offsets):
     """One tile (16 rows x 64 or 32 inputs), 8 token rows: the load PTX, then the tile PTX, for
-    every lane, against the tile's float64 product."""
-    n, k, group = 16, quant_mma.tile_k(bits), 32
-    q, scale, zero = _weight(bits, n, k, group, seed=bits + offsets)
+    every lane, against the tile's float64 product. The scales as the kernel hands them to a
+    lane: its lane group's four from the layout of one scale a half tile (int4 groups of 32), or
+    its group's pair twice, (row g, row g + 8) for each half, from the compact one."""
+    n, k = 16, quant_mma.tile_k(bits)
+    width = max(k, group)  # a weight of whole groups; the first tile is run
+    q, scale, zero = _weight(bits, n, width, group, seed=bits + offsets)
+    scale, zero = scale.to(dtype), zero.to(dtype)  # float32 where float16 cannot hold them (compact_scales)
     words = quant_mma.pack(q, bits)[0, 0]  # [32, 4]
-    scales = quant_mma.pack_scales(scale, bits, group, n, k)[0, 0]  # [8, 4]
-    zeros = quant_mma.pack_scales(zero, bits, group, n, k)[0, 0]
+    scales = quant_mma.pack_scales(scale, bits, group, n, width)[0, 0]  # [8, 4], or compact [8, 2]
+    zeros = quant_mma.pack_scales(zero, bits, group, n, width)[0, 0]
+    assert scales.shape[-1] == (2 if quant_mma.whole_tile_groups(bits, group) else 4)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     memory = x.view(torch.int16).numpy().tobytes()
     u32 = lambda t: int(t) & 0xFFFFFFFF  # noqa: E731
@@ -196,11 +217,12 @@ def test_inline_ptx_computes_a_tile(bits, offsets):
     xs = [[load.regs[lane][f"${i}"] for i in range(outs)] for lane in range(32)]
     kappa = quant_mma.bias_of(bits)
     acc = np.float32(np.random.default_rng(7).normal(size=(16, 8)))
+    sc_in, z_in = _lane_scales(scales), _lane_scales(zeros)
     operands = []
     for lane in range(32):
         g = lane // 4
-        sc = [_bits(float(s)) for s in scales[g]]
-        zq = [_bits(float(np.float32(float(z)) * np.float32(-1.0 / kappa))) for z in zeros[g]]
+        sc = sc_in[lane]
+        zq = [_bits(float(np.float32(_f32(z)) * np.float32(-1.0 / kappa))) for z in z_in[lane]]
         # the sums coming in: each lane's c0-c3 (rows g, g + 8; tokens 2 t, 2 t + 1)
         acc_in = [_bits(float(acc[g + 8 * (j // 2), 2 * (lane % 4) + j % 2])) for j in range(4)]
         operands.append([0] * 4 + [u32(w) for w in words[lane]] + xs[lane] + sc + (zq if offsets else []) + acc_in)
@@ -214,25 +236,29 @@ def test_inline_ptx_computes_a_tile(bits, offsets):
     w = q.double().unflatten(1, (-1, group)) * scale.double().unsqueeze(-1)
     if offsets:
         w = w + zero.double().unsqueeze(-1)
-    w = w.flatten(1)
+    w = w.flatten(1)[:, :k]
     ref = (x.double() @ w.T).T.numpy() + acc
     magnitude = (x.double().abs() @ w.abs().T).T.numpy() + np.abs(acc)
     assert (np.abs(got - ref) <= 1e-5 * magnitude).all()
 
 
-def test_mma_layer_checks_its_format_and_runs_off_the_gpu():
+@pytest.mark.parametrize("group,k", [(32, 128), (128, 256)])
+def test_mma_layer_checks_its_format_and_runs_off_the_gpu(group, k):
     """A forced "mma" layer refuses what the layout cannot hold; where its GEMV cannot run (here:
-    the CPU, kernels on or off) forward and the SiLU path take the dequantized weight."""
+    the CPU, kernels on or off) forward and the SiLU path take the dequantized weight. Its scales
+    and offsets take 2 bytes a row and group (float16), in either layout."""
     from mtplx import kernels
     from mtplx.models.quant import QuantizedWeight, QuantLinear
 
     q, scale, zero = _weight(4, 32, 128, 32)
     with pytest.raises(ValueError, match="'mma' backend"):
         QuantLinear(QuantizedWeight(q[:, :96], scale[:, :3].float(), zero[:, :3].float(), 4, 32), backend="mma")
-    qw = QuantizedWeight(q, scale.float(), zero.float(), 4, 32)
+    q, scale, zero = _weight(4, 32, k, group)
+    qw = QuantizedWeight(q, scale.float(), zero.float(), 4, group)
     layer = QuantLinear(qw, backend="mma")
-    w = QuantizedWeight(q, scale.float(), zero.float(), 4, 32).dequantize()
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    assert layer.weight_bytes() == 32 * k // 2 + 2 * (2 * 32 * (k // group))
+    w = QuantizedWeight(q, scale.float(), zero.float(), 4, group).dequantize()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
     for enabled in (True, False):
         kernels.ENABLED = enabled
         try:

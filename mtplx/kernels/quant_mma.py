@@ -42,6 +42,13 @@ activations: 4 (int4) or 2 (int8) of them per step, loaded as one 8- or 4-byte w
 and 2-3 each lie in one scale group (groups are multiples of 32 inputs). Rows and inputs are
 padded with q = 0 to whole tiles.
 
+Scales (``pack_scales``; offsets alike): where a group holds whole input tiles (int4 groups of
+64, 128, 256; every int8 group), one pair (row g, row g + 8) a group and lane group, which both
+halves of each of the group's tiles read: [row tiles, groups, 8, 2]. Else (int4 groups of 32,
+two to a tile) one a half tile and row: [row tiles, input tiles, 8, 4]. A layout of one scale a
+half tile for every group size stored each scale of a group of 128 four times: 64 bytes of
+scales to a tile's 512 of weights (4.5 bits a weight) where 16 hold them (4.125).
+
 The lane layout relies on Triton giving lane l of a warp elements 4 l .. 4 l + 3 of each
 128-element row (a tile) of the kernel's tensors, the layout of the coalesced 16-byte weight
 loads, which Triton 3.6 and 3.9 both choose (checked in their TTGIR): ``tests/test_quant_mma.py`` checks the
@@ -127,13 +134,29 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
+def whole_tile_groups(bits: int, group: int) -> bool:
+    """Whether each input tile lies in one group (the scales' compact layout)."""
+    return group % tile_k(bits) == 0
+
+
+def tiles_per_group(words: torch.Tensor, scales: torch.Tensor) -> int:
+    """Input tiles a group of ``pack_scales``'s compact layout spans, from the packed shapes; 0 for
+    the layout of one scale a half tile."""
+    return words.shape[1] // scales.shape[1] if scales.shape[-1] == 2 else 0
+
+
 def pack_scales(scale: torch.Tensor, bits: int, group: int, n: int, k: int) -> torch.Tensor:
-    """scale [n, k // group] -> [ceil(n / 16), ceil(k / KT), 8, 4] in scale's dtype: for row
-    tile r, input tile c and lane group g, the scales of (row g, first half of the tile's inputs),
-    (row g + 8, first half), (row g, second half), (row g + 8, second half): one 8-byte load
-    per lane for float16 scales, 16 for float32 (0 for padding rows). Offsets take the same layout."""
+    """scale [n, k // group] -> in scale's dtype (0 for padding rows; offsets take the same layout):
+    - groups of whole input tiles (``whole_tile_groups``): [ceil(n / 16), k // group, 8, 2], for
+      row tile r, group j and lane group g the scales of rows g and g + 8;
+    - else [ceil(n / 16), ceil(k / KT), 8, 4], for row tile r, input tile c and lane group g the
+      scales of (row g, first half of the tile's inputs), (row g + 8, first half), (row g, second
+      half), (row g + 8, second half): one 8-byte load per lane for float16 scales, 16 for float32."""
     kt = tile_k(bits)
     r, c = -(-n // ROW_TILE), -(-k // kt)
+    if whole_tile_groups(bits, group):
+        padded = F.pad(scale, (0, 0, 0, r * ROW_TILE - n))  # [r * 16, groups]
+        return padded.view(r, 2, 8, -1).permute(0, 3, 2, 1).contiguous()
     g = torch.arange(8, device=scale.device).view(1, 1, 8, 1)
     v = torch.arange(4, device=scale.device).view(1, 1, 1, 4)
     row = torch.arange(r, device=scale.device).view(r, 1, 1, 1) * ROW_TILE + g + 8 * (v % 2)
@@ -159,6 +182,8 @@ def unpack(words: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
 def unpack_scales(scales: torch.Tensor, bits: int, group: int, n: int, k: int) -> torch.Tensor:
     """``pack_scales``'s inverse: [n, k // group]."""
     kt = tile_k(bits)
+    if scales.shape[-1] == 2:  # the compact layout
+        return scales.permute(0, 3, 2, 1).reshape(-1, scales.shape[1])[:n]
     rows = torch.arange(n, device=scales.device)
     starts = torch.arange(k // group, device=scales.device) * group  # each group's first input
     c, half = starts // kt, (starts % kt) // (kt // 2)
@@ -187,6 +212,7 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits:
     rows = x.shape[0]
     kt = tile_k(bits)
     r_tiles, c_tiles = words.shape[:2]
+    tpg = tiles_per_group(words, scales)
     xp = torch.zeros(MAX_ROWS, c_tiles * kt)
     xp[:rows, :k] = x.float()
     lane = torch.arange(LANES)
@@ -223,10 +249,11 @@ def emulate(x: torch.Tensor, words, scales, zeros=None, *, n: int, k: int, bits:
                     bm[b_row, b_col] = xp[g.view(-1, 1, 1).expand(LANES, 2, 2), at.expand(LANES, 2, 2)]
                     d += a @ bm
                     e_sum += const @ bm
-                sc = scales[r, c, :, 2 * h:2 * h + 2].float().T.reshape(ROW_TILE)  # rows 0-7, then 8-15
+                at = (r, c // tpg, slice(None), slice(0, 2)) if tpg else (r, c, slice(None), slice(2 * h, 2 * h + 2))
+                sc = scales[at].float().T.reshape(ROW_TILE)  # rows 0-7, then 8-15
                 acc += (d + e_sum) * sc.view(-1, 1)
                 if zeros is not None:
-                    zq = zeros[r, c, :, 2 * h:2 * h + 2].float().T.reshape(ROW_TILE) * (-1.0 / bias_of(bits))
+                    zq = zeros[at].float().T.reshape(ROW_TILE) * (-1.0 / bias_of(bits))
                     acc += e_sum * zq.view(-1, 1)
         out[:, r * ROW_TILE:(r + 1) * ROW_TILE] = acc.T
     return out[:rows, :n]
@@ -249,6 +276,17 @@ def _load_asm(bits: int, coherent: bool = False) -> str:
     else:
         loads = [f"{op}.b32 ${s}, [$4+{16 * s}];" for s in range(4)]
     return "\n".join(loads)
+
+
+def _pair_asm(bits: int) -> str:
+    """Inline PTX loading a lane group's scale pair (row g, row g + 8) of the compact layout
+    (float16 or float32 ``bits``) from the address $4 ($5-$7 copies) into the tile PTX's 4 scale
+    operands $0-$3: the pair for the first half of the tile's inputs, then again for the second.
+    The scales never change while a kernel runs: the read-only path."""
+    if bits == 32:
+        return "ld.global.nc.v2.f32 {$0, $1}, [$4];\nmov.f32 $2, $0;\nmov.f32 $3, $1;"
+    return ("{\n.reg .b16 lo, hi;\nld.global.nc.v2.b16 {lo, hi}, [$4];\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n"
+            "mov.f32 $2, $0;\nmov.f32 $3, $1;\n}")
 
 
 def _asm(bits: int, offsets: bool) -> str:
@@ -304,6 +342,8 @@ if triton is not None:
     _LOAD8 = tl.constexpr(_load_asm(8))
     _LOAD4_COHERENT = tl.constexpr(_load_asm(4, coherent=True))
     _LOAD8_COHERENT = tl.constexpr(_load_asm(8, coherent=True))
+    _PAIR16 = tl.constexpr(_pair_asm(16))
+    _PAIR32 = tl.constexpr(_pair_asm(32))
 
     @triton.jit
     def _load_x(x_at, INT8: tl.constexpr, PDL: tl.constexpr):
@@ -346,16 +386,35 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _load_group_scales(ptr, row_tile, c, g, ok, tiles_k, TPG: tl.constexpr):
+        """The compact layout's pair (row g, row g + 8) of input tile c's group (TPG tiles a group)
+        for each lane group g, as the 4 float32 a lane's tile PTX takes, (row g, row g + 8) for
+        either half, 0 where not ``ok``: one 4-byte load (8 for float32 scales) in PTX, so that the
+        operand keeps the weights' layout (a load of 2 distinct values into 4 elements a lane
+        would let Triton choose another and break the lane mapping the mma needs)."""
+        base = ptr.to(tl.int64)
+        if ptr.dtype.element_ty == tl.float32:
+            at = ((row_tile * (tiles_k // TPG) + c // TPG) * 16 + g * 2).to(tl.int64) * 4 + base
+            out = tl.inline_asm_elementwise(_PAIR32, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at, base)],
+                                            dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            at = ((row_tile * (tiles_k // TPG) + c // TPG) * 16 + g * 2).to(tl.int64) * 2 + base
+            out = tl.inline_asm_elementwise(_PAIR16, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at, base)],
+                                            dtype=tl.float32, is_pure=True, pack=4)
+        return tl.where(ok, out, 0.0)
+
+    @triton.jit
     def _mma_gemv_kernel(x_ptr, sx, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, N, tiles_k, split_tiles, half_rows,
                          zk, INT8: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr, UNITS: tl.constexpr,
                          HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                         SILU: tl.constexpr, PDL: tl.constexpr):
+                         SILU: tl.constexpr, PDL: tl.constexpr, TPG: tl.constexpr = 0):
         """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for the 16 weight rows of row tile
         program_id(0) (with SILU also those of tile program_id(0) + half_rows / 16, the up rows:
         PAIRS = 2) over input tiles [s * split_tiles, (s + 1) * split_tiles) of split s =
         program_id(1). Each step of the loop takes WARPS * UNITS consecutive tiles, one a row of
         the [PAIRS, WARPS * UNITS, 128] tensors (a lane's 4 words, scales and sums at 4 l .. 4 l + 3).
         Stores as ``quant_gemv._store_sums`` does (PARTIAL: float32 [SPLIT, rows, N] partials).
+        TPG: input tiles a group spans in the scales' compact layout (0: one scale a half tile).
         The first step's weights, scales and offsets are loaded before ``pdl_wait``."""
         pdl_start(PDL)
         KT: tl.constexpr = 32 if INT8 else 64
@@ -374,7 +433,8 @@ if triton is not None:
         t = lane % 4
         c_lo = pid_k * split_tiles
         c_hi = tl.minimum(c_lo + split_tiles, tiles_k)
-        tile = (pid_r + p * (half_rows // 16)) * tiles_k + c_lo + wu  # [PAIRS, STEP, 1]
+        row_tile = pid_r + p * (half_rows // 16)
+        tile = row_tile * tiles_k + c_lo + wu  # [PAIRS, STEP, 1]
         w_at = w_ptr + tile * 128 + e
         s_at = s_ptr + tile * 32 + g * 4 + v
         # B columns past the rows read row rows - 1 (their sums are not stored), tiles past the
@@ -392,8 +452,12 @@ if triton is not None:
         # step in flight ahead)
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
-        sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
-        zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
+        if TPG:
+            sc = _load_group_scales(s_ptr, row_tile, c_lo + wu, g, ok, tiles_k, TPG)
+            zq = _load_group_scales(z_ptr, row_tile, c_lo + wu, g, ok, tiles_k, TPG) * zk if HAS_ZERO else sc
+        else:
+            sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+            zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
         pdl_wait(PDL)
         xs = _load_x(tl.where(ok, x_at, x_first), INT8, PDL)
         acc = tl.zeros([PAIRS, STEP, 128], tl.float32)
@@ -404,8 +468,13 @@ if triton is not None:
             z_at += STEP * 32
             x_at += x_step
             words_next = tl.load(w_at, mask=ok, other=0)
-            sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
-            zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
+            if TPG:
+                sc_next = _load_group_scales(s_ptr, row_tile, c0 + STEP + wu, g, ok, tiles_k, TPG)
+                zq_next = (_load_group_scales(z_ptr, row_tile, c0 + STEP + wu, g, ok, tiles_k, TPG) * zk
+                           if HAS_ZERO else sc_next)
+            else:
+                sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+                zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
             xs_next = _load_x(tl.where(ok, x_at, x_first), INT8, PDL)
             acc = _tile(words, xs, sc, zq, acc, INT8, HAS_ZERO)
             words = words_next
@@ -452,7 +521,7 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, tiles_k, INT8: tl.constexpr, HAS_ZERO: tl.constexpr,
-                           TILES: tl.constexpr):
+                           TILES: tl.constexpr, TPG: tl.constexpr):
         """out[n, k] = q[n, k] * scale (+ zero) in out's dtype for row tile program_id(0) and input tiles
         [program_id(1) * TILES, ...): the layout's index arithmetic, written out."""
         KT: tl.constexpr = 32 if INT8 else 64
@@ -467,7 +536,10 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         for j in tl.static_range(4):
             n = (r * 16 + g + 8 * (j % 2)).to(tl.int64)  # n * K passes 2^31 in large matrices
-            at = ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2
+            if TPG:  # the compact layout: the group's pair (row g, row g + 8)
+                at = ((r * (tiles_k // TPG) + c // TPG) * 8 + g) * 2 + j % 2
+            else:
+                at = ((r * tiles_k + c) * 8 + g) * 4 + 2 * (s // 2) + j % 2
             sc = tl.load(s_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + at, mask=c_ok, other=0.0).to(tl.float32) if HAS_ZERO else 0.0
             lo = (words >> (4 * j)) & 15
@@ -552,7 +624,8 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, -1.0 / bias_of(bits),
         INT8=bits == 8,
         PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, SILU=silu, num_warps=warps, **fused.launch_options(x.device))
+        PARTIAL=split > 1, SILU=silu, TPG=tiles_per_group(words, scales), num_warps=warps,
+        **fused.launch_options(x.device))
     if split > 1:
         total = rows * n_out
         quant_gemv._sum_splits_kernel[(triton.cdiv(total, 1024),)](
@@ -567,7 +640,7 @@ def dequantize(words, scales, zeros, *, n: int, k: int, bits: int, dtype: torch.
     tiles = 8
     _dequantize_kernel[(words.shape[0], triton.cdiv(words.shape[1], tiles))](
         words, scales, zeros if zeros is not None else scales, out, n, k, words.shape[1], INT8=bits == 8,
-        HAS_ZERO=zeros is not None, TILES=tiles, num_warps=4)
+        HAS_ZERO=zeros is not None, TILES=tiles, TPG=tiles_per_group(words, scales), num_warps=4)
     return out
 
 
@@ -579,6 +652,8 @@ def matmul(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits:
         return gemv(x, words, scales, zeros, bias, n=n, k=k, bits=bits)
     if kernels.ENABLED and triton is not None and (x.is_cuda or fused._INTERPRET):
         w = dequantize(words, scales, zeros, n=n, k=k, bits=bits, dtype=x.dtype)
-    else:  # the reference path (each half tile holds one group's scale and offset)
-        w = dequantize_reference(words, scales, zeros, n=n, k=k, group=tile_k(bits) // 2, bits=bits).to(x.dtype)
+    else:  # the reference path (the layout's group: a compact one's, else each half tile one)
+        tpg = tiles_per_group(words, scales)
+        group = tpg * tile_k(bits) if tpg else tile_k(bits) // 2
+        w = dequantize_reference(words, scales, zeros, n=n, k=k, group=group, bits=bits).to(x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
