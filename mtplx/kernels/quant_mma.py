@@ -386,20 +386,25 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _load_group_scales(ptr, row_tile, c, g, ok, tiles_k, TPG: tl.constexpr):
-        """The compact layout's pair (row g, row g + 8) of input tile c's group (TPG tiles a group)
-        for each lane group g, as the 4 float32 a lane's tile PTX takes, (row g, row g + 8) for
-        either half, 0 where not ``ok``: one 4-byte load (8 for float32 scales) in PTX, so that the
-        operand keeps the weights' layout (a load of 2 distinct values into 4 elements a lane
-        would let Triton choose another and break the lane mapping the mma needs)."""
+    def _group_scale_at(row_tile, c, g, tiles_k, TPG: tl.constexpr):
+        """Where lane group g finds the compact layout's pair (row g, row g + 8) of input tile c's
+        group (TPG tiles a group) of row tile ``row_tile``: an element offset."""
+        return (row_tile * (tiles_k // TPG) + c // TPG) * 16 + g * 2
+
+    @triton.jit
+    def _load_group_scales(ptr, at, ok):
+        """The pairs at element offsets ``at`` (``_group_scale_at``) as the 4 float32 a lane's
+        tile PTX takes, (row g, row g + 8) for either half, 0 where not ``ok``: one 4-byte load (8
+        for float32 scales) in PTX, so that the operand keeps the weights' layout (a Triton load of
+        2 distinct values into 4 elements a lane let Triton choose another layout for the tile's
+        operands, which broke the lane mapping the mma needs: wrong sums on an H100 in session 38;
+        ``benchmarks/compile_kernels.py`` checks the layout)."""
         base = ptr.to(tl.int64)
         if ptr.dtype.element_ty == tl.float32:
-            at = ((row_tile * (tiles_k // TPG) + c // TPG) * 16 + g * 2).to(tl.int64) * 4 + base
-            out = tl.inline_asm_elementwise(_PAIR32, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at, base)],
+            out = tl.inline_asm_elementwise(_PAIR32, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at.to(tl.int64) * 4 + base, base)],
                                             dtype=tl.float32, is_pure=True, pack=4)
         else:
-            at = ((row_tile * (tiles_k // TPG) + c // TPG) * 16 + g * 2).to(tl.int64) * 2 + base
-            out = tl.inline_asm_elementwise(_PAIR16, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at, base)],
+            out = tl.inline_asm_elementwise(_PAIR16, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at.to(tl.int64) * 2 + base, base)],
                                             dtype=tl.float32, is_pure=True, pack=4)
         return tl.where(ok, out, 0.0)
 
@@ -453,8 +458,9 @@ if triton is not None:
         ok = c_lo + wu < c_hi
         words = tl.load(w_at, mask=ok, other=0)
         if TPG:
-            sc = _load_group_scales(s_ptr, row_tile, c_lo + wu, g, ok, tiles_k, TPG)
-            zq = _load_group_scales(z_ptr, row_tile, c_lo + wu, g, ok, tiles_k, TPG) * zk if HAS_ZERO else sc
+            g_at = _group_scale_at(row_tile, c_lo + wu, g, tiles_k, TPG)
+            sc = _load_group_scales(s_ptr, g_at, ok)
+            zq = _load_group_scales(z_ptr, g_at, ok) * zk if HAS_ZERO else sc
         else:
             sc = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
             zq = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc
@@ -469,9 +475,12 @@ if triton is not None:
             x_at += x_step
             words_next = tl.load(w_at, mask=ok, other=0)
             if TPG:
-                sc_next = _load_group_scales(s_ptr, row_tile, c0 + STEP + wu, g, ok, tiles_k, TPG)
-                zq_next = (_load_group_scales(z_ptr, row_tile, c0 + STEP + wu, g, ok, tiles_k, TPG) * zk
-                           if HAS_ZERO else sc_next)
+                if STEP % TPG == 0:  # steps start on group boundaries (splits hold whole steps)
+                    g_at += (STEP // TPG) * 16
+                else:
+                    g_at = _group_scale_at(row_tile, c0 + STEP + wu, g, tiles_k, TPG)
+                sc_next = _load_group_scales(s_ptr, g_at, ok)
+                zq_next = _load_group_scales(z_ptr, g_at, ok) * zk if HAS_ZERO else sc_next
             else:
                 sc_next = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
                 zq_next = tl.load(z_at, mask=ok, other=0.0).to(tl.float32) * zk if HAS_ZERO else sc_next
