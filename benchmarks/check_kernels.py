@@ -1,6 +1,6 @@
 """GPU check of the Triton paged-attention kernel against the reference path (fresh random
 inputs, bf16 and fp32; unsplit and split-KV; a CUDA graph replayed at other lengths), then its
-time per call, split and unsplit, at decode/verify shapes.
+time per call, split and unsplit, on the kernel's own warps or 4 ("/w4"), at decode/verify shapes.
 
     PYTHONPATH=. python benchmarks/check_kernels.py --out results/paged_attention.json
 
@@ -19,7 +19,8 @@ from mtplx.kernels.paged_attention import choose_splits, default_block_n, paged_
 
 # (splits, block_n) the correctness check runs; None is the kernel's own choice
 CHECKED = [(1, None), (2, None), (3, None), (8, None), (16, None), (None, None), (None, 16), (None, 64)]
-TIMED = [(1, None), (None, None), (2, None), (4, None), (8, None), (16, None), (32, None), (None, 32), (None, 16)]
+TIMED = [(1, None, None), (None, None, None), (None, None, 4), (2, None, None), (4, None, None), (8, None, None),
+         (16, None, None), (32, None, None), (None, 32, None), (None, 16, None)]  # (splits, block_n, warps)
 MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 LAYERS = 32
 TABLE_KEYS = 8192  # the CUDA-graph runner pads block tables to the engine's longest context
@@ -101,12 +102,12 @@ def capture(fn):
     return graph, out
 
 
-def time_per_call(layers, meta, scale, splits, block_n, reps=20):
+def time_per_call(layers, meta, scale, splits, block_n, warps, reps=20):
     """Microseconds per call: median over reps of one graph replay of all the layers' calls."""
     def forward():
         for q, kp, vp in layers:
             paged_attention_triton(q, kp, vp, meta.positions, meta.block_tables, 0, scale,
-                                   splits=splits, block_n=block_n)
+                                   splits=splits, block_n=block_n, num_warps=warps)
     graph, _ = capture(forward)
     for _ in range(3):
         graph.replay()
@@ -121,19 +122,21 @@ def time_per_call(layers, meta, scale, splits, block_n, reps=20):
     return statistics.median(times)
 
 
-def variant_name(splits, block_n):
-    return ("auto" if splits is None else f"s{splits}") + ("" if block_n is None else f"/bn{block_n}")
+def variant_name(splits, block_n, warps):
+    return (("auto" if splits is None else f"s{splits}") + ("" if block_n is None else f"/bn{block_n}")
+            + ("" if warps is None else f"/w{warps}"))
 
 
-def time_table():
+def time_table(models, rows_list, ctxs):
     results = []
     names = [variant_name(*v) for v in TIMED]
     print(f"\nus per call (graph of {LAYERS} calls over separate pools), bf16, page 16")
     print(f"{'model':9} {'rows':>4} {'q':>2} {'ctx':>5} {'auto=':>5}" + "".join(f"{n:>10}" for n in names))
-    for model, (heads, kvh, d) in MODELS.items():
-        for rows in (1, 4, 8, 16):
+    for model in models:
+        heads, kvh, d = MODELS[model]
+        for rows in rows_list:
             for q_len in (1, 4):
-                for ctx in (128, 1024, 4096):
+                for ctx in ctxs:
                     layers, meta = case(rows, q_len, heads, kvh, d, 16, ctx, 0, torch.bfloat16, pools=LAYERS,
                                         width=TABLE_KEYS // 16)
                     auto = choose_splits(rows, kvh, TABLE_KEYS, default_block_n(16), torch.device("cuda"))
@@ -150,13 +153,17 @@ def main():
     parser = argparse.ArgumentParser(description="Check and time the Triton paged-attention kernel.")
     parser.add_argument("--out", help="write the timing table here as JSON")
     parser.add_argument("--no-timing", action="store_true", help="only check correctness")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--contexts", default="128,1024,4096")
     args = parser.parse_args()
     torch.manual_seed(0)
     check_against_reference()
     check_graph_replay()
     if args.no_timing:
         return
-    results = time_table()
+    results = time_table(args.models.split(","), [int(r) for r in args.rows.split(",")],
+                         [int(c) for c in args.contexts.split(",")])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), layers_per_graph=LAYERS, results=results), f, indent=1)

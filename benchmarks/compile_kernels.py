@@ -1,5 +1,6 @@
-"""Compile the tensor-core GEMVs (inline PTX: kernels/mma_gemv.py, kernels/quant_mma.py) for an
-NVIDIA architecture on a machine without a GPU, and report each configuration's registers and
+"""Compile the tensor-core GEMVs (inline PTX: kernels/mma_gemv.py, kernels/quant_mma.py) and the
+paged-attention kernel for an NVIDIA architecture on a machine without a GPU, and report each
+configuration's registers and
 spills from ptxas, and whether the lane layout the mma fragments rely on held: every inline PTX
 of 4 packed elements over a 128-element tile axis must see them in Triton's layout of 4
 consecutive elements a lane and 32 lanes along that axis (``lane_layout``; a load whose
@@ -14,7 +15,8 @@ a measurement of speed.
 
 Each kernel is compiled at the configurations its ``config_for`` picks for SmolLM2's products (bf16,
 5-16 rows) and the 8B shape's (int4 in groups of 32 and 128, int8 in groups of 128, with and without offsets, 1-8 rows), with SiLU,
-bias and split-K variants; the exit status is 1 if any fails to compile.
+bias and split-K variants; then the paged-attention kernel's decode and verify tiles on 8 and 4
+warps; the exit status is 1 if any fails.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mtplx.kernels import mma_gemv, quant_mma  # noqa: E402
+from mtplx.kernels import mma_gemv, paged_attention, quant_mma  # noqa: E402
 
 SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -40,23 +42,40 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16
             "out_ptr": "*bf16"}
 
 
-def compile_kernel(fn, constexprs: dict, arch: int, partial: bool):
+ATTENTION_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i64",
+                      "pos_ptr": "*i64", "ml_ptr": "*fp32", "acc_ptr": "*fp32"}
+
+
+def compile_kernel(fn, constexprs: dict, arch: int, partial: bool, warps: int | None = None):
     """The compiled ``fn`` with these constexprs (other arguments: pointers as named and 16-byte
-    aligned, as Triton specializes them at run time, integers i32, ``zk`` fp32; a partial-sum
-    kernel writes float32)."""
+    aligned, as Triton specializes them at run time, integers i32, ``zk`` and ``scale`` fp32; a
+    partial-sum kernel writes float32), on ``warps`` warps (None: constexprs' WARPS)."""
     names = fn.arg_names
+    pointers = ATTENTION_POINTERS if fn is paged_attention._paged_attention_kernel else POINTERS
     sig = {}
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
-        elif n in POINTERS:
-            sig[n] = "*fp32" if n == "out_ptr" and partial else POINTERS[n]
+        elif n in pointers:
+            sig[n] = "*fp32" if n == "out_ptr" and partial else pointers[n]
         else:
-            sig[n] = "fp32" if n == "zk" else "i32"
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS if n in names}
+            sig[n] = "fp32" if n in ("zk", "scale") else "i32"
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers if n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": constexprs["WARPS"]})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps or constexprs["WARPS"]})
+
+
+def attention_cases():
+    """(constexprs, warps, a label): the paged-attention kernel's decode and verify tiles for
+    the 8B shape (32 query heads on 8 KV heads, 128 dims, pages of 16, split partials) on its
+    own warps for short chunks (SHORT_WARPS) and on 4."""
+    for tokens, m_pad in ((1, 16), (8, 32)):
+        for warps in (paged_attention.SHORT_WARPS, 4):
+            c = dict(GROUP=4, HEAD_DIM=128, PAGE=16, M_PAD=m_pad, LOOP_CHUNKS=0, PRECISION="tf32", BLOCK_N=64,
+                     DYNAMIC_BOUND=True, PARTIAL=True, PDL=True)
+            yield c, warps, f"attention {tokens} token{'s' if tokens > 1 else ''}"
 
 
 def lane_layout(ttgir: str) -> dict:
@@ -121,7 +140,7 @@ def cases():
         for bits, group in ((4, 32), (4, 128), (8, 128)):
             tpg = group // quant_mma.tile_k(bits) if quant_mma.whole_tile_groups(bits, group) else 0
             for zero in (False, True):
-                warps, units, split = quant_mma.config_for(n, k, silu, zero, bits)
+                warps, units, split = quant_mma.config_for(n, k, silu, zero, bits, tpg)
                 c = dict(INT8=bits == 8, PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zero,
                          HAS_BIAS=False, PARTIAL=split > 1, SILU=silu, PDL=True, TPG=tpg)
                 yield (quant_mma._mma_gemv_kernel, c, split > 1,
@@ -151,6 +170,17 @@ def main() -> None:
         print(f"{label:32s} warps/units {cfg}: " + (entry.get("error", "")[:300] or
               f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled, "
               f"{entry['lane_layout']['tile_asm']} tile PTX ops in the lane layout"), flush=True)
+    for constexprs, warps, label in attention_cases():
+        entry = {"kernel": "_paged_attention_kernel", "case": label, "constexprs": constexprs, "warps": warps}
+        try:
+            ptx = compile_kernel(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps).asm["ptx"]
+            entry.update(ptxas_info(ptx, args.arch))
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            failed += 1
+        report.append(entry)
+        print(f"{label:32s} warps {warps}: " + (entry.get("error", "")[:300] or
+              f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "cases": report},
                                               indent=2))

@@ -43,6 +43,9 @@ except ImportError:  # CPU-only installs run the reference path
 
 MAX_SPLITS = 32
 SHORT_QUERY = 8  # up to this many query tokens, one program holds them all (decode, draft, verify)
+# warps of a short chunk's program: on 4 its K and V tiles spilled (ptxas, sm_90a: 255 registers,
+# 104 bytes at one token) and the H100's 8B int4 AR step ran 421.9 tok/s against 428.1-428.3 on 8
+SHORT_WARPS = 8
 LONG_M = 64  # query rows (tokens x group) per program for longer chunks (prefill)
 PROGRAMS_PER_SM = 4  # long contexts ran fastest at about 4 programs per SM on an H200 (benchmarks/check_kernels.py)
 CPU_SMS = 132  # the interpreter has no SM count; use an H200's so CPU tests choose as the GPU does
@@ -197,13 +200,15 @@ def query_blocks(q_len: int, group: int) -> int:
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, key_start: int,
-                           scale: float, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                           scale: float, splits: int | None = None, block_n: int | None = None,
+                           num_warps: int | None = None) -> torch.Tensor:
     """Same contract as ``cache.attention.paged_attention``, any q_len.
 
     q: [rows, q_len, heads, head_dim]; pools: [blocks, page, kv_heads, head_dim];
     positions: [rows, q_len] long; block_tables: [rows, blocks] long.
     splits: key shares per (row, kv head), None for ``choose_splits``; block_n: key slots per
-    chunk, None for up to four pages (64 slots)."""
+    chunk, None for up to four pages (64 slots); num_warps: the attention kernel's, None for
+    SHORT_WARPS up to SHORT_QUERY tokens, else 4."""
     rows, q_len, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     group = heads // kv_heads
@@ -228,7 +233,7 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, M_PAD=_m_pad(q_len, group),
         BLOCK_N=block_n, DYNAMIC_BOUND=q.is_cuda, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LOOP_CHUNKS=0 if q.is_cuda else triton.cdiv(triton.cdiv(max_keys, block_n), splits), PARTIAL=splits > 1,
-        **launch_options(q.device),
+        num_warps=num_warps or (SHORT_WARPS if q_len <= SHORT_QUERY else 4), **launch_options(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(rows, q_len, heads)](
