@@ -135,7 +135,8 @@ def bench_mma(name: str, n: int, k: int, fmt: str, rows_list, quick: bool, devic
             ref = F.silu(gate) * up
             magnitude = ref.abs().amax() + 1e-6
         entry = {"us_by_config": {}}
-        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None, layer.bits),
+        default = mma_effective(quant_mma.config_for(n, k, silu, layer.zero is not None, layer.bits,
+                                                     quant_mma.tiles_per_group(layer.words, layer.scale)),
                                 layer.words.shape[1])
         worst, seen = 0.0, set()
         grid = MMA_WIDE if wide else MMA_SWEEP

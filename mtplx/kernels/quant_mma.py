@@ -576,14 +576,19 @@ def fits(x: torch.Tensor, n: int, k: int, silu: bool = False) -> bool:
     return usable(x) and x.numel() // k <= MAX_ROWS and (not silu or (n // 2) % ROW_TILE == 0)
 
 
-def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: int = 4) -> tuple[int, int, int]:
+def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: int = 4,
+               group_tiles: int = 0) -> tuple[int, int, int]:
     """(WARPS, UNITS, SPLIT) for a weight [n, k] of ``bits`` (silu: a fused gate/up weight with
     the SiLU epilogue, whose programs each hold a gate tile and an up tile; offsets: with group
-    offsets). Four warps throughout; from benchmarks/quant_gemv.py's sweeps of the 8B shape's
+    offsets; group_tiles: ``tiles_per_group``, 0 for one scale a half tile). Four warps but for
+    the LM head of compact int4 scales; from benchmarks/quant_gemv.py's sweeps of the 8B shape's
     matrices at 1 and 4 rows (gpu_h200_s12_quant_gemv.json: int4 and int8, groups of 32, up to
     four tiles a warp; int4 on the H100, groups of 128, up to eight:
     gpu_h100_s36_mma_sweep_wide_{r14,offsets}_g128.json):
-    - the LM head (many row tiles): one tile per warp per loop step;
+    - the LM head (many row tiles): one tile per warp per loop step; int4 in compact scales (groups
+      of 128 here) two warps of two tiles (H100, session 39: 120.5 / 125.7 us at 1 / 4 rows
+      against four warps of one tile's 142.8 / 147.0, gpu_h100_s39_mma_sweep_wide_g128_compact.json;
+      the 8B step end to end 422.6 tok/s either way, gpu_h100_s39_quant_8b_lm_head_2x2.json);
     - fused gate/up: two tiles (H200, session 12), but int4 with the SiLU epilogue and no
       offsets one (H100: 23.5 / 24.1 us at 1 / 4 rows against two tiles' 28.9 / 26.8; with
       offsets one tile lost, 39.1 / 33.7 against 32.9 / 29.0);
@@ -598,7 +603,7 @@ def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: 
     row_tiles = -(-n // ROW_TILE)
     plain_int4 = bits == 4 and not offsets
     if row_tiles >= 4096:
-        return 4, 1, 1
+        return (2, 2, 1) if plain_int4 and group_tiles else (4, 1, 1)
     if row_tiles >= 1024:
         return (4, 1, 1) if silu and plain_int4 else (4, 2, 1)
     if row_tiles <= quant_gemv.TWO_PER_SM and k >= 4096 and plain_int4 and not silu:
@@ -623,7 +628,7 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         return x.new_empty(*x.shape[:-1], n_out)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
-    warps, units, split = config or config_for(n, k, silu, zeros is not None, bits)
+    warps, units, split = config or config_for(n, k, silu, zeros is not None, bits, tiles_per_group(words, scales))
     tiles_k = words.shape[1]
     per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)  # whole loop steps per split
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
