@@ -43,8 +43,8 @@ except ImportError:  # CPU-only installs run the reference path
 
 MAX_SPLITS = 32
 SHORT_QUERY = 8  # up to this many query tokens, one program holds them all (decode, draft, verify)
-# warps of a short chunk's program: on 4 its K and V tiles spilled (ptxas, sm_90a: 255 registers,
-# 104 bytes at one token) and the H100's 8B int4 AR step ran 421.9 tok/s against 428.1-428.3 on 8
+# warps of a short chunk's program: on 4 it spilled (ptxas, sm_90a: 255 registers, 104 bytes at
+# one token) and the H100's 8B int4 AR step ran 421.9 tok/s against 428.1-428.4 on 8
 SHORT_WARPS = 8
 LONG_M = 64  # query rows (tokens x group) per program for longer chunks (prefill)
 PROGRAMS_PER_SM = 4  # long contexts ran fastest at about 4 programs per SM on an H200 (benchmarks/check_kernels.py)

@@ -585,8 +585,8 @@ def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: 
     matrices at 1 and 4 rows (gpu_h200_s12_quant_gemv.json: int4 and int8, groups of 32, up to
     four tiles a warp; int4 on the H100, groups of 128, up to eight:
     gpu_h100_s36_mma_sweep_wide_{r14,offsets}_g128.json):
-    - the LM head (many row tiles): one tile per warp per loop step; int4 in compact scales (groups
-      of 128 here) two warps of two tiles (H100, session 39: 120.5 / 125.7 us at 1 / 4 rows
+    - the LM head (many row tiles): one tile per warp per loop step; int4 in compact scales without
+      offsets (measured at groups of 128) two warps of two tiles (H100, session 39: 120.5 / 125.7 us at 1 / 4 rows
       against four warps of one tile's 142.8 / 147.0, gpu_h100_s39_mma_sweep_wide_g128_compact.json;
       the 8B step end to end 422.6 tok/s either way, gpu_h100_s39_quant_8b_lm_head_2x2.json);
     - fused gate/up: two tiles (H200, session 12), but int4 with the SiLU epilogue and no
