@@ -1,7 +1,7 @@
 """Compile the tensor-core GEMVs (inline PTX: kernels/mma_gemv.py, kernels/quant_mma.py) and the
 paged-attention kernel for an NVIDIA architecture on a machine without a GPU, and report each
-configuration's registers and
-spills from ptxas, and whether the lane layout the mma fragments rely on held: every inline PTX
+configuration's registers and spills from ptxas, and whether the lane layout the mma fragments
+rely on held: every inline PTX
 of 4 packed elements over a 128-element tile axis must see them in Triton's layout of 4
 consecutive elements a lane and 32 lanes along that axis (``lane_layout``; a load whose
 addresses are not 4 contiguous elements a lane can make Triton choose another layout for the
@@ -14,8 +14,8 @@ a measurement of speed.
     python benchmarks/compile_kernels.py [--arch 90] [--json r.json]
 
 Each kernel is compiled at the configurations its ``config_for`` picks for SmolLM2's products (bf16,
-5-16 rows) and the 8B shape's (int4 in groups of 32 and 128, int8 in groups of 128, with and without offsets, 1-8 rows), with SiLU,
-bias and split-K variants; then the paged-attention kernel's decode and verify tiles on 8 and 4
+5-16 rows) and the 8B shape's (int4 in groups of 32 and 128, int8 in groups of 128, with and
+without offsets, 1-8 rows), with SiLU, bias and split-K variants; then the paged-attention kernel's decode and verify tiles on 8 and 4
 warps; the exit status is 1 if any fails.
 """
 
@@ -173,7 +173,8 @@ def main() -> None:
     for constexprs, warps, label in attention_cases():
         entry = {"kernel": "_paged_attention_kernel", "case": label, "constexprs": constexprs, "warps": warps}
         try:
-            ptx = compile_kernel(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps).asm["ptx"]
+            kernel = compile_kernel(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps)
+            ptx = kernel.asm["ptx"]
             entry.update(ptxas_info(ptx, args.arch))
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"

@@ -400,12 +400,13 @@ if triton is not None:
         operands, which broke the lane mapping the mma needs: wrong sums on an H100 in session 38;
         ``benchmarks/compile_kernels.py`` checks the layout)."""
         base = ptr.to(tl.int64)
+        addr = tl.where(ok, at.to(tl.int64) * ptr.dtype.element_ty.primitive_bitwidth // 8 + base, base)
         if ptr.dtype.element_ty == tl.float32:
-            out = tl.inline_asm_elementwise(_PAIR32, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at.to(tl.int64) * 4 + base, base)],
-                                            dtype=tl.float32, is_pure=True, pack=4)
+            out = tl.inline_asm_elementwise(_PAIR32, "=f,=f,=f,=f" + ",l" * 4, [addr], dtype=tl.float32,
+                                            is_pure=True, pack=4)
         else:
-            out = tl.inline_asm_elementwise(_PAIR16, "=f,=f,=f,=f" + ",l" * 4, [tl.where(ok, at.to(tl.int64) * 2 + base, base)],
-                                            dtype=tl.float32, is_pure=True, pack=4)
+            out = tl.inline_asm_elementwise(_PAIR16, "=f,=f,=f,=f" + ",l" * 4, [addr], dtype=tl.float32,
+                                            is_pure=True, pack=4)
         return tl.where(ok, out, 0.0)
 
     @triton.jit
@@ -586,9 +587,10 @@ def config_for(n: int, k: int, silu: bool = False, offsets: bool = False, bits: 
     four tiles a warp; int4 on the H100, groups of 128, up to eight:
     gpu_h100_s36_mma_sweep_wide_{r14,offsets}_g128.json):
     - the LM head (many row tiles): one tile per warp per loop step; int4 in compact scales without
-      offsets (measured at groups of 128) two warps of two tiles (H100, session 39: 120.5 / 125.7 us at 1 / 4 rows
-      against four warps of one tile's 142.8 / 147.0, gpu_h100_s39_mma_sweep_wide_g128_compact.json;
-      the 8B step end to end 422.6 tok/s either way, gpu_h100_s39_quant_8b_lm_head_2x2.json);
+      offsets (measured at groups of 128) two warps of two tiles (H100, session 39: 120.5 / 125.7
+      us at 1 / 4 rows against four warps of one tile's 142.8 / 147.0,
+      gpu_h100_s39_mma_sweep_wide_g128_compact.json; the 8B step end to end 422.6 tok/s either
+      way, gpu_h100_s39_quant_8b_lm_head_2x2.json);
     - fused gate/up: two tiles (H200, session 12), but int4 with the SiLU epilogue and no
       offsets one (H100: 23.5 / 24.1 us at 1 / 4 rows against two tiles' 28.9 / 26.8; with
       offsets one tile lost, 39.1 / 33.7 against 32.9 / 29.0);
@@ -628,7 +630,8 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         return x.new_empty(*x.shape[:-1], n_out)
     if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # whole 8-byte loads
-    warps, units, split = config or config_for(n, k, silu, zeros is not None, bits, tiles_per_group(words, scales))
+    tpg = tiles_per_group(words, scales)
+    warps, units, split = config or config_for(n, k, silu, zeros is not None, bits, tpg)
     tiles_k = words.shape[1]
     per, split = quant_gemv.split_ranges(tiles_k, split, warps * units)  # whole loop steps per split
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
@@ -638,7 +641,7 @@ def gemv(x: torch.Tensor, words, scales, zeros, bias, *, n: int, k: int, bits: i
         bias if bias is not None else scales, part, rows, n, tiles_k, per, n_out if silu else 0, -1.0 / bias_of(bits),
         INT8=bits == 8,
         PAIRS=2 if silu else 1, WARPS=warps, UNITS=units, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, SILU=silu, TPG=tiles_per_group(words, scales), num_warps=warps,
+        PARTIAL=split > 1, SILU=silu, TPG=tpg, num_warps=warps,
         **fused.launch_options(x.device))
     if split > 1:
         total = rows * n_out
