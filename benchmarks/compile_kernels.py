@@ -147,6 +147,23 @@ def cases():
                        f"int{bits} g{group} {name}{' offsets' if zero else ''}")
 
 
+def compile_case(fn, constexprs: dict, arch: int, partial: bool, warps: int | None = None,
+                 layout: bool = False) -> dict:
+    """One case's ptxas figures (``ptxas_info``) and, with ``layout``, its tile PTX's lane layout
+    (``lane_layout``, an error where it broke); "error" where anything failed."""
+    entry = {}
+    try:
+        kernel = compile_kernel(fn, constexprs, arch, partial, warps)
+        entry.update(ptxas_info(kernel.asm["ptx"], arch))
+        if layout:
+            entry["lane_layout"] = lane_layout(kernel.asm["ttgir"])
+            if entry["lane_layout"]["broken"] or not entry["lane_layout"]["tile_asm"]:
+                entry["error"] = f"lane layout: {entry['lane_layout']}"
+    except Exception as exc:  # report every failure, then exit 1
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    return entry
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
@@ -154,31 +171,18 @@ def main() -> None:
     args = ap.parse_args()
     report, failed = [], 0
     for fn, constexprs, partial, label in cases():
-        entry = {"kernel": fn.__name__, "case": label, "constexprs": constexprs}
-        try:
-            kernel = compile_kernel(fn, constexprs, args.arch, partial)
-            entry.update(ptxas_info(kernel.asm["ptx"], args.arch))
-            entry["lane_layout"] = lane_layout(kernel.asm["ttgir"])
-            if entry["lane_layout"]["broken"] or not entry["lane_layout"]["tile_asm"]:
-                entry["error"] = f"lane layout: {entry['lane_layout']}"
-                failed += 1
-        except Exception as exc:  # report every failure, then exit 1
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-            failed += 1
+        entry = {"kernel": fn.__name__, "case": label, "constexprs": constexprs,
+                 **compile_case(fn, constexprs, args.arch, partial, layout=True)}
+        failed += "error" in entry
         report.append(entry)
         cfg = (constexprs["WARPS"], constexprs["UNITS"])
         print(f"{label:32s} warps/units {cfg}: " + (entry.get("error", "")[:300] or
               f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled, "
               f"{entry['lane_layout']['tile_asm']} tile PTX ops in the lane layout"), flush=True)
     for constexprs, warps, label in attention_cases():
-        entry = {"kernel": "_paged_attention_kernel", "case": label, "constexprs": constexprs, "warps": warps}
-        try:
-            kernel = compile_kernel(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps)
-            ptx = kernel.asm["ptx"]
-            entry.update(ptxas_info(ptx, args.arch))
-        except Exception as exc:
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-            failed += 1
+        entry = {"kernel": "_paged_attention_kernel", "case": label, "constexprs": constexprs, "warps": warps,
+                 **compile_case(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps)}
+        failed += "error" in entry
         report.append(entry)
         print(f"{label:32s} warps {warps}: " + (entry.get("error", "")[:300] or
               f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled"), flush=True)
