@@ -891,7 +891,7 @@ def main() -> None:
         report["default_model"]["sampled_t1"] = measure(engine, max_tokens=128, repeats=2, **hot)
         print("temperature 1.0:\n" + render_table(report["default_model"]["sampled_t1"]), flush=True)
         for name, regime in (("mirror", sampled), ("mirror_t1", hot)):  # drafts sampled from the head
-            report["default_model"][name] = measure(engine, max_tokens=128, repeats=2, draft_policy="mirror", **regime)
+            report["default_model"][name] = measure(engine, max_tokens=128, repeats=2, draft_policies=("mirror",), **regime)
             print(f"mirror drafts, {regime}:\n" + render_table(report["default_model"][name]), flush=True)
         if args.profile:
             report["default_model"]["profile"] = profile_decode(engine)

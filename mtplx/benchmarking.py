@@ -64,6 +64,8 @@ def measure(engine, *, depths=(1, 2, 3), prompts=BENCH_PROMPTS, max_tokens: int 
     interleaved. With a seed, pass r samples with seed + r: one seed fixes one trajectory per
     prompt and configuration, and a second pass over it would add no draw (H200, session 18:
     one seed had depth 3 at 1.28x AR at T 1.0 and four seeds 1.20x). Returns a JSON-able report."""
+    if "draft_policy" in sampling:  # run_once sets each configuration's own: name them in draft_policies
+        raise TypeError(f"measure() takes draft_policies=(...), not draft_policy={sampling['draft_policy']!r}")
     configs = configs_for(engine, depths, draft_policies)
     messages = [[{"role": "user", "content": p}] for p in prompts] if engine.tokenizer else list(prompts)
     run_once(engine, messages[0], configs[-1], 8, **sampling)  # warm-up

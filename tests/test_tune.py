@@ -279,6 +279,27 @@ def test_each_pass_of_a_seeded_measurement_samples_a_new_seed():
     assert set(seeds) == {None}  # greedy: nothing to vary
 
 
+def test_measure_takes_draft_policies_by_configuration():
+    """Each configuration runs its own draft policy; a policy passed with the sampling settings
+    would be overridden by it unseen (benchmarks/gpu.py measured argmax drafts as "mirror")."""
+    from mtplx.benchmarking import measure
+
+    engine, _ = tiny_engine("llama")
+    policies, generate = [], engine.generate
+
+    def recording(*args, **kwargs):
+        policies.append((kwargs.get("mode"), kwargs.get("draft_policy")))
+        return generate(*args, **kwargs)
+
+    engine.generate = recording
+    report = measure(engine, depths=(1,), prompts=([5, 6, 7],), max_tokens=4, draft_policies=("mirror",),
+                     temperature=0.8, seed=3)
+    assert policies[1:] == [("ar", None), ("mtp", "mirror")]
+    assert report["configs"]["mtp_d1_mirror"]["draft_policy"] == "mirror"
+    with pytest.raises(TypeError, match="draft_policies"):
+        measure(engine, depths=(1,), prompts=([5, 6, 7],), max_tokens=4, draft_policy="mirror", temperature=0.8)
+
+
 def test_cycle_costs_come_from_the_runs_of_the_named_draft_policy():
     report = _report(100.0, {1: (120.0, 0.5)})
     report["configs"]["mtp_d1_mirror"] = {"mode": "mtp", "depth": 1, "tok_s": 150.0, "acceptance_rate": 0.5,
