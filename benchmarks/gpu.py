@@ -502,6 +502,43 @@ def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None
     return elapsed, [results[i] for i in range(len(requests))]
 
 
+def run_clients(engine: Engine, mode: str, requests: list, clients: int) -> tuple[float, list]:
+    """``clients`` clients in a closed loop over ``requests``: each submits the next request of the
+    list to an in-process scheduler in ``mode`` when its last one has finished, so about
+    ``clients`` requests decode at once until the list runs out (a serving benchmark's fixed
+    concurrency); returns (seconds from the first submit to the last finish, results in order)."""
+    import queue
+
+    from mtplx.batching.job import Done, Failed, Job
+    from mtplx.batching.scheduler import Scheduler
+    from mtplx.batching.state import SchedulerSettings
+
+    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode))
+    scheduler.start()
+    ended: queue.Queue = queue.Queue()
+    results: dict[int, object] = {}
+    pending = iter(enumerate(requests))
+
+    def submit() -> None:
+        for i, request in pending:
+            scheduler.submit(Job(request, lambda event, i=i: ended.put((i, event))
+                                 if isinstance(event, (Done, Failed)) else None))
+            return
+
+    t0 = time.perf_counter()
+    for _ in range(min(clients, len(requests))):
+        submit()
+    while len(results) < len(requests):
+        i, event = ended.get(timeout=600)
+        if isinstance(event, Failed):
+            raise SystemExit(f"FAIL: {mode} request {i} failed: {event.error!r}")
+        results[i] = event.result
+        submit()
+    elapsed = time.perf_counter() - t0
+    scheduler.stop()
+    return elapsed, [results[i] for i in range(len(requests))]
+
+
 def run_stream(engine: Engine, mode: str, requests: list) -> tuple[float, list]:
     """One client in a loop: each request submitted to an in-process scheduler in ``mode`` when
     the one before it has finished (what one stream sees, a cohort's gather window included);

@@ -132,14 +132,21 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 
 
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
-                     draft_policy: str = "auto") -> dict:
+                     draft_policy: str = "auto", requests_per_run: int = 0) -> dict:
     """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams, the configurations
-    alternating within each round: which depth pays at which width. Round r of a seeded regime
+    alternating within each round: which depth pays at which width. With ``requests_per_run``
+    (n > 0), each run is n requests over every prompt in turn, decoded by that many clients in a
+    closed loop (``gpu.run_clients``: each client sends its next request when its last one
+    ends), the same n requests at every width; else (0) a run is one request per stream, all sent
+    at once, so that 1 stream decodes the first prompt alone. Round r of a seeded regime
     gives request i seed 1000 r + i (one seed fixes one trajectory per prompt); each
     configuration's tok/s is over all its rounds (tokens / seconds), "best" its best round; MTP
     configurations also report tokens per cycle and row (1 + accepted / cycles)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu import run_jobs
+    from gpu import run_clients, run_jobs
+
+    def run(mode: str, requests: list, streams: int):
+        return run_clients(engine, mode, requests, streams) if requests_per_run else run_jobs(engine, mode, requests)
 
     out = {}
     for name in regimes:
@@ -160,7 +167,7 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         for r in range(rounds):
             for streams in (1, 4, 8):
                 for mode, depth in configs:
-                    elapsed, results = run_jobs(engine, mode, requests(streams, depth, 1000 * r))
+                    elapsed, results = run(mode, requests(requests_per_run or streams, depth, 1000 * r), streams)
                     key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
                     n = sum(res.completion_tokens for res in results)
                     tokens[key] = tokens.get(key, 0) + n
@@ -207,6 +214,9 @@ def main() -> None:
                     help="mtp_batch / ar_batch rounds per width (with --scheduler-depths a new seed each, tok/s "
                          "over all rounds; else the best round)")
     ap.add_argument("--scheduler-draft-policy", default="auto", help="the scheduler requests' draft policy")
+    ap.add_argument("--scheduler-requests", type=int, default=0,
+                    help="--scheduler-depths: each run decodes this many requests (every prompt in turn) "
+                         "through as many closed-loop clients as streams (0: one request a stream, sent at once)")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -227,7 +237,8 @@ def main() -> None:
                         **({"head_quantize": args.head_quantize} if args.head_quantize else {}))
     report = {"engine_build_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
               "torch": torch.__version__, "max_tokens": args.max_tokens, "auto_depth": repr(engine.auto_depth),
-              "quantize": args.quantize, "head": args.head, "prompts": list(HELD_OUT_CHAT[: args.prompts])}
+              "quantize": args.quantize, "head": args.head, "prompts": list(HELD_OUT_CHAT[: args.prompts]),
+              "scheduler_requests": args.scheduler_requests}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     if not args.scheduler_only:
@@ -237,7 +248,8 @@ def main() -> None:
     if args.scheduler_depths:
         depths = [parse_depth(d.strip()) for d in args.scheduler_depths.split(",")]
         report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens, depths, regimes,
-                                                      args.scheduler_rounds, args.scheduler_draft_policy)
+                                                      args.scheduler_rounds, args.scheduler_draft_policy,
+                                                      args.scheduler_requests)
     elif not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
                                         regimes, args.scheduler_rounds, args.scheduler_draft_policy)
