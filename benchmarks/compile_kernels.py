@@ -68,14 +68,21 @@ def compile_kernel(fn, constexprs: dict, arch: int, partial: bool, warps: int | 
 
 
 def attention_cases():
-    """(constexprs, warps, a label): the paged-attention kernel's decode and verify tiles for
-    the 8B shape (32 query heads on 8 KV heads, 128 dims, pages of 16, split partials) on its
-    own warps for short chunks (SHORT_WARPS) and on 4."""
+    """(constexprs, warps, a label): the paged-attention kernel's decode and verify tiles on its
+    own warps for short chunks (SHORT_WARPS) and on 4, pages of 16: the 8B shape (32 query heads
+    on 8 KV heads, 128 dims) with split partials, and SmolLM2's (9 on 3, 64 dims) with and
+    without them."""
     for tokens, m_pad in ((1, 16), (8, 32)):
         for warps in (paged_attention.SHORT_WARPS, 4):
             c = dict(GROUP=4, HEAD_DIM=128, PAGE=16, M_PAD=m_pad, LOOP_CHUNKS=0, PRECISION="tf32", BLOCK_N=64,
                      DYNAMIC_BOUND=True, PARTIAL=True, PDL=True)
             yield c, warps, f"attention {tokens} token{'s' if tokens > 1 else ''}"
+    for tokens, m_pad in ((1, 16), (4, 16), (8, 32)):
+        for warps in (paged_attention.SHORT_WARPS, 4):
+            for partial in (True, False):
+                c = dict(GROUP=3, HEAD_DIM=64, PAGE=16, M_PAD=m_pad, LOOP_CHUNKS=0, PRECISION="tf32", BLOCK_N=64,
+                         DYNAMIC_BOUND=True, PARTIAL=partial, PDL=True)
+                yield c, warps, f"attention smollm2 {tokens} token{'s' if tokens > 1 else ''}{' split' if partial else ''}"
 
 
 def lane_layout(ttgir: str) -> dict:
@@ -168,9 +175,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json")
+    ap.add_argument("--only", choices=("gemv", "attention"), help="compile only these cases")
     args = ap.parse_args()
     report, failed = [], 0
-    for fn, constexprs, partial, label in cases():
+    for fn, constexprs, partial, label in cases() if args.only != "attention" else ():
         entry = {"kernel": fn.__name__, "case": label, "constexprs": constexprs,
                  **compile_case(fn, constexprs, args.arch, partial, layout=True)}
         failed += "error" in entry
@@ -179,7 +187,7 @@ def main() -> None:
         print(f"{label:32s} warps/units {cfg}: " + (entry.get("error", "")[:300] or
               f"{entry.get('registers')} registers, {entry.get('spill_store_bytes')} bytes spilled, "
               f"{entry['lane_layout']['tile_asm']} tile PTX ops in the lane layout"), flush=True)
-    for constexprs, warps, label in attention_cases():
+    for constexprs, warps, label in attention_cases() if args.only != "gemv" else ():
         entry = {"kernel": "_paged_attention_kernel", "case": label, "constexprs": constexprs, "warps": warps,
                  **compile_case(paged_attention._paged_attention_kernel, constexprs, args.arch, False, warps)}
         failed += "error" in entry

@@ -74,11 +74,11 @@ def release_idle_openmp_threads() -> bool:
 
     Why: libgomp spins only briefly before it sleeps once its threads outnumber the CPUs, so
     while the loading thread keeps its pool, each parallel region of the model thread waits for
-    woken workers. Measured on this project's 2-core VM (torch 2.13, 2 threads): a 200,000-element
-    add took 22-26 us on the main thread and 95-115 us on a second thread once the main one had
-    run parallel regions (24-25 us where it had not, or after this call), and the default model
-    decoded 48.6 tok/s on a second thread against 103-109 on the main one (AR, 96 tokens).
-    A thread that runs parallel regions again after this call gets a pool again."""
+    woken workers. Measured on this project's 2-core AVX2 VM (torch 2.13, two threads;
+    benchmarks/cpu_threads.py, cpu_s41_threads_2threads.json): after building the default model on
+    the main thread, a 200,000-float add took 113-133 us on a second thread against 20-22 on the
+    main one, and greedy AR decoded 39.2-40.2 tok/s there against 86-110; after this call, 24-27 us
+    and 95.3-98.1 tok/s. A thread that runs parallel regions again after this call gets a pool again."""
     runtime = _openmp_runtime()
     pause = getattr(runtime, "omp_pause_resource_all", None) if runtime is not None else None
     if pause is None:

@@ -56,12 +56,14 @@ def test_the_scheduler_releases_the_loading_threads_workers_on_the_cpu(monkeypat
     from mtplx.batching.state import SchedulerSettings
     from tests.test_server_harness import tiny_text_engine
 
-    calls = []
-    monkeypatch.setattr(scheduler_module, "release_idle_openmp_threads", lambda: calls.append(True) or True)
     engine = tiny_text_engine()
     scheduler = Scheduler(engine, SchedulerSettings.resolve("serial"))
+    started = []  # per call: whether the model thread existed yet
+    monkeypatch.setattr(scheduler_module, "release_idle_openmp_threads",
+                        lambda: started.append(scheduler._thread is not None) or True)
     scheduler.start()
     try:
-        assert calls == [True]  # before the model thread started
+        assert started == [False]  # once, before the model thread started
+        assert scheduler.alive
     finally:
         scheduler.stop()
