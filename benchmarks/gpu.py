@@ -473,9 +473,13 @@ def hf_baseline(shape: dict, device, modes) -> dict:
     return out
 
 
-def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None) -> tuple[float, list]:
-    """Submit every request at once to an in-process scheduler in ``mode`` (the server's own
-    scheduler, without HTTP); returns (seconds until the last finished, results in order)."""
+def run_clients(engine: Engine, mode: str, requests: list, clients: int,
+                depth: int | None = None) -> tuple[float, list]:
+    """``clients`` clients in a closed loop over ``requests``: each submits the next request of the
+    list to an in-process scheduler in ``mode`` (the server's own scheduler, without HTTP) when its
+    last one has finished, so about ``clients`` requests decode at once until the list runs out (a
+    serving benchmark's fixed concurrency); returns (seconds from the first submit to the last
+    finish, results in order)."""
     import queue
 
     from mtplx.batching.job import Done, Failed, Job
@@ -483,37 +487,6 @@ def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None
     from mtplx.batching.state import SchedulerSettings
 
     scheduler = Scheduler(engine, SchedulerSettings.resolve(mode, depth=depth))
-    scheduler.start()
-    ended: queue.Queue = queue.Queue()
-    t0 = time.perf_counter()
-    for i, request in enumerate(requests):
-        def emit(event, i=i):
-            if isinstance(event, (Done, Failed)):
-                ended.put((i, event))
-        scheduler.submit(Job(request, emit))
-    results = {}
-    while len(results) < len(requests):
-        i, event = ended.get(timeout=600)
-        if isinstance(event, Failed):
-            raise SystemExit(f"FAIL: {mode} request {i} failed: {event.error!r}")
-        results[i] = event.result
-    elapsed = time.perf_counter() - t0
-    scheduler.stop()
-    return elapsed, [results[i] for i in range(len(requests))]
-
-
-def run_clients(engine: Engine, mode: str, requests: list, clients: int) -> tuple[float, list]:
-    """``clients`` clients in a closed loop over ``requests``: each submits the next request of the
-    list to an in-process scheduler in ``mode`` when its last one has finished, so about
-    ``clients`` requests decode at once until the list runs out (a serving benchmark's fixed
-    concurrency); returns (seconds from the first submit to the last finish, results in order)."""
-    import queue
-
-    from mtplx.batching.job import Done, Failed, Job
-    from mtplx.batching.scheduler import Scheduler
-    from mtplx.batching.state import SchedulerSettings
-
-    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode))
     scheduler.start()
     ended: queue.Queue = queue.Queue()
     results: dict[int, object] = {}
@@ -539,31 +512,15 @@ def run_clients(engine: Engine, mode: str, requests: list, clients: int) -> tupl
     return elapsed, [results[i] for i in range(len(requests))]
 
 
+def run_jobs(engine: Engine, mode: str, requests: list, depth: int | None = None) -> tuple[float, list]:
+    """Every request submitted at once (``run_clients`` with a client per request)."""
+    return run_clients(engine, mode, requests, len(requests), depth)
+
+
 def run_stream(engine: Engine, mode: str, requests: list) -> tuple[float, list]:
-    """One client in a loop: each request submitted to an in-process scheduler in ``mode`` when
-    the one before it has finished (what one stream sees, a cohort's gather window included);
-    returns (seconds from the first submit to the last finish, results in order)."""
-    import queue
-
-    from mtplx.batching.job import Done, Failed, Job
-    from mtplx.batching.scheduler import Scheduler
-    from mtplx.batching.state import SchedulerSettings
-
-    scheduler = Scheduler(engine, SchedulerSettings.resolve(mode))
-    scheduler.start()
-    ended: queue.Queue = queue.Queue()
-    emit = lambda event: ended.put(event) if isinstance(event, (Done, Failed)) else None  # noqa: E731
-    results = []
-    t0 = time.perf_counter()
-    for i, request in enumerate(requests):
-        scheduler.submit(Job(request, emit))
-        event = ended.get(timeout=600)
-        if isinstance(event, Failed):
-            raise SystemExit(f"FAIL: {mode} request {i} failed: {event.error!r}")
-        results.append(event.result)
-    elapsed = time.perf_counter() - t0
-    scheduler.stop()
-    return elapsed, results
+    """One client in a loop (``run_clients`` with one client): each request submitted when the one
+    before it has finished (what one stream sees, a cohort's gather window included)."""
+    return run_clients(engine, mode, requests, 1)
 
 
 def scheduler_modes(engine: Engine, depth: int, max_tokens: int = 128, batch_only: bool = False) -> dict:

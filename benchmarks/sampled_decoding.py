@@ -145,9 +145,6 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_clients, run_jobs
 
-    def run(mode: str, requests: list, streams: int):
-        return run_clients(engine, mode, requests, streams) if requests_per_run else run_jobs(engine, mode, requests)
-
     out = {}
     for name in regimes:
         sampling = REGIMES[name]
@@ -167,7 +164,7 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         for r in range(rounds):
             for streams in (1, 4, 8):
                 for mode, depth in configs:
-                    elapsed, results = run(mode, requests(requests_per_run or streams, depth, 1000 * r), streams)
+                    elapsed, results = run_clients(engine, mode, requests(requests_per_run or streams, depth, 1000 * r), streams)
                     key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
                     n = sum(res.completion_tokens for res in results)
                     tokens[key] = tokens.get(key, 0) + n

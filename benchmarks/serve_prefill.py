@@ -15,9 +15,8 @@ import tempfile
 import time
 
 import httpx
+from cpu_ttft import WORDS
 from serve_bench import Server
-
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jam fever".split()
 
 
 def first_token(url: str, model: str, prompt: str) -> tuple[float, int]:
