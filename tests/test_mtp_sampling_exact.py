@@ -194,3 +194,29 @@ def test_a_pruned_draft_vocabulary_keeps_the_distribution(chained, head):
     engine.generator.chain.enabled = chained
     sampler = dict(temperature=1.0)
     assert_fits(sample_mtp(engine, N // 2, 3, "mirror", **sampler), exact_distribution(hf, SamplingParams(**sampler)))
+
+
+def test_auto_rows_that_leave_drafting_for_ar_steps_on_their_own_draws_keep_the_distribution():
+    """depth="auto" with AR steps (the CPU's): a row drafts first; where its draft is rejected,
+    its steady estimate falls under what a cycle costs and it steps AR from then on, where it
+    is accepted it keeps drafting. Whether a row's later tokens come from AR steps depends on
+    its own earlier draws; rows decode one at a time, so each decides alone. The first three
+    tokens' and the last two's distributions fit the enumerated AR ones."""
+    engine, hf = _engine(head="repeat")
+    engine.auto_depth = AutoDepth(3, DepthCosts((1.6, 2.0, 2.4), 0.4), greedy_prior=(0.55,) * 3,
+                                  sampled_prior=(0.55,) * 3, ar_steps=True)
+    sampler = dict(temperature=1.0, top_p=0.9)
+    requests = [(i, engine.make_request(PROMPT, mode="mtp", depth="auto", max_tokens=5, seed=20_000 + i,
+                                        draft_policy="mirror", **sampler)) for i in range(N)]
+    done = dict(decode_rows(engine, iter(requests), 1))
+    seqs = [done[i] for i in range(N)]
+    assert engine.runner.blocks.num_used_blocks == 0
+    stepped_ar = [s.stats.ar_steps > 0 for s in seqs]
+    assert 0.1 * N < sum(stepped_ar) < 0.9 * N  # both kinds of rows
+    assert all(s.stats.verify_calls > 0 for s in seqs)  # each drafted first
+    dist = exact_distribution(hf, SamplingParams(**sampler), length=5)
+    for part in (slice(0, 3), slice(3, 5)):
+        marginal: dict[tuple, float] = {}
+        for k, p in dist.items():
+            marginal[k[part]] = marginal.get(k[part], 0.0) + p
+        assert_fits([tuple(s.generated)[part] for s in seqs], marginal)

@@ -15,6 +15,12 @@ only gives up tokens; and one depth for the batch changes less often than one of
 where each change ends a chain of cycles on the device (session 18: per-row depths under
 mtp_batch decoded 0.83-1.02x AR at 4 and 8 streams against the best fixed depth's 1.10-1.32x).
 
+Where a batch's cycles grow dearer with its width, faster than its AR steps do (the CPU, whose
+verify rows are bound by arithmetic: ``DepthCosts.width_growth``), drafting stops paying as the
+batch widens, and the auto rows take AR steps (depth 0) until it pays again: as the batch
+narrows, or under their own record (``batch_depth``, ``DepthPlan.steady_tokens``). The head
+skips those steps and catches up on their pairs when the rows draft again (generator.py).
+
 Positions deeper than the row drafts are not observed; their estimate follows the row's
 observed first-position rate in proportion to the prior (content that accepts more at depth 1
 accepts more deeper too), so a shallow row can still find that deeper drafts would pay.
@@ -35,7 +41,7 @@ clear gain (``HYSTERESIS``): every depth change ends a chain.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # A depth must promise 10% more tokens per unit of cost than the current one. H200, 12 held-out
 # chat prompts x 256 tokens, one run (benchmarks/results/gpu_h200_s13_auto_hysteresis.json), auto
@@ -43,6 +49,14 @@ from dataclasses import dataclass
 # 3: 1.353x), T 0.7 mirror 1.229x / 1.259x / 1.274x (depth 1: 1.263x), T 1.0 mirror 1.192x at
 # each (depth 1: 1.191x). At 0.03 rows switched depth often, and each switch ends a chain.
 HYSTERESIS = 0.10
+# Where a machine's cycles grow dearer with the batch's width (the CPU: ``DepthCosts.width_growth``),
+# a batch of auto rows takes AR steps (depth 0) once drafting promises fewer tokens per unit of
+# cost than one a row per AR step, by AR_MARGIN, and drafts again once it promises AR_MARGIN more.
+# That question is judged on each row's steady estimate (``DepthPlan.steady_tokens``): every
+# cycle it committed, with EVIDENCE_PRIOR cycles' worth of the head's recorded acceptance, so a
+# short run of rejections does not leave a row on AR steps, where it observes nothing more.
+AR_MARGIN = 0.05
+EVIDENCE_PRIOR = 8.0
 RATE = 0.15  # weight of the newest cycle in the running acceptance (about the last 6-7 cycles)
 DEFAULT_MAX_DEPTH = 3
 
@@ -62,6 +76,17 @@ DEFAULT_MAX_DEPTH = 3
 # (benchmarks/results/gpu_h200_s18_auto_depth_seeds.json): kept.
 GREEDY_PRIOR = (0.58, 0.58, 0.58)
 SAMPLED_PRIOR = (0.42, 0.40, 0.45)
+
+# How much dearer a cycle of depth 1 / 2 / 3 is, in AR steps of as many rows, at 2, 4 and 8 rows
+# than at one, through mtp_batch against ar_batch on an AVX2 CPU (Zen 3, two threads, the default
+# model and head, the tune prompts, 96 tokens past EOS, the configurations side by side batch by
+# batch, two rounds; `benchmarks/width_costs.py`, results/cpu_s42_width_costs_2threads.json).
+# Measured at one row there: greedy 1.50 / 1.89 / 2.39 AR steps, T 0.7 1.49 / 1.98 / 2.49, T 1.0
+# 1.53 / 1.93 / 2.45; at eight rows greedy 1.92 / 2.91 / 3.66. A verify row is bound by arithmetic
+# there, where an AR row gains from its batch. Sampled: the mean of T 0.7 (top-p 0.95) and T 1.0.
+# The AVX-512 CPU's were not measured (no such machine since session 31): its tables do not grow.
+AVX2_GREEDY_GROWTH = ((2, (1.11, 1.17, 1.15)), (4, (1.28, 1.55, 1.67)), (8, (1.28, 1.54, 1.53)))
+AVX2_SAMPLED_GROWTH = ((2, (1.10, 1.19, 1.17)), (4, (1.23, 1.23, 1.31)), (8, (1.27, 1.52, 1.52)))
 
 
 @dataclass(frozen=True)
@@ -98,11 +123,36 @@ class DepthCosts:
 
     cycles: tuple[float, ...]
     per_draft: float
+    # ((width, (growth at depth 1, 2, ...)), ...), widths ascending from 2: a cycle of w rows costs
+    # ``of(d) * growth`` AR steps of w rows, linear in width between the listed ones (width 1:
+    # 1.0) and the last one's beyond them; () where it does not grow (``width_growth_of``)
+    width_growth: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
-    def of(self, depth: int) -> float:
+    def of(self, depth: int, width: int = 1) -> float:
         if depth <= len(self.cycles):
-            return self.cycles[depth - 1]
-        return self.cycles[-1] + self.per_draft * (depth - len(self.cycles))
+            cost = self.cycles[depth - 1]
+        else:
+            cost = self.cycles[-1] + self.per_draft * (depth - len(self.cycles))
+        return cost * self.growth(depth, width)
+
+    def growth(self, depth: int, width: int) -> float:
+        """How much dearer a depth-``depth`` cycle is, in AR steps of the same width, at
+        ``width`` rows than at one."""
+        if not self.width_growth or width <= 1:
+            return 1.0
+
+        def at(growth: tuple[float, ...] | None) -> float:
+            return 1.0 if growth is None else growth[min(depth, len(growth)) - 1]
+
+        points = ((1, None),) + self.width_growth
+        for (w0, g0), (w1, g1) in zip(points, points[1:]):
+            if width <= w1:
+                return at(g0) + (width - w0) / (w1 - w0) * (at(g1) - at(g0))
+        return at(points[-1][1])
+
+    def grown_as(self, other: DepthCosts) -> DepthCosts:
+        """This table with ``other``'s growth by width where it has none of its own."""
+        return self if self.width_growth else replace(self, width_growth=other.width_growth)
 
     @classmethod
     def default(cls, machine: str) -> DepthCosts:
@@ -111,7 +161,7 @@ class DepthCosts:
         if machine == "cuda":
             return cls((1.21, 1.45, 1.56), 0.11)
         if machine == "cpu-avx2":
-            return cls((1.49, 1.82, 2.29), 0.47)
+            return cls((1.49, 1.82, 2.29), 0.47, width_growth=AVX2_GREEDY_GROWTH)
         return cls((1.30, 1.84, 2.17), 0.33)
 
     @classmethod
@@ -119,7 +169,7 @@ class DepthCosts:
         if machine == "cuda":
             return cls((1.21, 1.49, 1.61), 0.12)
         if machine == "cpu-avx2":
-            return cls((1.45, 1.72, 2.33), 0.61)
+            return cls((1.45, 1.72, 2.33), 0.61, width_growth=AVX2_SAMPLED_GROWTH)
         return cls((1.34, 1.82, 2.05), 0.24)
 
     @classmethod
@@ -174,6 +224,7 @@ class AutoDepth:
     sampled_prior: tuple[float, ...] = SAMPLED_PRIOR
     rate: float = RATE
     measured: tuple[tuple[float, tuple[float, ...]], ...] = ()
+    ar_steps: bool = False  # whether a batch of auto rows may take AR steps (``batch_depth``)
 
     def prior(self, temperature: float) -> tuple[float, ...]:
         """Conditional acceptance by position (max_depth of them) expected of a row sampled at
@@ -214,7 +265,8 @@ class AutoDepth:
         T 1.0 at one stream 1.217x / 1.220x AR against 1.258x / 1.250x from the constants, and
         within 2% of them elsewhere."""
         greedy = temperature <= 0
-        return DepthPlan(self.max_depth, self.costs_of(greedy), self._constant_prior(greedy), self.rate)
+        return DepthPlan(self.max_depth, self.costs_of(greedy), self._constant_prior(greedy), self.rate,
+                         steady_prior=self.prior(temperature), ar_steps=self.ar_steps)
 
     def expected_speedup(self, temperature: float, depth: int | None = None) -> tuple[int, float]:
         """(depth, its expected tokens per unit of cycle cost under ``prior``, i.e. the expected
@@ -256,11 +308,16 @@ class DepthPlan:
     """One auto row's running acceptance and, after each cycle it commits, the expected tokens
     of a cycle of each depth (``expected_at`` reads them two of the row's cycles late)."""
 
-    def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE):
+    def __init__(self, max_depth: int, costs: DepthCosts, prior: tuple[float, ...], rate: float = RATE,
+                 steady_prior: tuple[float, ...] | None = None, ar_steps: bool = False):
         self.max_depth, self.costs, self.prior, self.rate = max_depth, costs, prior, rate
         self.alpha = list(prior)
         self.initial = self.expected_tokens()
         self.history: deque[tuple[float, ...]] = deque(maxlen=2)  # E(1..max_depth) after its last two commits
+        self.ar_steps = ar_steps
+        self.steady_prior = tuple(steady_prior or prior)
+        self.tested = [0] * max_depth  # every committed cycle's outcome by position (steady_tokens)
+        self.passed = [0] * max_depth
 
     @property
     def first_depth(self) -> int:
@@ -271,6 +328,8 @@ class DepthPlan:
         """A committed cycle: ``drafted`` drafts, the first ``accepted`` of them accepted."""
         for j in range(min(drafted, accepted + 1)):  # positions that were tested
             self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
+            self.tested[j] += 1
+            self.passed[j] += j < accepted
         scale = self.alpha[0] / max(self.prior[0], 1e-3)
         for j in range(drafted, self.max_depth):  # untested: follow the first position's rate
             target = min(0.98, self.prior[j] * scale)
@@ -287,25 +346,46 @@ class DepthPlan:
         return h[-2] if len(h) == 2 else self.initial
 
     def expected_tokens(self) -> tuple[float, ...]:
-        tokens, reach, out = 1.0, 1.0, []
-        for j in range(self.max_depth):
-            reach *= self.alpha[j]
-            tokens += reach
-            out.append(tokens)
-        return tuple(out)
+        return _tokens_by_depth(self.alpha)
+
+    def steady_tokens(self) -> tuple[float, ...]:
+        """E(1..max_depth) under every cycle the row committed, each position's count starting
+        from ``EVIDENCE_PRIOR`` cycles at ``steady_prior`` (the head's recorded acceptance at the
+        row's temperature): whether drafting pays at all, where the running estimate (``alpha``,
+        about its last 6-7 cycles) says which depth."""
+        return _tokens_by_depth([(self.passed[j] + EVIDENCE_PRIOR * self.steady_prior[min(j, len(self.steady_prior) - 1)])
+                                 / (self.tested[j] + EVIDENCE_PRIOR) for j in range(self.max_depth)])
+
+
+def _tokens_by_depth(alpha) -> tuple[float, ...]:
+    """E(1..len(alpha)) from conditional acceptance by position."""
+    tokens, reach, out = 1.0, 1.0, []
+    for a in alpha:
+        reach *= a
+        tokens += reach
+        out.append(tokens)
+    return tuple(out)
 
 
 def batch_depth(plans: list[DepthPlan], expected: list[tuple[float, ...]], incumbent: int | None,
-                floor: int = 0) -> int:
+                floor: int = 0, width: int = 1) -> int:
     """The depth of a cycle's auto rows, with these plans and expected tokens by depth (each
     row's ``expected_at``): the most expected tokens of all of them per unit of the cycle's
-    cost, a cycle costing its deepest row's (``floor``: the batch's deepest fixed-depth row);
-    the incumbent (the auto rows' current depth) stays unless another promises ``HYSTERESIS``
-    more."""
+    cost, a cycle of ``width`` rows costing its deepest row's (``floor``: the batch's deepest
+    fixed-depth row); the incumbent (the auto rows' current depth) stays unless another
+    promises ``HYSTERESIS`` more. Where every plan may take AR steps and no fixed-depth row
+    drafts, 0 (an AR step) where that depth promises fewer tokens than one a row under the
+    rows' steady estimates, by ``AR_MARGIN`` (and the incumbent 0 stays unless it promises
+    ``AR_MARGIN`` more)."""
     deepest = max(p.max_depth for p in plans)
-    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor)) for p, e in zip(plans, expected))
+    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor), width) for p, e in zip(plans, expected))
              for d in range(1, deepest + 1)}
     best = max(score, key=score.get)
     if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS):
-        return incumbent
-    return best
+        best = incumbent
+    if floor or not all(p.ar_steps for p in plans):
+        return best
+    steady = sum(p.steady_tokens()[min(best, p.max_depth) - 1] / p.costs.of(best, width) for p in plans)
+    if incumbent == 0:  # on AR steps: one token a row per AR step
+        return best if steady > len(plans) * (1 + AR_MARGIN) else 0
+    return 0 if len(plans) > steady * (1 + AR_MARGIN) else best

@@ -222,7 +222,7 @@ class Generator:
         auto = [s for s in rows if s.depth_plan is not None]
         floor = max((s.depth for s in rows if s.depth_plan is None), default=0)
         depth = batch_depth([s.depth_plan for s in auto], [s.depth_plan.expected_at(s.seq_id in flying) for s in auto],
-                            max(s.depth for s in seqs if s.depth_plan is not None), floor)
+                            max(s.depth for s in seqs if s.depth_plan is not None), floor, width=len(rows))
         return [min(depth, s.depth_plan.max_depth) if s.depth_plan is not None else s.depth for s in seqs]
 
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
@@ -230,9 +230,12 @@ class Generator:
         faults = result.failed
         # argmax drafts stay on the device: the cycle syncs with the host once (not with
         # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
-        # needs them on the host); sampled rows too, their acceptance chained on the device
+        # needs them on the host); sampled rows too, their acceptance chained on the device.
+        # MTP rows' AR steps (depth="auto", adaptive_depth.batch_depth) do not chain: the head's
+        # backlog grows by each step's hidden state on the host.
         device = self.runner.states is None and all(s.counts is None and not s.host_path for s in seqs)
-        if device and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
+        chains = depth > 0 or seqs[0].mode != "mtp"
+        if device and chains and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
         on_device = device and depth > 0 and all(s.params.greedy or s.draft_policy == "greedy" for s in seqs)
         for seq in seqs:  # this cycle's writes: the verify's depth + 1 slots past the committed length
@@ -259,16 +262,18 @@ class Generator:
         t3 = time.perf_counter()
         if depth:
             self.runner.commit_state(seqs, [a + 1 for a in outcome.accepted])
-        self._commit(seqs, outcome, hidden, False, result)
+        self._commit(seqs, outcome, hidden, False, result, drafted=depth > 0)
         if depth:
             _add_times(seqs, draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, commit_s=time.perf_counter() - t3)
 
     def _commit(self, seqs: list[Sequence], outcome: CycleOutcome, hidden: torch.Tensor | None, continued: bool,
-                result: StepResult) -> None:
+                result: StepResult, drafted: bool = True) -> None:
         """Commit each row's accepted drafts and next token: every path's one commit.
         continued: a chained cycle already runs on from this outcome on the device (it holds
         the head's backlog and the blocks past the row's length); else the rows keep their
-        verify hidden states as the head's backlog and give back the blocks past their length."""
+        verify hidden states as the head's backlog and give back the blocks past their length.
+        drafted: False for MTP rows' AR steps, whose head did not run: the step's hidden state
+        joins the backlog the head catches up on when the row drafts again."""
         mates = list(seqs)
         for seq in seqs:
             if seq.seq_id in self.live:
@@ -278,7 +283,10 @@ class Generator:
             if seq.seq_id in result.failed or token is None:
                 continue
             try:
-                if seq.mode == "mtp":
+                if seq.mode == "mtp" and not drafted:
+                    seq.stats.ar_steps += 1
+                    seq.hidden_backlog = _cat(seq.hidden_backlog, hidden[r, :1])
+                elif seq.mode == "mtp":
                     seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
                     if seq.depth_plan is not None:
                         seq.depth_plan.observe(len(drafts), accepted)

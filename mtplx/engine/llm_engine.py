@@ -175,8 +175,15 @@ class Engine:
         if depth_costs is None:  # not tuned: the device's tables, greedy and sampled cycles apart
             depth_costs = DepthCosts.default(self.cost_machine)
             sampled_depth_costs = sampled_depth_costs or DepthCosts.default_sampled(self.cost_machine)
+        else:  # tune times one row: a batch's cycles grow as the device's defaults measured
+            depth_costs = depth_costs.grown_as(DepthCosts.default(self.cost_machine))
+            if sampled_depth_costs is not None:
+                sampled_depth_costs = sampled_depth_costs.grown_as(DepthCosts.default_sampled(self.cost_machine))
+        # MTP rows' AR steps run unchained (generator._cycle); on CUDA, where AR steps chain and
+        # no table grows with width, auto keeps drafting (not measured there)
         self.auto_depth = AutoDepth(max_depth, depth_costs, sampled_depth_costs,
-                                    measured=head_priors(loaded.head_info.get("provenance")))
+                                    measured=head_priors(loaded.head_info.get("provenance")),
+                                    ar_steps=self.device.type == "cpu")
         self.estimated = frozenset(estimated) if self.cost_machine != "cpu-torch" else frozenset()
         self.default_mode = default_mode
         self.sampled_mode, self.sampled_depth = sampled_mode, sampled_depth

@@ -10,6 +10,7 @@ class DecodeStats:
     depth: int = 0  # the request's depth; with adaptive, the deepest a cycle may draft
     adaptive: bool = False  # depth="auto": cycles_by_depth says which depths the row chose
     cycles_by_depth: list[int] = field(default_factory=list)  # cycles that drafted 1, 2, ... tokens
+    ar_steps: int = 0  # adaptive: steps that drafted nothing (one token, no verify of drafts)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_calls: int = 0
