@@ -62,3 +62,35 @@ def test_stop_strings_cut_streamed_and_returned_text_alike(engine):
     streamed = "".join(engine.stream("Count from one to twenty: one, two,", max_tokens=40, ignore_eos=True,
                                      stop=[stop]))
     assert result.text == cut == streamed and result.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def with_head(default_gguf):
+    """The default model as ``mtplx.load()`` gives it: its GGUF's own blocks and the shipped head."""
+    from mtplx.loading.default_model import default_head_dir
+
+    return mtplx.load(default_gguf, head=default_head_dir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "mtp"])
+def test_a_repeated_prompt_decodes_as_it_did_when_new(with_head, mode):
+    """The prefix cache serves a repeated prompt's full blocks, and the tail past them is
+    computed after them whether the prompt is new or repeated (``Generator.cache_edge``): a
+    seeded sampled request sent twice gives the same tokens and logprobs, bit for bit. (Before,
+    the new prompt's tail was computed in one forward with the rest: other rounding.)"""
+    engine = with_head
+    messages = [{"role": "user", "content": f"In {mode} mode, describe how a bicycle's gears make a hill easier."}]
+    runs = []
+    for _ in range(2):
+        req = engine.make_request(messages, chat=True, mode=mode, max_tokens=48, temperature=0.7, top_p=0.95, seed=5)
+        req.logprobs = 2
+        for seq, _ in engine.run(req):
+            pass
+        runs.append(seq)
+    new, repeated = runs
+    edge = engine.generator.cache_edge(new)
+    assert len(new.prompt_ids) > edge > new.stats.cached_prompt_tokens  # a tail past the full blocks, new blocks
+    assert repeated.stats.cached_prompt_tokens == edge
+    assert repeated.generated == new.generated
+    assert repeated.logprobs == new.logprobs

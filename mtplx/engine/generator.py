@@ -146,10 +146,27 @@ class Generator:
 
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
-        Returns True when the prompt is done."""
+        Returns True when the prompt is done. A feed that crosses the prompt's cache edge
+        (``cache_edge``) is two forwards, split there."""
         end = len(seq.prompt_ids) if chunk is None else min(len(seq.prompt_ids), seq.trunk_len + chunk)
+        edge = self.cache_edge(seq)
+        if seq.trunk_len < edge < end:
+            self._feed_prompts([seq], [edge])
         self._feed_prompts([seq], [end])
         return end == len(seq.prompt_ids)
+
+    def cache_edge(self, seq: Sequence) -> int:
+        """The end of the prompt's full blocks: what the prefix cache serves the same prompt
+        again. A prompt's tokens past it are computed after it in both cases: its forward and
+        the head's catch-up split there when the prompt is new, as they start there on a hit. A
+        product's rounding can depend on how many rows it multiplies, so without the split the
+        tail's KV entries, the first token's logits and so a seeded sampled request's tokens
+        differed between a new prompt and a repeated one (session 42: the same seeded T 0.7
+        requests, every one of 12 on an H100 in bf16, one of 6 on the CPU). 0 where nothing is
+        cached (hybrid models)."""
+        if self.runner.prefix_cache_disabled_reason:
+            return 0
+        return (len(seq.prompt_ids) - 1) // self.runner.block_size * self.runner.block_size  # as BlockManager.allocate
 
     def _feed_prompts(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Row r's prompt tokens from its trunk_len to ends[r] in one trunk forward (rows padded
@@ -363,8 +380,10 @@ class Generator:
 
     # -- drafting -----------------------------------------------------------------------------
     def _head_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed the head the pairs committed since its last step; its last output per row
-        (the first draft's hidden state) -> [rows, H]."""
+        """Feed the head the pairs committed since its last step (first those below the
+        prompt's cache edge, ``_head_to_edge``); its last output per row (the first draft's
+        hidden state) -> [rows, H]."""
+        self._head_to_edge(seqs)
         catch_up = [s.tokens[s.head_len: s.trunk_len + 1] for s in seqs]
         width = max(len(t) for t in catch_up)
         out = self.runner.head_forward(seqs, stack_padded([s.hidden_backlog for s in seqs]), catch_up,
@@ -379,8 +398,20 @@ class Generator:
         """Feed the head all but the last ``keep`` of each row's pending pairs (the first cycle
         after a prompt has a prompt's worth), so the cycle's own catch-up fits its CUDA graph
         instead of sending the whole cycle down the eager path. The head is causal, so the
-        cycle's drafts are the same as from one long catch-up."""
-        rows = [(s, s.tokens[s.head_len: s.trunk_len + 1 - keep]) for s in seqs if s.trunk_len + 1 - s.head_len > keep]
+        cycle's drafts are the same as from one long catch-up. The pairs below the prompt's
+        cache edge go first, alone (``_head_to_edge``)."""
+        self._head_to_edge(seqs)
+        self._head_feed([(s, s.trunk_len + 1 - keep - s.head_len) for s in seqs])
+
+    def _head_to_edge(self, seqs: list[Sequence]) -> None:
+        """Feed the head each row's pending pairs below its prompt's cache edge, where they run
+        past it: a hit on the prompt's full blocks starts the head there (``cache_edge``)."""
+        self._head_feed([(s, self.cache_edge(s) - s.head_len) for s in seqs
+                         if s.head_len < self.cache_edge(s) <= s.trunk_len])
+
+    def _head_feed(self, counts: list[tuple[Sequence, int]]) -> None:
+        """Feed the head the first ``n`` pending pairs of each (row, n) with n > 0."""
+        rows = [(s, s.tokens[s.head_len: s.head_len + n]) for s, n in counts if n > 0]
         if not rows:
             return
         hidden = stack_padded([s.hidden_backlog[: len(r)] for s, r in rows])
