@@ -82,7 +82,7 @@ SAMPLED_PRIOR = (0.42, 0.40, 0.45)
 # model and head, the tune prompts, 96 tokens past EOS, the configurations side by side batch by
 # batch, two rounds; `benchmarks/width_costs.py`, results/cpu_s42_width_costs_2threads.json).
 # Measured at one row there: greedy 1.50 / 1.89 / 2.39 AR steps, T 0.7 1.49 / 1.98 / 2.49, T 1.0
-# 1.53 / 1.93 / 2.45; at eight rows greedy 1.92 / 2.91 / 3.66. A verify row is bound by arithmetic
+# 1.52 / 1.93 / 2.45; at eight rows greedy 1.92 / 2.91 / 3.66. A verify row is bound by arithmetic
 # there, where an AR row gains from its batch. Sampled: the mean of T 0.7 (top-p 0.95) and T 1.0.
 # The AVX-512 CPU's were not measured (no such machine since session 31): its tables do not grow.
 AVX2_GREEDY_GROWTH = ((2, (1.11, 1.17, 1.15)), (4, (1.28, 1.55, 1.67)), (8, (1.28, 1.54, 1.53)))
