@@ -243,10 +243,18 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def longest_hit(self, num_prompt_tokens: int) -> int:
+        """The most tokens of a prompt this long that a prefix-cache hit can serve: its full
+        blocks ending before its last token (whose logits the prompt's forward must give); 0
+        with the prefix cache off."""
+        if self.prefix_cache_disabled_reason:
+            return 0
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+
     def _match_prefix(self, prompt_ids: list[int], namespace: str | None) -> list[int]:
         """Cached blocks for the longest prefix that ends before the last prompt token."""
         bs, hits, parent_key, parent_serial = self.block_size, [], namespace, _ROOT
-        for i in range((len(prompt_ids) - 1) // bs):
+        for i in range(self.longest_hit(len(prompt_ids)) // bs):
             tokens = tuple(prompt_ids[i * bs:(i + 1) * bs])
             key = block_hash(parent_key, tokens)
             b = self._key_to_block.get(key)

@@ -125,7 +125,7 @@ class DepthCosts:
     per_draft: float
     # ((width, (growth at depth 1, 2, ...)), ...), widths ascending from 2: a cycle of w rows costs
     # ``of(d) * growth`` AR steps of w rows, linear in width between the listed ones (width 1:
-    # 1.0) and the last one's beyond them; () where it does not grow (``width_growth_of``)
+    # 1.0) and the last one's beyond them; () where it does not grow
     width_growth: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def of(self, depth: int, width: int = 1) -> float:

@@ -164,9 +164,7 @@ class Generator:
         differed between a new prompt and a repeated one (session 42: the same seeded T 0.7
         requests, every one of 12 on an H100 in bf16, one of 6 on the CPU). 0 where nothing is
         cached (hybrid models)."""
-        if self.runner.prefix_cache_disabled_reason:
-            return 0
-        return (len(seq.prompt_ids) - 1) // self.runner.block_size * self.runner.block_size  # as BlockManager.allocate
+        return self.runner.blocks.longest_hit(len(seq.prompt_ids))
 
     def _feed_prompts(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Row r's prompt tokens from its trunk_len to ends[r] in one trunk forward (rows padded
@@ -406,8 +404,8 @@ class Generator:
     def _head_to_edge(self, seqs: list[Sequence]) -> None:
         """Feed the head each row's pending pairs below its prompt's cache edge, where they run
         past it: a hit on the prompt's full blocks starts the head there (``cache_edge``)."""
-        self._head_feed([(s, self.cache_edge(s) - s.head_len) for s in seqs
-                         if s.head_len < self.cache_edge(s) <= s.trunk_len])
+        edges = [(s, self.cache_edge(s)) for s in seqs]
+        self._head_feed([(s, edge - s.head_len) for s, edge in edges if s.head_len < edge <= s.trunk_len])
 
     def _head_feed(self, counts: list[tuple[Sequence, int]]) -> None:
         """Feed the head the first ``n`` pending pairs of each (row, n) with n > 0."""
