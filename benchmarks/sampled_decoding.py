@@ -132,8 +132,9 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 
 
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
-                     draft_policy: str = "auto", requests_per_run: int = 0) -> dict:
-    """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams, the configurations
+                     draft_policy: str = "auto", requests_per_run: int = 0, variants: dict | None = None,
+                     widths: tuple[int, ...] = (1, 4, 8)) -> dict:
+    """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams (``widths``), the configurations
     alternating within each round: which depth pays at which width. With ``requests_per_run``
     (n > 0), each run is n requests over every prompt in turn, decoded by that many clients in a
     closed loop (``gpu.run_clients``: each client sends its next request when its last one
@@ -141,9 +142,24 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
     at once, so that 1 stream decodes the first prompt alone. Round r of a seeded regime
     gives request i seed 1000 r + i (one seed fixes one trajectory per prompt); each
     configuration's tok/s is over all its rounds (tokens / seconds), "best" its best round; MTP
-    configurations also report tokens per cycle and row (1 + accepted / cycles)."""
+    configurations also report tokens per cycle and row (1 + accepted / cycles). ``variants``
+    ({name: setup}) adds a depth="auto" configuration per name ("auto@name" in the keys), each
+    run after its ``setup()`` (which swaps the engine's auto-depth table: auto_tables.py), and the
+    last setup is undone by a final ``variants["restore"]()`` where given."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_clients, run_jobs
+
+    variants = dict(variants or {})
+    restore = variants.pop("restore", None)
+    depths = list(depths) + [f"auto@{name}" for name in variants]
+
+    def depth_of(depth):
+        if isinstance(depth, str) and depth.startswith("auto@"):
+            variants[depth[5:]]()
+            return "auto"
+        if restore is not None:
+            restore()
+        return depth
 
     out = {}
     for name in regimes:
@@ -155,16 +171,17 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
 
         configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
         for mode, depth in configs:
-            run_jobs(engine, mode, requests(1, depth))  # warm-up
+            run_jobs(engine, mode, requests(1, depth_of(depth)))  # warm-up
         tokens: dict[str, int] = {}
         seconds: dict[str, float] = {}
         best: dict[str, float] = {}
         accepted: dict[str, int] = {}
         cycles: dict[str, int] = {}
         for r in range(rounds):
-            for streams in (1, 4, 8):
+            for streams in widths:
                 for mode, depth in configs:
-                    elapsed, results = run_clients(engine, mode, requests(requests_per_run or streams, depth, 1000 * r), streams)
+                    elapsed, results = run_clients(engine, mode, requests(requests_per_run or streams, depth_of(depth),
+                                                                          1000 * r), streams)
                     key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
                     n = sum(res.completion_tokens for res in results)
                     tokens[key] = tokens.get(key, 0) + n
@@ -177,12 +194,14 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         result.update({f"best_{key}": value for key, value in best.items()})
         result.update({key.replace("_tok_s_", "_tokens_per_cycle_"): 1 + accepted[key] / max(cycles[key], 1)
                        for key in cycles})
-        for streams in (1, 4, 8):
+        for streams in widths:
             ar = result[f"ar_batch_tok_s_x{streams}"]
             for depth in depths:
                 result[f"mtp_d{depth}_over_ar_x{streams}"] = result[f"mtp_batch_d{depth}_tok_s_x{streams}"] / ar
         out[name] = result
         print(name, json.dumps({k: round(v, 3) for k, v in result.items() if "_over_" in k}), flush=True)
+    if restore is not None:
+        restore()
     return out
 
 
