@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sampled_decoding import HELD_OUT_CHAT, REGIMES, check_held_out, scheduler_depths  # noqa: E402
-from width_costs import measure  # noqa: E402
+from width_costs import engine_arguments, measure  # noqa: E402
 
 
 def measured_tables(costs: dict, depths: list[int]):
@@ -51,11 +51,7 @@ def measured_tables(costs: dict, depths: list[int]):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the default model)")
-    ap.add_argument("--head", default=None)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    engine_arguments(ap)
     ap.add_argument("--measure-widths", default="", help="run width_costs first at these widths (from 1)")
     ap.add_argument("--width-costs", default=None, help="or read its result from this file")
     ap.add_argument("--width-tokens", type=int, default=256, help="max tokens of the width-cost runs")

@@ -77,13 +77,18 @@ def measure(engine, prompts, widths: list[int], depths: list[int], regimes: list
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The engine's options (--model, --head, --device, --dtype, --threads)."""
     ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the default model)")
     ap.add_argument("--head", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    engine_arguments(ap)
     ap.add_argument("--widths", default="1,2,4,8")
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--regimes", default="greedy,t0.7,t1.0", help=f"of: {', '.join(REGIMES)}")
