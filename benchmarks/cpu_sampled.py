@@ -131,7 +131,7 @@ def main() -> None:
             for regime, configs in summary["this"].items() for c, v in configs.items()))
     report = {"date": datetime.date.today().isoformat(), "threads": args.threads, "tokens": args.tokens,
               "rounds": args.rounds, "prompts": list(HELD_OUT_CHAT[:args.prompts]), "temperatures": temperatures,
-              "configs": configs, "head_quantize": args.head_quantize, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
+              "configs": args.configs.split(","), "head_quantize": args.head_quantize, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "baseline_tree": args.baseline_tree, "totals": totals, "summary": summary,
               "load_average_end": list(os.getloadavg())}
     if args.json:
         with open(args.json, "w") as f:
