@@ -12,7 +12,7 @@ measured growth with width, "@0.05" another hysteresis than ``adaptive_depth.HYS
 
     PYTHONPATH=. python benchmarks/auto_tables.py --model GGUF --head DIR --device cuda --dtype bfloat16 \\
         [--measure-widths 1,2,4,8] [--width-costs FILE.json] [--variants measured,measured+growth,shipped@0.05] \\
-        [--depths 1,3] [--streams 1,4,8] [--regimes greedy,t0.7,t1.0] [--requests 24] [--rounds 2] [--max-tokens 256] --out FILE.json
+        [--depths 1,3] [--streams 1,4,8] [--regimes greedy,t0.7,t1.0] [--requests 24 [--per-stream]] [--rounds 2] [--max-tokens 256] --out FILE.json
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--regimes", default="greedy,t0.7,t1.0", help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--streams", default="1,4,8", help="closed-loop clients of the held-out runs")
     ap.add_argument("--requests", type=int, default=24, help="requests a run, through closed-loop clients")
+    ap.add_argument("--per-stream", action="store_true",
+                    help="--requests a client (a run of 8 streams: 8 x --requests), so wide runs last as long")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
@@ -84,7 +86,7 @@ def main() -> None:
     report: dict = {"engine_build_s": round(time.perf_counter() - t0, 1), "device": str(engine.device),
                     "cost_machine": engine.cost_machine, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "shipped": repr(engine.auto_depth),
-                    "hysteresis": adaptive_depth.HYSTERESIS, "requests": args.requests, "rounds": args.rounds,
+                    "hysteresis": adaptive_depth.HYSTERESIS, "requests": args.requests, "per_stream": args.per_stream, "rounds": args.rounds,
                     "max_tokens": args.max_tokens}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
@@ -120,7 +122,7 @@ def main() -> None:
     with torch.inference_mode():
         report["scheduler"] = scheduler_depths(engine, list(HELD_OUT_CHAT), args.max_tokens, fixed + ["auto"],
                                                args.regimes.split(","), args.rounds, requests_per_run=args.requests,
-                                               variants=calls, widths=streams)
+                                               variants=calls, widths=streams, per_stream=args.per_stream)
     for name, result in report["scheduler"].items():  # auto (each table) over the best fixed depth
         for width in streams:
             best = max(result[f"mtp_d{d}_over_ar_x{width}"] for d in fixed)

@@ -133,13 +133,14 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
                      draft_policy: str = "auto", requests_per_run: int = 0, variants: dict | None = None,
-                     widths: tuple[int, ...] = (1, 4, 8)) -> dict:
+                     widths: tuple[int, ...] = (1, 4, 8), per_stream: bool = False) -> dict:
     """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams (``widths``), the configurations
     alternating within each round: which depth pays at which width. With ``requests_per_run``
     (n > 0), each run is n requests over every prompt in turn, decoded by that many clients in a
     closed loop (``gpu.run_clients``: each client sends its next request when its last one
     ends), the same n requests at every width; else (0) a run is one request per stream, all sent
-    at once, so that 1 stream decodes the first prompt alone. Round r of a seeded regime
+    at once, so that 1 stream decodes the first prompt alone; with ``per_stream``, n requests a
+    client (n x streams a run), so that a wide run lasts as long as a narrow one. Round r of a seeded regime
     gives request i seed 1000 r + i (one seed fixes one trajectory per prompt); each
     configuration's tok/s is over all its rounds (tokens / seconds), "best" its best round; MTP
     configurations also report tokens per cycle and row (1 + accepted / cycles). ``variants``
@@ -180,8 +181,8 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         for r in range(rounds):
             for streams in widths:
                 for mode, depth in configs:
-                    elapsed, results = run_clients(engine, mode, requests(requests_per_run or streams, depth_of(depth),
-                                                                          1000 * r), streams)
+                    count = requests_per_run * (streams if per_stream else 1) or streams
+                    elapsed, results = run_clients(engine, mode, requests(count, depth_of(depth), 1000 * r), streams)
                     key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
                     n = sum(res.completion_tokens for res in results)
                     tokens[key] = tokens.get(key, 0) + n
