@@ -83,6 +83,34 @@ def chat_requests(engine, prompts, n: int, mode: str | None, depth, max_tokens: 
             for i in range(n)]
 
 
+class Tally:
+    """Runs' totals by configuration key: tokens and seconds (tok/s over all runs, and the best
+    run's), and for MTP runs accepted drafts and cycles (tokens a cycle and row: 1 + accepted /
+    cycles)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.best: dict[str, float] = {}
+        self.accepted: dict[str, int] = {}
+        self.cycles: dict[str, int] = {}
+
+    def add(self, key: str, elapsed: float, results: list, mtp: bool) -> None:
+        n = sum(res.completion_tokens for res in results)
+        self.tokens[key] = self.tokens.get(key, 0) + n
+        self.seconds[key] = self.seconds.get(key, 0.0) + elapsed
+        self.best[key] = max(self.best.get(key, 0.0), n / elapsed)
+        if mtp:
+            self.accepted[key] = self.accepted.get(key, 0) + sum(res.stats["accepted_tokens"] for res in results)
+            self.cycles[key] = self.cycles.get(key, 0) + sum(res.stats["verify_calls"] for res in results)
+
+    def tok_s(self) -> dict[str, float]:
+        return {key: self.tokens[key] / self.seconds[key] for key in self.tokens}
+
+    def tokens_per_cycle(self) -> dict[str, float]:
+        return {key: 1 + self.accepted[key] / max(self.cycles[key], 1) for key in self.cycles}
+
+
 def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], rounds: int = 1,
               draft_policy: str = "auto") -> dict:
     """mtp_batch and ar_batch at 1, 4 and 8 streams (best of ``rounds``), hyper vs serial, and
@@ -173,28 +201,18 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
         configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
         for mode, depth in configs:
             run_jobs(engine, mode, requests(1, depth_of(depth)))  # warm-up
-        tokens: dict[str, int] = {}
-        seconds: dict[str, float] = {}
-        best: dict[str, float] = {}
-        accepted: dict[str, int] = {}
-        cycles: dict[str, int] = {}
+        tally = Tally()
         for r in range(rounds):
             for streams in widths:
                 for mode, depth in configs:
                     count = requests_per_run * (streams if per_stream else 1) or streams
                     elapsed, results = run_clients(engine, mode, requests(count, depth_of(depth), 1000 * r), streams)
-                    key = f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}"
-                    n = sum(res.completion_tokens for res in results)
-                    tokens[key] = tokens.get(key, 0) + n
-                    seconds[key] = seconds.get(key, 0.0) + elapsed
-                    best[key] = max(best.get(key, 0.0), n / elapsed)
-                    if depth is not None:
-                        accepted[key] = accepted.get(key, 0) + sum(res.stats["accepted_tokens"] for res in results)
-                        cycles[key] = cycles.get(key, 0) + sum(res.stats["verify_calls"] for res in results)
-        result = {key: tokens[key] / seconds[key] for key in tokens}
-        result.update({f"best_{key}": value for key, value in best.items()})
-        result.update({key.replace("_tok_s_", "_tokens_per_cycle_"): 1 + accepted[key] / max(cycles[key], 1)
-                       for key in cycles})
+                    tally.add(f"{mode}{'' if depth is None else f'_d{depth}'}_tok_s_x{streams}", elapsed, results,
+                              depth is not None)
+        result = tally.tok_s()
+        result.update({f"best_{key}": value for key, value in tally.best.items()})
+        result.update({key.replace("_tok_s_", "_tokens_per_cycle_"): value
+                       for key, value in tally.tokens_per_cycle().items()})
         for streams in widths:
             ar = result[f"ar_batch_tok_s_x{streams}"]
             for depth in depths:

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu import run_jobs  # noqa: E402
-from sampled_decoding import REGIMES, chat_requests  # noqa: E402
+from sampled_decoding import REGIMES, Tally, chat_requests  # noqa: E402
 
 
 def measure(engine, prompts, widths: list[int], depths: list[int], regimes: list[str], max_tokens: int,
@@ -42,10 +42,7 @@ def measure(engine, prompts, widths: list[int], depths: list[int], regimes: list
         for mode, depth in configs:  # warm-up: each mode's first scheduler, each depth's first cycles
             run_jobs(engine, mode, chat_requests(engine, prompts, 1, "ar" if depth is None else "mtp", depth,
                                                  8, sampling))
-        tokens: dict[str, int] = {}
-        seconds: dict[str, float] = {}
-        committed: dict[str, int] = {}
-        cycles: dict[str, int] = {}
+        tally = Tally()
         for r in range(rounds):
             for w in widths:
                 for b in range(per_config // w):
@@ -55,15 +52,9 @@ def measure(engine, prompts, widths: list[int], depths: list[int], regimes: list
                                               "ar" if depth is None else "mtp", depth, max_tokens, sampling,
                                               seed0=1000 * r + 10 * b)
                         elapsed, results = run_jobs(engine, mode, batch)
-                        tokens[key] = tokens.get(key, 0) + sum(res.completion_tokens for res in results)
-                        seconds[key] = seconds.get(key, 0.0) + elapsed
-                        if depth is not None:
-                            committed[key] = committed.get(key, 0) + sum(res.stats["accepted_tokens"] + res.stats["verify_calls"]
-                                                                         for res in results)
-                            cycles[key] = cycles.get(key, 0) + sum(res.stats["verify_calls"] for res in results)
-        tok_s = {key: tokens[key] / seconds[key] for key in tokens}
-        result: dict = {"tok_s": tok_s, "tokens_per_cycle": {k: committed[k] / max(cycles[k], 1) for k in cycles},
-                        "cost": {}, "growth": {}}
+                        tally.add(key, elapsed, results, depth is not None)
+        tok_s = tally.tok_s()
+        result: dict = {"tok_s": tok_s, "tokens_per_cycle": tally.tokens_per_cycle(), "cost": {}, "growth": {}}
         for w in widths:
             for d in depths:
                 key = f"d{d}_x{w}"
