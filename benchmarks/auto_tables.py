@@ -30,20 +30,22 @@ from sampled_decoding import HELD_OUT_CHAT, REGIMES, check_held_out, scheduler_d
 from width_costs import engine_arguments, measure  # noqa: E402
 
 
-def measured_tables(costs: dict, depths: list[int]):
+def measured_tables(costs: dict):
     """(greedy, sampled) DepthCosts without growth and with it, from a width_costs result
-    ({regime: {"cost": {"d1_x1": ...}, "growth": {"2": [...]}}}); None where a regime is missing."""
+    ({regime: {"cost": {"d1_x1": ...}, "growth": {"2": [...]}}}) over the depths it measured
+    (1..n); None where a regime is missing."""
     from mtplx.engine.adaptive_depth import DepthCosts
 
     def table(regimes: list[str]):
         got = [costs[r] for r in regimes if r in costs]
         if not got:
             return None, None
+        depths = range(1, len(got[0]["growth"]["1"]) + 1)  # a growth per depth measured, from 1
         cycles = tuple(round(sum(g["cost"][f"d{d}_x1"] for g in got) / len(got), 3) for d in depths)
         widths = sorted(int(w) for w in got[0]["growth"] if int(w) > 1)
         growth = tuple((w, tuple(round(sum(g["growth"][str(w)][i] for g in got) / len(got), 3)
                                  for i in range(len(depths)))) for w in widths)
-        flat = DepthCosts(cycles, max(cycles[-1] - cycles[-2] if len(cycles) > 1 else cycles[0] - 1, 0.05))
+        flat = DepthCosts.of_cycles(cycles)
         return flat, replace(flat, width_growth=growth)
 
     return table(["greedy"]), table([r for r in costs if r != "greedy"])
@@ -90,14 +92,13 @@ def main() -> None:
                     "max_tokens": args.max_tokens}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    depths = [1, 2, 3]
     if args.measure_widths:
         widths = [int(w) for w in args.measure_widths.split(",")]
-        report["width_costs"] = measure(engine, list(BENCH_PROMPTS), widths, depths, args.regimes.split(","),
+        report["width_costs"] = measure(engine, list(BENCH_PROMPTS), widths, [1, 2, 3], args.regimes.split(","),
                                         args.width_tokens, 2)
     elif args.width_costs:
         report["width_costs"] = json.loads(Path(args.width_costs).read_text())["regimes"]
-    (greedy_flat, greedy_grown), (sampled_flat, sampled_grown) = measured_tables(report.get("width_costs", {}), depths)
+    (greedy_flat, greedy_grown), (sampled_flat, sampled_grown) = measured_tables(report.get("width_costs", {}))
     shipped, hysteresis = engine.auto_depth, adaptive_depth.HYSTERESIS
     report["tables"] = {"measured": [repr(greedy_flat), repr(sampled_flat)],
                         "measured+growth": [repr(greedy_grown), repr(sampled_grown)]}

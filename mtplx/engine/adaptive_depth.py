@@ -181,7 +181,12 @@ class DepthCosts:
         depths = sorted(tok_s)
         if not depths or depths != list(range(1, len(depths) + 1)) or ar_tok_s <= 0:
             return None
-        cycles = tuple((1 + sum(acceptance[d][:d])) * ar_tok_s / tok_s[d] for d in depths)
+        return cls.of_cycles(tuple((1 + sum(acceptance[d][:d])) * ar_tok_s / tok_s[d] for d in depths))
+
+    @classmethod
+    def of_cycles(cls, cycles: tuple[float, ...]) -> DepthCosts:
+        """A table of these measured cycles (depths 1..n), deeper ones costing the last step's
+        increase more each (at least 0.05 AR steps)."""
         per_draft = cycles[-1] - cycles[-2] if len(cycles) > 1 else cycles[0] - 1
         return cls(cycles, max(per_draft, 0.05))
 
