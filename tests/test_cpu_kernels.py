@@ -87,10 +87,11 @@ def test_row_attention_attends_each_query_to_its_own_keys(key_start):
                                               (6, 2, 20)])
 def test_row_attention_over_spans_of_keys(width, key_start, heads, kv_heads, d, force_width):
     """Queries over up to 300 keys against softmax(q k / sqrt) v in float64, each query the same
-    alone as among others: on the AVX-512 path (d a multiple of 16: three spans of 128, the KV
-    head's query heads sharing its rows; the spans depend on key positions only) and on the AVX2
-    one (width 256, or d not a multiple of 16: a job per KV head, its query heads' dot products up
-    to four at a time, seven heads a KV head in two such passes; d = 20 the scalar tails)."""
+    alone as among others: three spans of 128 keys, the KV head's query heads sharing its rows
+    (the spans depend on key positions only), 16 lanes at a time on the AVX-512 path (d a
+    multiple of 16) and 8 on the AVX2 one (width 256, or d not a multiple of 16), a span's
+    (query, head) value sums in batches of 16 or 8 (seven heads a KV head: 35 such sums); d = 20
+    the scalar tails."""
     force_width(width)
     block, blocks = 16, 24
     k_pool = torch.randn(blocks, block, kv_heads, d, generator=_gen(7))
@@ -112,11 +113,11 @@ def test_row_attention_over_spans_of_keys(width, key_start, heads, kv_heads, d, 
         assert torch.equal(alone[0], out[i])
 
 
-def test_row_attention_of_a_short_context_splits_the_heads():
+@pytest.mark.parametrize("width", [512, 256])
+def test_row_attention_of_a_short_context_splits_the_heads(width, force_width):
     """One span of keys and few KV heads: a job per query head (more jobs than threads), the
     same numbers as the reference and as each query alone."""
-    if cpu_kernels.vector_width() != 512:
-        pytest.skip("no AVX-512 here")
+    force_width(width)
     heads, kv_heads, d = 9, 3, 64
     k_pool, v_pool = (torch.randn(4, 16, kv_heads, d, generator=_gen(s)) for s in (12, 13))
     table, positions = torch.tensor([2, 0, 3, 1]), torch.tensor([40, 41])
@@ -133,7 +134,7 @@ def test_row_attention_of_a_short_context_splits_the_heads():
 
 @pytest.mark.parametrize("width", [512, 256])
 def test_row_attention_keeps_a_nan_key_visible(width, force_width):
-    """A NaN key makes its KV head's query heads NaN (over spans, and on the per-head path),
+    """A NaN key makes its KV head's query heads NaN (over spans, 16 or 8 lanes at a time),
     the other heads their own numbers."""
     force_width(width)
     heads, kv_heads, d = 6, 2, 64
@@ -154,8 +155,8 @@ def test_row_attention_keeps_a_nan_key_visible(width, force_width):
                                                      (6, 2, 20, [40, 7]), (4, 1, 12, [33])])
 def test_row_attention_over_float16_pools(width, heads, kv_heads, d, positions, force_width):
     """float16 pools: each element widened exactly as it is read, so the output is bit for bit
-    the float32 path's over the pools' ``.float()`` (over spans of keys, and on the per-head
-    path: AVX2 width, or a head size not a multiple of 16)."""
+    the float32 path's over the pools' ``.float()`` (16 lanes at a time, and 8: AVX2 width, or a
+    head size not a multiple of 16, with scalar tails past a multiple of 8)."""
     force_width(width)
     block, blocks = 16, 24
     k_pool, v_pool = (torch.randn(blocks, block, kv_heads, d, generator=_gen(s)).half() for s in (20, 21))

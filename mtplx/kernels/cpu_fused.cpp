@@ -26,56 +26,6 @@ namespace {
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// sum_c a[c] * b[c] with b a pool row, widened as it is read: eight lanes at a time (d a
-// multiple of 8 in every model here; a tail stays scalar), the lanes summed in a fixed order.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <typename KV>
-inline float dot(const float* a, const KV* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), widen8(b + c), acc);
-  float total = hsum8(acc);
-  for (; c < d; ++c) total = std::fma(a[c], static_cast<float>(b[c]), total);  // (one rounding, either pool type)
-  return total;
-}
-
-// s[u * stride + j] = scale * dot(q + u * d, k + at[j]) for G heads u and keys j in [first, last]
-// (d a multiple of 8): each key row read once for the G heads, their G sums independent chains.
-template <int G, typename KV>
-inline void head_dots(const float* q, const KV* k, const int64_t* at, int64_t first, int64_t last, int64_t d,
-                      float scale, float* s, size_t stride) {
-  for (int64_t j = first; j <= last; ++j) {
-    __m256 acc[G];
-    for (int u = 0; u < G; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) {
-      const __m256 kv = widen8(k + at[j] + c);
-      for (int u = 0; u < G; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + u * d + c), kv, acc[u]);
-    }
-    for (int u = 0; u < G; ++u) s[u * stride + j] = hsum8(acc[u]) * scale;
-  }
-}
-
-// out[0 .. 8 T) = sum over keys j in [first, last] of s[j] * inv * v[at[j] ..], the T vectors of
-// sums in registers.
-template <int T, typename KV>
-inline void weigh_rows(const KV* v, const int64_t* at, const float* s, int64_t first, int64_t last, float inv,
-                       float* out) {
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t j = first; j <= last; ++j) {
-    const __m256 p = _mm256_set1_ps(s[j] * inv);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(p, widen8(v + at[j] + 8 * t), acc[t]);
-  }
-  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
-}
-
 // e^x for x <= 0 (softmax after its maximum is subtracted), eight lanes: 2^n e^r with
 // n = round(x log2 e), r = x - n ln 2 in two parts, e^r by its degree-6 Taylor polynomial (relative
 // error about 1e-7, as std::exp's float result); below -87 the result is 0.
@@ -249,14 +199,18 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
-// --- attention over many keys: AVX-512, keys in fixed spans of kSpan ----------------------------
+// --- attention over spans of keys: a job per KV head and span of kSpan keys -------------------
 // Each job is one KV head and one span of keys [c kSpan, (c + 1) kSpan): every query head of the
 // KV head, of every query of the row (a verify's 1 + D tokens), shares each key and value row
-// read (grouped-query attention: 3 query heads a KV head on the default model), and a long
-// context's spans run on all threads (4,000 keys are 32 spans a KV head). A job leaves, per
-// query head, the span's maximum score m, its sum of e^(s - m) and its e^(s - m)-weighted
-// values; the spans are then merged in their order. The spans are fixed by key position, not by the batch or the thread count, so a query
-// gets the same numbers alone, in a verify or in a batch.
+// read (grouped-query attention: 3 query heads a KV head on the default model), and a context's
+// spans run on all threads (4,000 keys are 32 spans a KV head; one row's 3 KV heads over 240 keys
+// are 6 jobs, where a job per (query, KV head) gave 2 threads 3). A job leaves, per query head,
+// the span's maximum score m, its sum of e^(s - m) and its e^(s - m)-weighted values; the spans
+// are then merged in their order. The spans are fixed by key position, not by the batch or the
+// thread count, so a query gets the same numbers alone, in a verify or in a batch. The dot
+// products and the value sums run 16 lanes at a time with AVX-512 (``Wide``: a head size a
+// multiple of 16), else 8 with AVX2 (``Narrow``; a head size not a multiple of 8 ends in scalar
+// tails); the job itself (which keys, the softmax, the batches of sums) is ``attend_span``.
 
 constexpr int64_t kSpan = 128;
 
@@ -277,6 +231,17 @@ struct SpanArgs {
   int64_t heads, kv_heads, d, block, key_start, spans;
   float scale;
   float* partial;  // [Q, heads, spans, d + 2]: (m, sum, weighted values)
+  float* out;      // [Q, heads * d]: where one span holds every key, the results (no merge)
+};
+
+// One span job's rows: its keys' and values' rows of the KV head (found once: no division per
+// read), how many of them each query attends (seen), and the most any query does.
+template <typename KV>
+struct SpanRows {
+  const KV* k[kSpan];
+  const KV* v[kSpan];
+  std::vector<int64_t> seen;
+  int64_t most = 0;
 };
 
 // Lane u of the result: the sum of v[u]'s 16 lanes (pairs of lanes, then pairs of pairs within
@@ -298,6 +263,125 @@ MTPLX_ATTN512 __attribute__((always_inline)) inline __m512 sum16(const __m512 v[
                                    _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane u of the result: the sum of v[u]'s 8 lanes (pairs, then pairs of pairs within each
+// 128-bit half, then the two halves).
+inline __m256 sum8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The largest of s[0 .. n) (-inf for none), eight lanes at a time; a NaN is passed over, as
+// std::max(top, s) passes it (a NaN score still makes its sums NaN).
+inline float max_of(const float* s, int64_t n) {
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(_mm256_loadu_ps(s + j), top8);  // (NaN lanes: the second operand)
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = -INFINITY;
+  for (float l : lanes) top = std::max(top, l);
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
+// Key rows are fetched kAhead keys ahead (a long context's cache streams from memory), and each
+// block's value rows (for the pass after the scores).
+constexpr int64_t kAhead = 64;
+
+template <typename KV>
+inline void fetch_rows(const KV* const* rows, int64_t from, int64_t to, int64_t d, int hint) {
+  constexpr int64_t line = 64 / sizeof(KV);  // elements a cache line
+  for (int64_t j = from; j < to; ++j)
+    for (int64_t x = 0; x < d; x += line) {
+      if (hint == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + x), _MM_HINT_T0);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + x), _MM_HINT_T1);
+    }
+}
+
+// scores[(i group + g) kSpan + j] = scale q_(i, g) . k_j for query i's (query, head) pairs of
+// heads g0 .. g1 and the span's keys j it sees: 16 keys at a time, each key row read once for
+// every query head of the KV head (all the row's queries): a (query, head)'s 16 dot products in 16
+// accumulators, then summed across lanes together (sum16) rather than one horizontal sum each;
+// with the rows found once and the value pass's sums in registers (weigh_values), 30 layers'
+// attention at the default model's shapes, one thread, 1 / 2 queries: 500 keys 60 -> 47 / 66 ->
+// 53 us a layer, 4,000 keys 550 -> 434 / 655 -> 567 (benchmarks/cpu_attention.py; a long context
+// then waits on memory).
+template <typename KV>
+MTPLX_ATTN512 void span_scores16(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1,
+                                 const SpanRows<KV>& r, float* scores) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, most = r.most;
+  for (int64_t j0 = 0; j0 < kAhead; j0 += 16) fetch_rows(r.k, j0, std::min(most, j0 + 16), d, 0);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 < most; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, most - j0);
+    const KV* kr[16];
+    for (int64_t u = 0; u < 16; ++u) kr[u] = r.k[j0 + std::min(u, n - 1)];  // past the keys: scores unread
+    if (j0 + kAhead < most) fetch_rows(r.k, j0 + kAhead, std::min(most, j0 + kAhead + 16), d, 0);
+    fetch_rows(r.v, j0, j0 + n, d, 1);
+    for (int64_t i = 0; i < Q; ++i) {
+      if (j0 >= r.seen[i]) continue;
+      const float* qi = a.q + (i * a.heads + kvh * group) * d;
+      for (int64_t g = g0; g < g1; ++g) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 16) {
+          const __m512 qx = _mm512_loadu_ps(qi + g * d + x);
+#pragma GCC unroll 16
+          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, load16(kr[u] + x), acc[u]);
+        }
+        _mm512_storeu_ps(scores + (i * group + g) * kSpan + j0, _mm512_mul_ps(sum16(acc), scale));
+      }
+    }
+  }
+}
+
+// The same with AVX2, 8 keys at a time; a head size not a multiple of 8 adds each key's tail of
+// scalar products (fused, as the lanes' are) to its lane sum.
+template <typename KV>
+void span_scores8(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
+                  float* scores) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, body = d - d % 8, most = r.most;
+  for (int64_t j0 = 0; j0 < kAhead; j0 += 8) fetch_rows(r.k, j0, std::min(most, j0 + 8), d, 0);
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  alignas(32) float tail[8] = {};
+  for (int64_t j0 = 0; j0 < most; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, most - j0);
+    const KV* kr[8];
+    for (int64_t u = 0; u < 8; ++u) kr[u] = r.k[j0 + std::min(u, n - 1)];  // past the keys: scores unread
+    if (j0 + kAhead < most) fetch_rows(r.k, j0 + kAhead, std::min(most, j0 + kAhead + 8), d, 0);
+    fetch_rows(r.v, j0, j0 + n, d, 1);
+    for (int64_t i = 0; i < Q; ++i) {
+      if (j0 >= r.seen[i]) continue;
+      const float* qi = a.q + (i * a.heads + kvh * group) * d;
+      for (int64_t g = g0; g < g1; ++g) {
+        const float* qg = qi + g * d;
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t x = 0; x < body; x += 8) {
+          const __m256 qx = _mm256_loadu_ps(qg + x);
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qx, widen8(kr[u] + x), acc[u]);
+        }
+        __m256 s = sum8(acc);
+        if (body < d) {
+          for (int u = 0; u < 8; ++u) {
+            float t = 0.f;
+            for (int64_t x = body; x < d; ++x) t = std::fma(qg[x], static_cast<float>(kr[u][x]), t);
+            tail[u] = t;
+          }
+          s = _mm256_add_ps(s, _mm256_load_ps(tail));
+        }
+        _mm256_storeu_ps(scores + (i * group + g) * kSpan + j0, _mm256_mul_ps(s, scale));
+      }
+    }
+  }
 }
 
 // The weighted values of M (query, head) sums over one span, 16 lanes of the head size at a time
@@ -337,72 +421,118 @@ MTPLX_ATTN512 void weigh_values_of(int m, std::integer_sequence<int, Ms...>, con
   ((m == Ms + 1 ? weigh_values<Ms + 1>(vrow, d, w, n, out) : void()), ...);
 }
 
-template <typename KV>
-MTPLX_ATTN512 void attend_span(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
-                               std::vector<float>& scores) {
+// The same with AVX2: C blocks of 8 lanes at a time for each of M sums (C = 8 / M blocks, so that
+// a few sums still make eight independent chains of products: one sum's keys in a single chain
+// waited on each product's latency), the blocks left over one at a time, then a head size's tail
+// past a multiple of 8 one element at a time; each sum over its keys in order.
+template <int M, int C, typename KV>
+inline void weigh_blocks8(const KV* const* vrow, int64_t x, int64_t all, int64_t upto, const float* const* w,
+                          const int64_t* n, float* const* out) {
+  __m256 acc[M][C];
+#pragma GCC unroll 8
+  for (int u = 0; u < M; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < upto; ++j) {
+    __m256 vv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vv[c] = widen8(vrow[j] + x + 8 * c);
+#pragma GCC unroll 8
+    for (int u = 0; u < M; ++u) {
+      if (j >= all && j >= n[u]) continue;  // a verify's later queries see a few keys more
+      const __m256 b = _mm256_set1_ps(w[u][j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(b, vv[c], acc[u][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < M; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[u] + x + 8 * c, acc[u][c]);
+}
+
+template <int M, typename KV>
+void weigh_values8(const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n, float* const* out) {
+  int64_t all = n[0], upto = n[0];
+  for (int u = 1; u < M; ++u) {
+    all = std::min(all, n[u]);
+    upto = std::max(upto, n[u]);
+  }
+  constexpr int C = M >= 8 ? 1 : 8 / M;
+  const int64_t body = d - d % 8;
+  int64_t x = 0;
+  for (; x + 8 * C <= body; x += 8 * C) weigh_blocks8<M, C>(vrow, x, all, upto, w, n, out);
+  for (; x < body; x += 8) weigh_blocks8<M, 1>(vrow, x, all, upto, w, n, out);
+  for (x = body; x < d; ++x)
+    for (int u = 0; u < M; ++u) {
+      float t = 0.f;
+      for (int64_t j = 0; j < n[u]; ++j) t = std::fma(w[u][j], static_cast<float>(vrow[j][x]), t);
+      out[u][x] = t;
+    }
+}
+
+template <typename KV, int... Ms>
+void weigh_values8_of(int m, std::integer_sequence<int, Ms...>, const KV* const* vrow, int64_t d,
+                      const float* const* w, const int64_t* n, float* const* out) {
+  ((m == Ms + 1 ? weigh_values8<Ms + 1>(vrow, d, w, n, out) : void()), ...);
+}
+
+// A span job's vector steps: its scores, and up to kSums of its weighted-value sums at once.
+struct Wide {  // AVX-512
+  static constexpr int kSums = 16;
+  template <typename KV>
+  static void scores(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
+                     float* s) {
+    span_scores16(a, Q, kvh, g0, g1, r, s);
+  }
+  template <typename KV>
+  static void weigh(int m, const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n,
+                    float* const* out) {
+    weigh_values_of<KV>(m, std::make_integer_sequence<int, kSums>{}, vrow, d, w, n, out);
+  }
+};
+
+struct Narrow {  // AVX2
+  static constexpr int kSums = 8;
+  template <typename KV>
+  static void scores(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
+                     float* s) {
+    span_scores8(a, Q, kvh, g0, g1, r, s);
+  }
+  template <typename KV>
+  static void weigh(int m, const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n,
+                    float* const* out) {
+    weigh_values8_of<KV>(m, std::make_integer_sequence<int, kSums>{}, vrow, d, w, n, out);
+  }
+};
+
+// One job: KV head kvh's query heads g0 .. g1 (of every query) over span c's keys, into
+// their partial results.
+template <typename V, typename KV>
+void attend_span(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, int64_t c,
+                 SpanRows<KV>& r, std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, first = std::max(a.key_start, c * kSpan);
   auto slot = [&](int64_t i, int64_t g) {  // query i, head g of this KV head: its partial result
     return a.partial + ((i * a.heads + kvh * group + g) * a.spans + c) * (d + 2);
   };
-  std::vector<int64_t> seen(static_cast<size_t>(Q));  // how many of the span's keys each query attends
-  int64_t most = 0;
+  r.seen.resize(static_cast<size_t>(Q));  // how many of the span's keys each query attends
+  r.most = 0;
   for (int64_t i = 0; i < Q; ++i) {
-    seen[i] = std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
-    most = std::max(most, seen[i]);
+    r.seen[i] = std::max<int64_t>(0, std::min(a.positions[i], (c + 1) * kSpan - 1) + 1 - first);
+    r.most = std::max(r.most, r.seen[i]);
   }
-  // each key's and value's row of this KV head, found once (no division per read)
-  const KV* krow[kSpan];
-  const KV* vrow[kSpan];
-  for (int64_t j = 0, b = first / a.block, o = first % a.block; j < most; ++j) {
+  for (int64_t j = 0, b = first / a.block, o = first % a.block; j < r.most; ++j) {
     const int64_t at = ((a.table[b] * a.block + o) * a.kv_heads + kvh) * d;
-    krow[j] = a.k + at;
-    vrow[j] = a.v + at;
+    r.k[j] = a.k + at;
+    r.v[j] = a.v + at;
     if (++o == a.block) o = 0, ++b;
   }
   scores.resize(static_cast<size_t>(Q * group * kSpan));
-  // scores: 16 keys at a time, each key row read once for every query head of the KV head (all
-  // the row's queries): a (query, head)'s 16 dot products in 16 accumulators, then summed across
-  // lanes together (sum16) rather than one horizontal sum each; with the rows found once and the
-  // value pass's sums in registers (weigh_values), 30 layers' attention at the default model's
-  // shapes, one thread, 1 / 2 queries: 500 keys 60 -> 47 / 66 -> 53 us a layer, 4,000 keys 550 ->
-  // 434 / 655 -> 567 (benchmarks/cpu_attention.py; a long context then waits on memory). Key rows
-  // are fetched four blocks ahead (a long context's cache streams from memory), and this block's
-  // value rows (for the pass after this one)
-  constexpr int64_t line = 64 / sizeof(KV);  // elements a cache line
-  auto fetch_keys = [&](int64_t j0) {
-    for (int64_t j = j0; j < std::min(most, j0 + 16); ++j)
-      for (int64_t x = 0; x < d; x += line) _mm_prefetch(reinterpret_cast<const char*>(krow[j] + x), _MM_HINT_T0);
-  };
-  constexpr int64_t kAhead = 64;
-  for (int64_t j0 = 0; j0 < kAhead; j0 += 16) fetch_keys(j0);
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t j0 = 0; j0 < most; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, most - j0);
-    const KV* kr[16];
-    for (int64_t u = 0; u < 16; ++u) kr[u] = krow[j0 + std::min(u, n - 1)];  // past the keys: scores unread
-    if (j0 + kAhead < most) fetch_keys(j0 + kAhead);
-    for (int64_t j = j0; j < j0 + n; ++j)
-      for (int64_t x = 0; x < d; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow[j] + x), _MM_HINT_T1);
-    for (int64_t i = 0; i < Q; ++i) {
-      if (j0 >= seen[i]) continue;
-      const float* qi = a.q + (i * a.heads + kvh * group) * d;
-      for (int64_t g = g0; g < g1; ++g) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
-        for (int64_t x = 0; x < d; x += 16) {
-          const __m512 qx = _mm512_loadu_ps(qi + g * d + x);
-#pragma GCC unroll 16
-          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, load16(kr[u] + x), acc[u]);
-        }
-        _mm512_storeu_ps(scores.data() + (i * group + g) * kSpan + j0, _mm512_mul_ps(sum16(acc), scale));
-      }
-    }
-  }
+  V::scores(a, Q, kvh, g0, g1, r, scores.data());
   // each (query, head): the span's maximum, e^(s - max) and their sum
   std::vector<int64_t> live;  // (query, head) pairs that see a key of the span, as i * group + g
   for (int64_t i = 0; i < Q; ++i) {
-    const int64_t n = seen[i];
+    const int64_t n = r.seen[i];
     for (int64_t g = g0; g < g1; ++g) {
       float* out = slot(i, g);
       if (n == 0) {
@@ -411,27 +541,42 @@ MTPLX_ATTN512 void attend_span(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, in
         continue;
       }
       float* sg = scores.data() + (i * group + g) * kSpan;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
+      const float top = max_of(sg, n);
       out[0] = top;
       out[1] = exp_shifted(sg, n, top);
       live.push_back(i * group + g);
     }
   }
-  // weighted values: each value row read once for up to 16 (query, head) sums
-  for (size_t b = 0; b < live.size(); b += 16) {
-    const int m = static_cast<int>(std::min<size_t>(16, live.size() - b));
-    int64_t n[16];
-    const float* w[16];
-    float* out[16];
+  // weighted values: each value row read once for up to V::kSums (query, head) sums; one span
+  // of keys in all writes the results, the sums times 1 / e^(s - max)'s sum, as merge_spans
+  // would have made them (its weight e^(m - m) is 1 and its total that sum: the same numbers)
+  const bool whole = a.spans == 1;
+  auto result = [&](int64_t pair) {
+    const int64_t i = pair / group, g = pair % group;
+    return whole ? a.out + (i * a.heads + kvh * group + g) * d : slot(i, g) + 2;
+  };
+  for (size_t b = 0; b < live.size(); b += V::kSums) {
+    const int m = static_cast<int>(std::min<size_t>(V::kSums, live.size() - b));
+    int64_t n[V::kSums];
+    const float* w[V::kSums];
+    float* out[V::kSums];
     for (int u = 0; u < m; ++u) {
       const int64_t pair = live[b + u];
-      n[u] = seen[pair / group];
+      n[u] = r.seen[pair / group];
       w[u] = scores.data() + pair * kSpan;
-      out[u] = slot(pair / group, pair % group) + 2;
+      out[u] = result(pair);
     }
-    weigh_values_of<KV>(m, std::make_integer_sequence<int, 16>{}, vrow, d, w, n, out);
+    V::weigh(m, r.v, d, w, n, out);
   }
+  if (!whole) return;
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t g = g0; g < g1; ++g) {
+      float* o = a.out + (i * a.heads + kvh * group + g) * d;
+      const float total = slot(i, g)[1];
+      const float inv = total == 0.f ? 0.f : 1.f / total;  // no keys: zeros (a NaN stays NaN)
+      if (total == 0.f) std::fill(o, o + d, 0.f);
+      for (int64_t x = 0; x < d; ++x) o[x] *= inv;
+    }
 }
 
 // The spans' partial results of query i, head h, merged in span order -> out[d].
@@ -477,100 +622,42 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
   const KV *kp = k_pool.data_ptr<KV>(), *vp = v_pool.data_ptr<KV>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  if (quant_isa(0) == 512 && d % 16 == 0 && heads / kv_heads <= 16) {
-    const int64_t spans = (most + kSpan - 1) / kSpan;
-    torch::Tensor partial = torch::empty({Q, heads, std::max<int64_t>(spans, 1), d + 2}, q.options());
-    SpanArgs<KV> a{qp, kp, vp, tp, pp, heads, kv_heads, d, block, key_start, spans, sc, partial.data_ptr<float>()};
-    // a job per KV head and span; where those are fewer than two a thread (a short context), a
-    // job per query head and span (the same numbers: each head's sums are computed alike either way)
-    const int64_t group = heads / kv_heads;
-    const int64_t split = kv_heads * spans < 2 * at::get_num_threads() ? group : 1, per = group / split;
-    at::parallel_for(0, kv_heads * split * spans, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores;
-      for (int64_t job = b; job < e; ++job) {
-        const int64_t part = job % (kv_heads * split), kvh = part / split, g0 = part % split * per;
-        attend_span(a, Q, kvh, g0, g0 + per, job / (kv_heads * split), scores);
-      }
-    });
+  const int64_t spans = (most + kSpan - 1) / kSpan;
+  torch::Tensor partial = torch::empty({Q, heads, std::max<int64_t>(spans, 1), d + 2}, q.options());
+  SpanArgs<KV> a{qp, kp, vp, tp, pp, heads, kv_heads, d, block, key_start, spans, sc, partial.data_ptr<float>(), op};
+  const bool wide = quant_isa(0) == 512 && d % 16 == 0 && group <= 16;
+  // a job per KV head and span; where those are fewer than two a thread (a short context), a
+  // job per query head and span (the same numbers: each head's sums are computed alike either way)
+  const int64_t split = kv_heads * spans < 2 * at::get_num_threads() ? group : 1, per = group / split;
+  at::parallel_for(0, kv_heads * split * spans, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores;
+    SpanRows<KV> rows;
+    for (int64_t job = b; job < e; ++job) {
+      const int64_t part = job % (kv_heads * split), kvh = part / split, g0 = part % split * per;
+      const int64_t c = job / (kv_heads * split);
+      if (wide)
+        attend_span<Wide>(a, Q, kvh, g0, g0 + per, c, rows, scores);
+      else
+        attend_span<Narrow>(a, Q, kvh, g0, g0 + per, c, rows, scores);
+    }
+  });
+  if (spans > 1)
     at::parallel_for(0, Q * heads, spans >= 8 ? 1 : Q * heads, [&](int64_t b, int64_t e) {
       for (int64_t ih = b; ih < e; ++ih) merge_spans(a, ih / heads, ih % heads, op + ih * d);
     });
-    return out;
-  }
-  // a job per (query, KV head): each key row is read once for up to four of the KV head's query
-  // heads (head_dots), not once per query head; where those jobs are fewer than two a thread, a
-  // job per four of its query heads (the same numbers either way)
-  const int64_t per = Q * kv_heads < 2 * at::get_num_threads() ? 4 : group, passes = (group + per - 1) / per;
-  at::parallel_for(0, Q * kv_heads * passes, 1, [&](int64_t b, int64_t e) {
-    const size_t keys = static_cast<size_t>(std::max<int64_t>(most, 1));
-    std::vector<float> scores(keys * group);
-    std::vector<int64_t> where(keys);
-    std::vector<float> wide(std::is_same_v<KV, float> ? 0 : static_cast<size_t>(d));  // a half pool's row widened
-    auto row_of = [&](const KV* r) -> const float* {
-      if constexpr (std::is_same_v<KV, float>) {
-        return r;
-      } else {
-        for (int64_t c = 0; c < d; ++c) wide[c] = static_cast<float>(r[c]);
-        return wide.data();
-      }
-    };
-    for (int64_t job = b; job < e; ++job) {
-      const int64_t i = job / (kv_heads * passes), kvh = job / passes % kv_heads, last = pp[i];
-      const int64_t g0 = job % passes * per, g1 = std::min(group, g0 + per);
-      // each key's offset in the pools, found once (no division per read)
-      for (int64_t j = key_start, blk = key_start / block, slot = key_start % block; j <= last; ++j) {
-        where[j] = ((tp[blk] * block + slot) * kv_heads + kvh) * d;
-        if (++slot == block) slot = 0, ++blk;
-      }
-      const float* qh = qp + (i * heads + kvh * group) * d;
-      for (int64_t g = g0; g < g1; g += 4) {  // up to four heads' dot products of each key at once
-        const int n = static_cast<int>(std::min<int64_t>(4, g1 - g));
-        float* sg = scores.data() + g * keys;
-        if (d % 8) {
-          for (int64_t j = key_start; j <= last; ++j)
-            for (int u = 0; u < n; ++u) sg[u * keys + j] = dot(qh + (g + u) * d, kp + where[j], d) * sc;
-        } else if (n == 4) {
-          head_dots<4>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
-        } else if (n == 3) {
-          head_dots<3>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
-        } else if (n == 2) {
-          head_dots<2>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
-        } else {
-          head_dots<1>(qh + g * d, kp, where.data(), key_start, last, d, sc, sg, keys);
-        }
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        float* sg = scores.data() + g * keys;
-        float top = -INFINITY;
-        for (int64_t j = key_start; j <= last; ++j) top = std::max(top, sg[j]);
-        const float inv = 1.f / exp_shifted(sg + key_start, last + 1 - key_start, top);
-        float* o = op + (i * heads + kvh * group + g) * d;
-        if (d % 8 == 0) {  // 64 elements of the output at a time in registers, each value row widened by F16C
-          int64_t x0 = 0;
-          for (; x0 + 64 <= d; x0 += 64) weigh_rows<8>(vp + x0, where.data(), sg, key_start, last, inv, o + x0);
-          for (; x0 < d; x0 += 8) weigh_rows<1>(vp + x0, where.data(), sg, key_start, last, inv, o + x0);
-          continue;
-        }
-        std::fill(o, o + d, 0.f);
-        for (int64_t j = key_start; j <= last; ++j) {
-          const float* vv = row_of(vp + where[j]);
-          const float p = sg[j] * inv;
-          for (int64_t c = 0; c < d; ++c) o[c] += p * vv[c];
-        }
-      }
-    }
-  });
   return out;
 }
 
 // One row's queries q [Q, heads, d] over its paged keys: query i attends keys
 // key_start .. positions[i] (block_table maps key j to block table[j / block], slot j % block).
-// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. With AVX-512 and d a
-// multiple of 16 (up to 16 query heads a KV head), by spans of keys as above; else (AVX2) the
-// query heads of each KV head together over all their keys, eight lanes at a time where d is a multiple of 8
-// (the value sums 64 lanes at a time in registers; 30 layers at the default model's shapes, 2
-// threads, Zen 3 (AVX2 only): 200 / 1,000 keys, 1 query 33 -> 19 / 283 -> 169 us a layer, 2 queries
-// 48 -> 25 / 333 -> 234; benchmarks/cpu_attention.py). The pools hold float32 or float16 (each element widened
+// Softmax in float32 with the maximum subtracted. -> [Q, heads * d]. By spans of keys as above,
+// 16 lanes at a time with AVX-512 and d a multiple of 16 (up to 16 query heads a KV head), else 8
+// (AVX2). On AVX2 the spans replaced a job per (query, KV head) over all its keys (one row's 3
+// jobs on 2 threads): 30 layers' float16 pools at the default model's shapes, 2 threads, Zen 3,
+// before / after, us a layer: 1 / 2 / 4 queries over 240 keys 16 / 22 / 40 -> 15 / 21 / 32, over
+// 1,000 keys 110 / 174 / 258 -> 97 / 110 / 152, over 4,000 keys 502 / 666 / 1,129 -> 314 / 424 /
+// 596; over 64 keys about 1 us slower (6 / 8 / 12 -> 7 / 9 / 13; benchmarks/cpu_attention.py,
+// cpu_s44_attention_spans_f16_2threads.json). The pools hold float32 or float16 (each element widened
 // exactly to float32 as it is read: the same numbers as attending over the pools' .float()).
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                             torch::Tensor block_table, torch::Tensor positions, int64_t key_start,
