@@ -304,84 +304,71 @@ inline void fetch_rows(const KV* const* rows, int64_t from, int64_t to, int64_t 
 }
 
 // scores[(i group + g) kSpan + j] = scale q_(i, g) . k_j for query i's (query, head) pairs of
-// heads g0 .. g1 and the span's keys j it sees: 16 keys at a time, each key row read once for
-// every query head of the KV head (all the row's queries): a (query, head)'s 16 dot products in 16
-// accumulators, then summed across lanes together (sum16) rather than one horizontal sum each;
-// with the rows found once and the value pass's sums in registers (weigh_values), 30 layers'
-// attention at the default model's shapes, one thread, 1 / 2 queries: 500 keys 60 -> 47 / 66 ->
-// 53 us a layer, 4,000 keys 550 -> 434 / 655 -> 567 (benchmarks/cpu_attention.py; a long context
-// then waits on memory).
-template <typename KV>
-MTPLX_ATTN512 void span_scores16(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1,
-                                 const SpanRows<KV>& r, float* scores) {
+// heads g0 .. g1 and the span's keys j it sees, B keys at a time: ``block(q, kr, out)`` writes
+// B scores of one (query, head), kr the B keys' rows (past the span's keys: the last one again,
+// whose scores are not read), so that each key row is read once for every query head of the KV
+// head (all the row's queries).
+template <int B, typename KV, typename Block>
+inline void span_scores(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
+                        float* scores, Block block) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, most = r.most;
-  for (int64_t j0 = 0; j0 < kAhead; j0 += 16) fetch_rows(r.k, j0, std::min(most, j0 + 16), d, 0);
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t j0 = 0; j0 < most; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, most - j0);
-    const KV* kr[16];
-    for (int64_t u = 0; u < 16; ++u) kr[u] = r.k[j0 + std::min(u, n - 1)];  // past the keys: scores unread
-    if (j0 + kAhead < most) fetch_rows(r.k, j0 + kAhead, std::min(most, j0 + kAhead + 16), d, 0);
+  for (int64_t j0 = 0; j0 < kAhead; j0 += B) fetch_rows(r.k, j0, std::min(most, j0 + B), d, 0);
+  for (int64_t j0 = 0; j0 < most; j0 += B) {
+    const int64_t n = std::min<int64_t>(B, most - j0);
+    const KV* kr[B];
+    for (int64_t u = 0; u < B; ++u) kr[u] = r.k[j0 + std::min(u, n - 1)];
+    if (j0 + kAhead < most) fetch_rows(r.k, j0 + kAhead, std::min(most, j0 + kAhead + B), d, 0);
     fetch_rows(r.v, j0, j0 + n, d, 1);
     for (int64_t i = 0; i < Q; ++i) {
       if (j0 >= r.seen[i]) continue;
       const float* qi = a.q + (i * a.heads + kvh * group) * d;
-      for (int64_t g = g0; g < g1; ++g) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
-        for (int64_t x = 0; x < d; x += 16) {
-          const __m512 qx = _mm512_loadu_ps(qi + g * d + x);
-#pragma GCC unroll 16
-          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, load16(kr[u] + x), acc[u]);
-        }
-        _mm512_storeu_ps(scores + (i * group + g) * kSpan + j0, _mm512_mul_ps(sum16(acc), scale));
-      }
+      for (int64_t g = g0; g < g1; ++g) block(qi + g * d, kr, scores + (i * group + g) * kSpan + j0);
     }
   }
 }
 
-// The same with AVX2, 8 keys at a time; a head size not a multiple of 8 adds each key's tail of
-// scalar products (fused, as the lanes' are) to its lane sum.
+// AVX-512: a (query, head)'s 16 dot products in 16 accumulators, then summed across lanes
+// together (sum16) rather than one horizontal sum each; with the rows found once and the value
+// pass's sums in registers (weigh_values), 30 layers' attention at the default model's shapes,
+// one thread, 1 / 2 queries: 500 keys 60 -> 47 / 66 -> 53 us a layer, 4,000 keys 550 -> 434 / 655
+// -> 567 (benchmarks/cpu_attention.py; a long context then waits on memory).
 template <typename KV>
-void span_scores8(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
-                  float* scores) {
-  const int64_t group = a.heads / a.kv_heads, d = a.d, body = d - d % 8, most = r.most;
-  for (int64_t j0 = 0; j0 < kAhead; j0 += 8) fetch_rows(r.k, j0, std::min(most, j0 + 8), d, 0);
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  alignas(32) float tail[8] = {};
-  for (int64_t j0 = 0; j0 < most; j0 += 8) {
-    const int64_t n = std::min<int64_t>(8, most - j0);
-    const KV* kr[8];
-    for (int64_t u = 0; u < 8; ++u) kr[u] = r.k[j0 + std::min(u, n - 1)];  // past the keys: scores unread
-    if (j0 + kAhead < most) fetch_rows(r.k, j0 + kAhead, std::min(most, j0 + kAhead + 8), d, 0);
-    fetch_rows(r.v, j0, j0 + n, d, 1);
-    for (int64_t i = 0; i < Q; ++i) {
-      if (j0 >= r.seen[i]) continue;
-      const float* qi = a.q + (i * a.heads + kvh * group) * d;
-      for (int64_t g = g0; g < g1; ++g) {
-        const float* qg = qi + g * d;
-        __m256 acc[8];
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-        for (int64_t x = 0; x < body; x += 8) {
-          const __m256 qx = _mm256_loadu_ps(qg + x);
-#pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qx, widen8(kr[u] + x), acc[u]);
-        }
-        __m256 s = sum8(acc);
-        if (body < d) {
-          for (int u = 0; u < 8; ++u) {
-            float t = 0.f;
-            for (int64_t x = body; x < d; ++x) t = std::fma(qg[x], static_cast<float>(kr[u][x]), t);
-            tail[u] = t;
-          }
-          s = _mm256_add_ps(s, _mm256_load_ps(tail));
-        }
-        _mm256_storeu_ps(scores + (i * group + g) * kSpan + j0, _mm256_mul_ps(s, scale));
-      }
-    }
+MTPLX_ATTN512 void scores_block16(const float* q, const KV* const* kr, int64_t d, float scale, float* out) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; x += 16) {
+    const __m512 qx = _mm512_loadu_ps(q + x);
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qx, load16(kr[u] + x), acc[u]);
   }
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+// AVX2: 8 keys at a time; a head size not a multiple of 8 adds each key's tail of scalar products
+// (fused, as the lanes' are) to its lane sum.
+template <typename KV>
+inline void scores_block8(const float* q, const KV* const* kr, int64_t d, float scale, float* out) {
+  const int64_t body = d - d % 8;
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t x = 0; x < body; x += 8) {
+    const __m256 qx = _mm256_loadu_ps(q + x);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qx, widen8(kr[u] + x), acc[u]);
+  }
+  __m256 s = sum8(acc);
+  if (body < d) {
+    alignas(32) float tail[8];
+    for (int u = 0; u < 8; ++u) {
+      float t = 0.f;
+      for (int64_t x = body; x < d; ++x) t = std::fma(q[x], static_cast<float>(kr[u][x]), t);
+      tail[u] = t;
+    }
+    s = _mm256_add_ps(s, _mm256_load_ps(tail));
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
 }
 
 // The weighted values of M (query, head) sums over one span, 16 lanes of the head size at a time
@@ -477,34 +464,32 @@ void weigh_values8_of(int m, std::integer_sequence<int, Ms...>, const KV* const*
   ((m == Ms + 1 ? weigh_values8<Ms + 1>(vrow, d, w, n, out) : void()), ...);
 }
 
-// A span job's vector steps: its scores, and up to kSums of its weighted-value sums at once.
-struct Wide {  // AVX-512
-  static constexpr int kSums = 16;
+// A span job's vector steps, W lanes at a time: its scores, and up to W of its weighted-value
+// sums at once. Wide: AVX-512; Narrow: AVX2.
+template <int W>
+struct Lanes {
+  static constexpr int kSums = W;
   template <typename KV>
   static void scores(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
                      float* s) {
-    span_scores16(a, Q, kvh, g0, g1, r, s);
+    span_scores<W>(a, Q, kvh, g0, g1, r, s, [&](const float* q, const KV* const* kr, float* out) {
+      if constexpr (W == 16)
+        scores_block16(q, kr, a.d, a.scale, out);
+      else
+        scores_block8(q, kr, a.d, a.scale, out);
+    });
   }
   template <typename KV>
   static void weigh(int m, const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n,
                     float* const* out) {
-    weigh_values_of<KV>(m, std::make_integer_sequence<int, kSums>{}, vrow, d, w, n, out);
+    if constexpr (W == 16)
+      weigh_values_of<KV>(m, std::make_integer_sequence<int, W>{}, vrow, d, w, n, out);
+    else
+      weigh_values8_of<KV>(m, std::make_integer_sequence<int, W>{}, vrow, d, w, n, out);
   }
 };
-
-struct Narrow {  // AVX2
-  static constexpr int kSums = 8;
-  template <typename KV>
-  static void scores(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int64_t g1, const SpanRows<KV>& r,
-                     float* s) {
-    span_scores8(a, Q, kvh, g0, g1, r, s);
-  }
-  template <typename KV>
-  static void weigh(int m, const KV* const* vrow, int64_t d, const float* const* w, const int64_t* n,
-                    float* const* out) {
-    weigh_values8_of<KV>(m, std::make_integer_sequence<int, kSums>{}, vrow, d, w, n, out);
-  }
-};
+using Wide = Lanes<16>;
+using Narrow = Lanes<8>;
 
 // One job: KV head kvh's query heads g0 .. g1 (of every query) over span c's keys, into
 // their partial results.
@@ -654,9 +639,9 @@ torch::Tensor row_attention_of(torch::Tensor q, const torch::Tensor& k_pool, con
 // 16 lanes at a time with AVX-512 and d a multiple of 16 (up to 16 query heads a KV head), else 8
 // (AVX2). On AVX2 the spans replaced a job per (query, KV head) over all its keys (one row's 3
 // jobs on 2 threads): 30 layers' float16 pools at the default model's shapes, 2 threads, Zen 3,
-// before / after, us a layer: 1 / 2 / 4 queries over 240 keys 16 / 22 / 40 -> 15 / 21 / 32, over
-// 1,000 keys 110 / 174 / 258 -> 97 / 110 / 152, over 4,000 keys 502 / 666 / 1,129 -> 314 / 424 /
-// 596; over 64 keys about 1 us slower (6 / 8 / 12 -> 7 / 9 / 13; benchmarks/cpu_attention.py,
+// before / after, us a layer: 1 / 2 / 4 queries over 64 keys 8 / 10 / 16 -> 8 / 9 / 15, over 240
+// 20 / 32 / 58 -> 16 / 28 / 41, over 1,000 101 / 158 / 256 -> 59 / 85 / 140, over 4,000 526 / 699 /
+// 1,153 -> 303 / 392 / 586 (benchmarks/cpu_attention.py, best of 4 rounds each,
 // cpu_s44_attention_spans_f16_2threads.json). The pools hold float32 or float16 (each element widened
 // exactly to float32 as it is read: the same numbers as attending over the pools' .float()).
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
