@@ -149,8 +149,10 @@ def test_logprobs_agree_between_ar_and_mtp(oai, server):
     # 44's attention by spans of keys (3.1e-3 at most after it). The cause is not pinned down.
     # The prompt's uncached tail is prefilled in calls of other sizes, whose paths (the one-call C++
     # layer up to 16 rows, the layers' own forward beyond) differ in the last bits, and the
-    # products' rounding turns that into up to one rounding step. But that is not all of it:
-    # with each mode's request sent once before (both prompts then cached), the AVX2 logprobs still
-    # differed at every position, by up to 3.1e-3 before the spans and 7.1e-3 after (session 44).
+    # products' rounding turns that into up to one rounding step. Sending each mode's request once
+    # before did not make them equal (AVX2: every position still differed, by up to 3.1e-3 before
+    # the spans and 7.1e-3 after, session 44), likely because the blocks both then find cached
+    # were themselves written by calls of different sizes (the system prompt's MTP blocks by the
+    # earlier tests' requests, AR's by a whole-prompt forward), and every later token reads them.
     assert [e.logprob for e in m] == pytest.approx([e.logprob for e in a], abs=1e-2)
     assert [[t.token for t in e.top_logprobs] for e in m] == [[t.token for t in e.top_logprobs] for e in a]
