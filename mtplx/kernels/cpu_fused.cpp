@@ -491,6 +491,18 @@ struct Lanes {
 using Wide = Lanes<16>;
 using Narrow = Lanes<8>;
 
+// out[0 .. d) / total: an attention result's weighted values over their sum of weights (zeros
+// where no key was seen, total 0; a NaN stays NaN). The spans' merge and a context of one span
+// both end here, so the two give the same numbers.
+inline void divide_by(float* out, int64_t d, float total) {
+  if (total == 0.f) {
+    std::fill(out, out + d, 0.f);
+    return;
+  }
+  const float inv = 1.f / total;
+  for (int64_t x = 0; x < d; ++x) out[x] *= inv;
+}
+
 // One job: KV head kvh's query heads g0 .. g1 (of every query) over span c's keys, into
 // their partial results.
 template <typename V, typename KV>
@@ -555,13 +567,7 @@ void attend_span(const SpanArgs<KV>& a, int64_t Q, int64_t kvh, int64_t g0, int6
   }
   if (!whole) return;
   for (int64_t i = 0; i < Q; ++i)
-    for (int64_t g = g0; g < g1; ++g) {
-      float* o = a.out + (i * a.heads + kvh * group + g) * d;
-      const float total = slot(i, g)[1];
-      const float inv = total == 0.f ? 0.f : 1.f / total;  // no keys: zeros (a NaN stays NaN)
-      if (total == 0.f) std::fill(o, o + d, 0.f);
-      for (int64_t x = 0; x < d; ++x) o[x] *= inv;
-    }
+    for (int64_t g = g0; g < g1; ++g) divide_by(a.out + (i * a.heads + kvh * group + g) * d, d, slot(i, g)[1]);
 }
 
 // The spans' partial results of query i, head h, merged in span order -> out[d].
@@ -581,8 +587,7 @@ void merge_spans(const SpanArgs<KV>& a, int64_t i, int64_t h, float* out) {
     total += pc[1] * w;
     for (int64_t x = 0; x < d; ++x) out[x] += w * pc[2 + x];
   }
-  const float inv = total == 0.f ? 0.f : 1.f / total;  // (NaN stays NaN)
-  for (int64_t x = 0; x < d; ++x) out[x] *= inv;
+  divide_by(out, d, total);
 }
 
 template <typename KV>
