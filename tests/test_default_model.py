@@ -94,3 +94,33 @@ def test_a_repeated_prompt_decodes_as_it_did_when_new(with_head, mode):
     assert repeated.stats.cached_prompt_tokens == edge
     assert repeated.generated == new.generated
     assert repeated.logprobs == new.logprobs
+
+
+def _run(engine, messages, **kwargs):
+    """(generated ids, text, finish reason, logprobs, stats) of one request with logprobs."""
+    req = engine.make_request(messages, chat=True, **kwargs)
+    req.logprobs = 1
+    pieces = []
+    for seq, piece in engine.run(req):
+        pieces.append(piece)
+    return seq.generated, "".join(pieces), seq.finish_reason, seq.logprobs, seq.stats
+
+
+@pytest.mark.slow
+def test_a_stop_string_ends_mtp_output_where_ar_ends_it(with_head):
+    """A cycle commits up to depth + 1 tokens at once; where a stop string is completed by one of
+    them, the tokens after it are not output: MTP at depth 3 gives the tokens, text, logprobs and
+    token count that AR steps give, for stops completed at many points of the text."""
+    engine = with_head
+    messages = [{"role": "user", "content": "Count from 1 to 20 separated by commas."}]
+    base = dict(max_tokens=40, ignore_eos=True)
+    full = engine.generate(messages, chat=True, mode="ar", **base).text
+    stops = sorted({full[i:i + 2] for i in range(2, len(full) - 2, 3)})
+    assert len(stops) >= 6
+    for stop in stops:
+        ar = _run(engine, messages, mode="ar", stop=[stop], **base)
+        mtp = _run(engine, messages, mode="mtp", depth=3, stop=[stop], **base)
+        assert ar[2] == mtp[2] == "stop" and ar[1] == mtp[1] == full[: full.index(stop)], stop
+        assert mtp[0] == ar[0] and len(mtp[3]) == len(ar[3]) == len(ar[0]), stop
+        assert [t for t, _ in mtp[3]] == pytest.approx([t for t, _ in ar[3]], abs=1e-2)
+        assert mtp[4].generated_tokens == len(ar[0])

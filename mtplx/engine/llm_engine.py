@@ -383,8 +383,8 @@ class Engine:
         """One decode step for rows of the same mode; ends rows that hit the context limit.
         Returns the rows it advanced and the rows whose own work failed (the others stepped);
         an exception from a batched forward propagates (no row can be blamed)."""
-        for seq in seqs:
-            if len(seq.tokens) + seq.depth + 1 > self.max_context:
+        for seq in seqs:  # (an MTP row near the end drafts less: Generator.next_depths)
+            if len(seq.tokens) >= self.max_context:
                 seq.finish_reason = "length"
         live = [s for s in seqs if not s.finished]
         return self.generator.step(live) if live else StepResult()
@@ -434,18 +434,30 @@ class TextTracker:
         if self.decoder is None:
             return ""
         new = seq.generated[self.consumed:]
-        self.consumed += len(new)
-        self.text += self.decoder.push(new)
-        if seq.finished:
-            self.text += self.decoder.flush()
-        if self.stop:
-            start = max(0, self.searched - self.hold)
-            cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
-            self.searched = len(self.text)
+        if not self.stop:
+            self.consumed += len(new)
+            self.text += self.decoder.push(new)
+            if seq.finished:
+                self.text += self.decoder.flush()
+            return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
+        # one token at a time, as AR steps commit them: the output ends with the token that
+        # completes a stop string, also where a cycle committed tokens past it
+        for i, token in enumerate(new):
+            self.consumed += 1
+            self.text += self.decoder.push([token])
+            if seq.finished and i == len(new) - 1:
+                self.text += self.decoder.flush()
+            cut = self._stop_at()
             if cut >= 0:
-                seq.finish_reason = "stop"
+                seq.stop_after(self.consumed)
                 return self._emit(cut)
         return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
+
+    def _stop_at(self) -> int:
+        """Where the first stop string starts in the text, or -1 (each part searched once)."""
+        start = max(0, self.searched - self.hold)
+        self.searched = len(self.text)
+        return min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
 
     def _emit(self, end: int) -> str:
         end = max(self.emitted, end)

@@ -66,6 +66,17 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
 
+    def stop_after(self, generated: int) -> None:
+        """A stop string ended the output with generated token ``generated``: finish with "stop"
+        and drop the tokens a cycle committed past it (with their logprobs), so that the output,
+        its usage and its logprobs are what AR steps would have given. Their KV stays with the
+        sequence's blocks until it is released."""
+        self.finish_reason = "stop"
+        del self.tokens[len(self.prompt_ids) + generated:]
+        if self.logprobs is not None:
+            del self.logprobs[generated:]
+        self.stats.generated_tokens = min(self.stats.generated_tokens, generated)
+
     @property
     def request_depth(self) -> int:
         """The depth the request asked for: its fixed depth, or with depth="auto" the deepest."""
