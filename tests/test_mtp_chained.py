@@ -314,3 +314,29 @@ def test_an_auto_request_ar_batch_steps_ar_keeps_no_plan_and_chains():
     for s in seqs:
         engine.generator.release(s)
     assert chained > steps // 2, (chained, steps)
+
+
+@pytest.mark.parametrize(("depth", "chain"), [(1, False), (3, False), (3, True), ("auto", True)])
+def test_mtp_decodes_to_the_context_end_as_ar_does(depth, chain):
+    """A cycle commits up to depth + 1 tokens: near the context's end a row drafts fewer (the
+    last token an AR step), so MTP output ends at the context's last token as AR's does, alone
+    and in a batch of rows at other depths; no block is asked past the context."""
+    engine = chained_engine()
+    engine.generator.chain.enabled = chain
+    prompts = [[11], [1, 2, 3], [40, 41, 42, 43]]  # [11] ends in a loop its drafts all match
+    ar = [engine.generate(p, mode="ar", max_tokens=10**6, ignore_eos=True) for p in prompts]
+    assert all(len(p) + len(r.token_ids) == engine.max_context and r.finish_reason == "length"
+               for p, r in zip(prompts, ar))
+    alone = engine.generate(prompts[0], mode="mtp", depth=depth, max_tokens=10**6, ignore_eos=True)
+    assert alone.token_ids == ar[0].token_ids and alone.finish_reason == "length"
+    assert alone.stats["accepted_tokens"] > 0
+    seqs = [start(engine, p, mode="mtp", depth=d, max_tokens=10**6, ignore_eos=True)
+            for p, d in zip(prompts, (depth, 2, 1))]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            engine.step([s for s in seqs if not s.finished])
+    for s in seqs:
+        engine.generator.release(s)
+    assert [s.generated for s in seqs] == [r.token_ids for r in ar]
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert engine.runner.blocks.num_used_blocks == 0

@@ -208,6 +208,9 @@ class Generator:
             self._chain_step(seqs, result, depths)
             return result
         self.drain(result)
+        for s in seqs:  # the drained cycle may have reached the context's end
+            if len(s.tokens) >= self.kv.max_context and not s.finished:
+                s.finish_reason = "length"
         seqs = [s for s in seqs if not s.finished and s.seq_id not in result.failed]
         if seqs:
             if mtp:
@@ -224,6 +227,14 @@ class Generator:
         carries it once more, so the unchained path counts it once too (adaptive_depth.py)."""
         if seqs[0].mode != "mtp":  # AR steps
             return [0] * len(seqs)
+        return [min(d, self._room(s)) for s, d in zip(seqs, self._mtp_depths(seqs))]
+
+    def _room(self, seq: Sequence) -> int:
+        """The deepest cycle that keeps the row within the context: it commits up to depth + 1
+        tokens, so a row 1 token short of the end drafts none (an AR step) and ends where AR does."""
+        return max(0, self.kv.max_context - len(seq.tokens) - 1)
+
+    def _mtp_depths(self, seqs: list[Sequence]) -> list[int]:
         if all(s.depth_plan is None for s in seqs):
             return [s.depth for s in seqs]
         flying = self.chain.in_flight()
