@@ -134,6 +134,27 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     jsonschema.validate(call["args"], WEATHER_ARGS)
 
 
+def test_logprob_bytes_rebuild_the_text_where_tokens_split_characters(oai, server):
+    """Byte-level tokens that hold part of a UTF-8 character (an emoji, an accented letter): each
+    entry's bytes are the token's own, so their concatenation is the text's UTF-8; such a token
+    reads as \\xNN escapes of its bytes (OpenAI's spelling), not as U+FFFD."""
+    serial_only(server)
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat exactly: 🐉 café ça"}],
+                                    max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    entries = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert bytes(b for e in entries for b in e.bytes) == text.encode("utf-8")
+    assert not text.isascii()  # characters of several bytes, some split over tokens
+    for e in entries + [t for e in entries for t in e.top_logprobs]:
+        assert e.token == bytes(e.bytes).decode("utf-8", errors="backslashreplace") and "\ufffd" not in e.token
+    assert any("\\x" in e.token for e in entries)
+    completion = oai.completions.create(model=MODEL, prompt="Dragon emoji: 🐉 and café:", max_tokens=8,
+                                        temperature=0, logprobs=3)
+    lp = completion.choices[0].logprobs
+    text = completion.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+
+
 def test_logprobs_agree_between_ar_and_mtp(oai, server):
     serial_only(server)
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=16,

@@ -21,6 +21,24 @@ from mtplx.loading.gguf_file import read_gguf_header
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as the printable character vocabularies
+    spell it with, character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
+
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -132,6 +150,21 @@ class Tokenizer:
         if self._backend_decode is not None:
             return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (special tokens: their text), also where they are part
+        of a UTF-8 character, which ``decode`` gives as U+FFFD: through the byte-level alphabet
+        of a byte-level BPE vocabulary, or a byte-fallback token's ``<0xNN>``."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if _REPLACEMENT_CHAR not in text:
+            return text.encode("utf-8")
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return text.encode("utf-8")  # another scheme: what decoding gives
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The chat template applied to ``messages`` (``[{"role": ..., "content": ...}]``), as text."""

@@ -8,6 +8,7 @@ ignored, as OpenAI clients send many optional ones.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -266,6 +267,7 @@ class ResponseShape:
         self.echoed = [False] * n
         self.tokenizer = tokenizer  # for logprobs' token strings
         self.offsets = [0] * n  # text offset of the next token per choice (completions' logprobs)
+        self.characters = [_utf8() for _ in range(n)]  # the bytes of each choice's tokens so far -> characters
         self.n, self.include_usage = n, include_usage
         self.tools, self.parser = tools or [], parser
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -305,7 +307,7 @@ class ResponseShape:
             choice["text"] = result.text
             if self.echo:
                 choice["text"] = self.echo[0] + result.text
-                self.offsets[index] = 0
+                self.offsets[index], self.characters[index] = 0, _utf8()
                 choice["logprobs"] = _join(self._echo_logprobs(index, result.prompt_logprobs),
                                            self.logprobs(index, result.token_ids, result.logprobs))
         if self.return_token_ids:
@@ -323,26 +325,29 @@ class ResponseShape:
         {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked."""
         if values is None:
             return None
-        text = [self._token(t) for t in token_ids]
         if self.chat:
-            return {"content": [{**self._entry(token, value),
-                                 "top_logprobs": [self._entry(self._token(i), v) for i, v in top]}
-                                for token, (value, top) in zip(text, values)], "refusal": None}
+            return {"content": [{**self._entry(token, value), "top_logprobs": [self._entry(i, v) for i, v in top]}
+                                for token, (value, top) in zip(token_ids, values)], "refusal": None}
         offsets = []
-        for token in text:
+        for token in token_ids:  # where each token's text starts: characters completed before it
             offsets.append(self.offsets[index])
-            self.offsets[index] += len(token)
-        return {"tokens": text, "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
+            self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
+        return {"tokens": [self._token(t) for t in token_ids],
+                "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
                 "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
                                  for _, top in values],
                 "text_offset": offsets}
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+    def _bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else str(token_id).encode()
 
-    @staticmethod
-    def _entry(token: str, value: float) -> dict:
-        return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
+    def _token(self, token_id: int) -> str:
+        """A token as text; the bytes of a part of a UTF-8 character as \\xNN escapes (as OpenAI
+        writes them), so that such tokens stay apart and their bytes stay readable."""
+        return self._bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    def _entry(self, token_id: int, value: float) -> dict:
+        return {"token": self._token(token_id), "logprob": _finite(value), "bytes": list(self._bytes(token_id))}
 
     # -- streamed --------------------------------------------------------------------------
     def chunk(self, index: int, text: str | None, token_ids: list[int] | None = None,
@@ -441,6 +446,11 @@ def _join(a: dict | None, b: dict | None) -> dict | None:
     if a is None or b is None:
         return a or b
     return {key: a[key] + b[key] for key in a}
+
+
+def _utf8():
+    """An incremental UTF-8 decoder: a character counts once its last byte is in."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 def _finite(value: float) -> float:
