@@ -214,6 +214,25 @@ def test_unknown_model_and_route_are_404_in_the_openai_shape(client, url):
 def test_models_endpoint(client):
     [card] = client.models.list().data
     assert card.id == MODEL and card.owned_by == "mtplx"
+    assert client.models.retrieve(MODEL) == card
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_a_request_of_n_choices_counts_its_prompt_once_in_the_metrics(client, url):
+    def counters() -> dict:
+        families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        return {s.name: s.value for f in families for s in f.samples if s.name.endswith("_total") and not s.labels
+                or s.name == "mtplx_e2e_request_latency_seconds_count"}
+
+    before = counters()
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=6, temperature=0.8, seed=4)
+    after = counters()
+    moved = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert moved["mtplx_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert moved["mtplx_generation_tokens_total"] == r.usage.completion_tokens == 3 * 6
+    assert moved["mtplx_e2e_request_latency_seconds_count"] == 1
 
 
 # -- telemetry --------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Job:
     emit: Callable[[Any], None] = lambda event: None
     request_id: str = field(default_factory=lambda: f"job-{next(_job_ids)}")
     scheduler_mode: str = ""  # set by the scheduler on submit
+    choice: int = 0  # which of its HTTP request's n choices (the request counts once: server/metrics.py)
     lane: str = ""  # the scheduler lane that ran it (set by the policy)
     mtp_disabled_reason: str | None = None
     ticket: Any = None  # a mode's admission ticket (hyper)

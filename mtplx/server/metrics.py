@@ -29,10 +29,10 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.http_requests = Counter("mtplx_http_requests", "HTTP requests by route and status code",
                                      ["route", "status"], registry=r)
-        self.request_success = Counter("mtplx_request_success", "Generations that ended, by finish reason",
+        self.request_success = Counter("mtplx_request_success", "Requests that ended, by finish reason (of n choices: the first's)",
                                        ["finish_reason"], registry=r)
-        self.request_failure = Counter("mtplx_request_failure", "Generations that failed", registry=r)
-        self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of ended generations", registry=r)
+        self.request_failure = Counter("mtplx_request_failure", "Generations that failed (each choice of a request)", registry=r)
+        self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of ended requests (once for n choices, as usage)", registry=r)
         self.generation_tokens = Counter("mtplx_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("mtplx_time_to_first_token_seconds", "Arrival to first token (queue wait included)",
                               buckets=LATENCY_BUCKETS_S, registry=r)
@@ -66,14 +66,15 @@ class Metrics:
         if result is None:
             self.request_failure.inc()
             return
-        self.request_success.labels(result.finish_reason).inc()
-        self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(result.completion_tokens)
-        if job.t_first_token is not None:
-            self.ttft.observe(job.t_first_token - job.t_enqueued)
-        self.e2e.observe(job.t_finished - job.t_enqueued)
-        if job.t_started is not None:
-            self.queue_time.observe(job.t_started - job.t_enqueued)
+        if job.choice == 0:  # a request of n choices: its prompt and its times once, as its usage counts them
+            self.request_success.labels(result.finish_reason).inc()
+            self.prompt_tokens.inc(result.prompt_tokens)
+            if job.t_first_token is not None:
+                self.ttft.observe(job.t_first_token - job.t_enqueued)
+            self.e2e.observe(job.t_finished - job.t_enqueued)
+            if job.t_started is not None:
+                self.queue_time.observe(job.t_started - job.t_enqueued)
         stats = result.stats
         if stats.get("verify_calls"):
             self.num_drafts.inc(stats["verify_calls"])

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front door: /v1/chat/completions, /v1/completions, /v1/models."""
+"""The OpenAI-compatible front door: /v1/chat/completions, /v1/completions, /v1/models(/{id})."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ router = APIRouter()
 async def list_models(request: Request):
     server = request.app.state.mtplx
     return {"object": "list", "data": [server.model_card()]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request):
+    """One model's card (the SDKs' ``models.retrieve``); 404 model_not_found for another name."""
+    server = request.app.state.mtplx
+    server.check_model(model)
+    return server.model_card()
 
 
 @router.post("/v1/chat/completions")

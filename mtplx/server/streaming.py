@@ -40,7 +40,7 @@ def submit(scheduler: Scheduler, request: EngineRequest, request_id: str, events
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    job = Job(request, emit, request_id=request_id)
+    job = Job(request, emit, request_id=request_id, choice=index)
     scheduler.submit(job)  # QueueFull becomes a 503 in server/errors.py
     return job
 
