@@ -254,7 +254,8 @@ def set_value(name: str, text: str, path: Path | None = None) -> Any:
     value. The values "auto" and "" remove the key (back to the default), except for depth,
     where "auto" is adaptive depth (``unset`` removes it)."""
     path = path or config_path()
-    value = convert(name, text, "config set")
+    removes = text in ("auto", "") and name != "depth"  # every key's default, never a literal "auto"
+    value = None if removes and name in KEYS else convert(name, text, "config set")
     values = read_file(path)
     if value is None:
         values.pop(name, None)

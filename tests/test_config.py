@@ -45,6 +45,21 @@ def test_set_then_load_round_trips_every_kind_of_value(cfg_file):
     assert cfg.depth is None and cfg.port == 8000 and cfg.scheduler_mode is SchedulerMode.MTP_BATCH
 
 
+def test_set_auto_removes_every_key_but_depth(cfg_file):
+    """'auto' (or '') is each key's default: set never writes it as a value (an api_key of "auto"
+    would be a key clients could send), whatever the key's kind."""
+    from mtplx.config import KEYS, read_file
+
+    for key, text in {"model": "/m.gguf", "host": "::1", "api_key": "s3cret", "port": "9001",
+                      "tensor_parallel": "2", "max_queued_requests": "7", "max_depth": "2"}.items():
+        set_value(key, text)
+    for key in ("model", "host", "api_key", "port", "tensor_parallel", "max_queued_requests", "max_depth"):
+        set_value(key, "auto")
+    assert read_file(cfg_file) == {}
+    cfg = Config.load()
+    assert cfg.api_key is None and cfg.host == "127.0.0.1" and cfg.port == 8000 and cfg.model is None
+
+
 def test_flag_beats_environment_beats_file(cfg_file, monkeypatch):
     set_value("port", "9000")
     set_value("scheduler_mode", "ar_batch")
