@@ -66,6 +66,7 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     kv = resolve_kv_dtype(kv_dtype, dev, dt)  # (a bad value fails before the weights load)
+    _check_sizes(kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_depth=max_depth)
     if model is None:
         from mtplx.loading.default_model import default_head_dir, default_model_path
 
@@ -94,7 +95,19 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
     return Engine(loaded, depth=depth, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                   default_mode=choice.get("mode"), sampled_mode=sampled.get("mode", "mtp" if sampled else None),
-                  sampled_depth=sampled_depth, max_depth=max_depth or DEFAULT_MAX_DEPTH,
+                  sampled_depth=sampled_depth, max_depth=DEFAULT_MAX_DEPTH if max_depth is None else max_depth,
                   depth_costs=choice.get("depth_costs"), sampled_depth_costs=sampled.get("depth_costs"),
                   tensor_parallel=tp, kv_dtype=kv,
                   estimated=() if choice else ("greedy", "sampled"))  # untuned: AR where MTP is expected to lose
+
+
+def _check_sizes(**sizes) -> None:
+    """The engine's size options are whole numbers of at least 1 (max_depth: None for the
+    default), refused with the option's name before any weight loads."""
+    from mtplx.errors import InvalidParameter
+
+    for name, value in sizes.items():
+        if value is None and name == "max_depth":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidParameter(name, f"must be an integer >= 1, got {value!r}")

@@ -121,6 +121,43 @@ def test_cli_prints_one_line_errors_without_traceback(tmp_path):
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree():
+    from mtplx.commands import common
+    from mtplx.engine.llm_engine import MAX_DEPTH
+
+    assert common.MAX_DEPTH == MAX_DEPTH
+    for args, needle in [
+        (["bench", "--model", "/no/such/dir", "--depths", "0"], "depths"),
+        (["tune", "--model", "/no/such/dir", "--depths", ""], "depths"),
+        (["bench", "--model", "/no/such/dir", "--depths", "1,9"], "depths"),
+        (["bench", "--model", "/no/such/dir", "--repeats", "0"], "repeats"),
+        (["tune", "--model", "/no/such/dir", "--max-tokens", "0"], "max-tokens"),
+        (["bench", "--model", "/no/such/dir", "--json", "/no/such/dir/report.json"], "no such folder"),
+    ]:
+        proc = _cli(*args)  # the model path does not exist: these fail on the option, before any load
+        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("option", [{"max_depth": 0}, {"kv_cache_tokens": 0}, {"kv_cache_tokens": -5},
+                                    {"kv_cache_tokens": "a"}, {"block_size": 0}, {"block_size": 2.5}])
+def test_load_refuses_sizes_below_one_by_name_before_loading(option):
+    with pytest.raises(InvalidParameter) as err:
+        mtplx.load("/no/such/model", **option)  # the path is never read: the option fails first
+    assert err.value.param == next(iter(option))
+
+
+@pytest.mark.slow
+def test_generate_into_a_closed_pipe_ends_quietly(default_gguf):
+    """`mtplx generate ... | head -c 0`: the reader is gone before the first piece; the command
+    stops without a traceback and exits 141 (as a process killed by SIGPIPE reads in a shell)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtplx.cli", "generate", "Tell me a story", "--max-tokens", "8",
+                             "--model", str(default_gguf)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and "Traceback" not in err and "Error" not in err, err
+
+
 def test_cli_inspect_exit_codes_differ_per_tier(tmp_path):
     hf, cfg = hf_reference("llama")
     _write(tmp_path, cfg, hf.state_dict())

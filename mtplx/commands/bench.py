@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtplx.commands.common import add_model_options, load_engine, measure_side_by_side, parse_depths
+from mtplx.commands.common import add_model_options, check_measure_options, load_engine, measure_side_by_side
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from mtplx.benchmarking import render_table
 
-    parse_depths(args.depths)  # a bad value fails before the model loads
+    check_measure_options(args)  # a bad value fails before the model loads
     engine = load_engine(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:

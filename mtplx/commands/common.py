@@ -43,14 +43,38 @@ def load_engine(args, depth=None):
 TOKEN_ID_SUITE = ((1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12))
 
 
+MAX_DEPTH = 8  # engine.llm_engine.MAX_DEPTH (not imported: the commands check options before torch loads)
+
+
 def parse_depths(text: str) -> tuple[int | str, ...]:
-    """``"1,2,3,auto"`` -> (1, 2, 3, "auto"); a clear error names the option otherwise."""
+    """``"1,2,3,auto"`` -> (1, 2, 3, "auto"): at least one, each 1..MAX_DEPTH or auto; a clear
+    error names the option otherwise."""
     from mtplx.errors import InvalidParameter
 
+    allowed = f"a comma-separated list of depths from 1 to {MAX_DEPTH} and 'auto'"
     try:
-        return tuple(d.strip() if d.strip() == "auto" else int(d) for d in text.split(",") if d.strip())
+        depths = tuple(d.strip() if d.strip() == "auto" else int(d) for d in text.split(",") if d.strip())
     except ValueError:
-        raise InvalidParameter("depths", f"{text!r} is not a comma-separated list of integers and 'auto'") from None
+        raise InvalidParameter("depths", f"{text!r} is not {allowed}") from None
+    if not depths or any(d != "auto" and not 1 <= d <= MAX_DEPTH for d in depths):
+        raise InvalidParameter("depths", f"{text!r} is not {allowed}")
+    return depths
+
+
+def check_measure_options(args) -> None:
+    """bench's and tune's options, before the model loads: depths, repeats and max tokens of at
+    least 1, and a JSON report path whose folder exists (not found after the run)."""
+    from pathlib import Path
+
+    from mtplx.errors import InvalidParameter
+
+    parse_depths(args.depths)
+    for name in ("repeats", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidParameter(name.replace("_", "-"), f"must be at least 1, got {getattr(args, name)}")
+    out = getattr(args, "json_out", None)
+    if out and not Path(out).expanduser().resolve().parent.is_dir():
+        raise InvalidParameter("json", f"{out!r}: no such folder to write the report in")
 
 
 def parse_depth(text: str | None) -> int | str | None:

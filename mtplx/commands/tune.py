@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from mtplx.commands.common import add_model_options, load_engine, measure_side_by_side, parse_depths
+from mtplx.commands.common import add_model_options, check_measure_options, load_engine, measure_side_by_side
 
 
 def add_parser(sub) -> None:
@@ -27,7 +27,7 @@ def run(args) -> int:
     from mtplx.benchmarking import render_table
     from mtplx.tuning import SAMPLED, depth_costs, pick_depth, save_choice
 
-    parse_depths(args.depths)  # a bad value fails before the model loads
+    check_measure_options(args)  # a bad value fails before the model loads
     engine = load_engine(args)
     if not engine.has_mtp:
         print("this model has no MTP head: it runs AR only, nothing to tune "
