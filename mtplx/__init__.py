@@ -35,7 +35,8 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     (unless ``depth`` is given), and one that names no mode decodes AR where it expects MTP to
     lose. depth="auto": each request's rows pick each cycle's depth (1 to
     ``max_depth``, default 3) from their own acceptance and the cycle costs `mtplx tune` measured
-    (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors``.
+    (engine/adaptive_depth.py). head: a directory holding a forged ``mtp.safetensors`` (default:
+    beside the model; for the default model's GGUF under any path, its shipped head).
     quantize: the trunk's linear weights: None (default, auto): a GGUF file's own 4/8-bit blocks
     on the CPU in float32 where its C++ kernels build (several times faster than float, the same
     greedy output on the prompts measured), and on a GPU whose free memory the float weights
@@ -72,6 +73,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
         model = default_model_path()
         head = head or default_head_dir()
+    elif head is None:  # the default model's file under another path: its shipped head too
+        from mtplx.loading.default_model import shipped_head_for
+
+        head = shipped_head_for(model)
     load = functools.partial(load_checkpoint, model, dtype=dt, head_dir=head,
                              allow_unverified_head=allow_unverified_head, quantize=quantize,
                              head_quantize=head_quantize)

@@ -124,3 +124,29 @@ def test_a_stop_string_ends_mtp_output_where_ar_ends_it(with_head):
         assert mtp[0] == ar[0] and len(mtp[3]) == len(ar[3]) == len(ar[0]), stop
         assert [t for t, _ in mtp[3]] == pytest.approx([t for t, _ in ar[3]], abs=1e-2)
         assert mtp[4].generated_tokens == len(ar[0])
+
+
+@pytest.mark.slow
+def test_the_default_models_file_under_another_path_gets_its_shipped_head(default_gguf, tmp_path):
+    """`--model <the default GGUF>` (the cached file, or a copy elsewhere) is the same model as no
+    --model at all: the shipped head attaches, verified against the file's sha256; a file of the
+    same size with other bytes gets none."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mtplx.loading.default_model import default_head_dir, shipped_head_for
+
+    copy = tmp_path / "renamed.gguf"
+    shutil.copy(default_gguf, copy)
+    assert shipped_head_for(default_gguf) == shipped_head_for(copy) == default_head_dir() is not None
+    engine = mtplx.load(copy)
+    assert engine.has_mtp and engine.loaded.head_info["verified"]
+    info = subprocess.run([sys.executable, "-m", "mtplx.cli", "inspect", str(copy)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stdout + info.stderr
+    with open(copy, "r+b") as f:  # same size, one byte changed: not the default model
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert shipped_head_for(copy) is None

@@ -7,7 +7,7 @@ import argparse
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--head", default=None, help="directory with a forged mtp.safetensors (default: beside the model)")
+    p.add_argument("--head", default=None, help="directory with a forged mtp.safetensors (default: beside the model; for the default model's GGUF, wherever it lies, the shipped head)")
     p.add_argument("--allow-unverified-head", action="store_true",
                    help="attach a head trained against different trunk weights, labelled unverified")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

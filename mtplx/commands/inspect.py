@@ -24,6 +24,10 @@ def run(args) -> int:
         from mtplx.loading.default_model import default_head_dir, default_model_path
 
         model, head = default_model_path(), head or default_head_dir()
+    elif head is None:  # the default model's file under another path: its shipped head, as mtplx.load
+        from mtplx.loading.default_model import shipped_head_for
+
+        head = shipped_head_for(model)
     info = describe(model, head)
     if args.json:
         print(json.dumps(info, indent=2, default=str))

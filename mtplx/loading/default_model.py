@@ -62,6 +62,21 @@ def default_model_path(progress: bool = True) -> Path:
     return target
 
 
+def shipped_head_for(model: str | Path) -> Path | None:
+    """The shipped head's directory where ``model`` is the default model's GGUF under another path
+    (its size, then its sha256) and has no head of its own beside it: the same file gets the same
+    head as ``mtplx.load()``. None otherwise (other files are not hashed)."""
+    path = Path(model).expanduser()
+    try:
+        if not path.is_file() or path.stat().st_size != DEFAULT_GGUF_SIZE or (path.parent / "mtp.safetensors").exists():
+            return None
+    except OSError:
+        return None
+    from mtplx.loading.hf_dir import sha256_file
+
+    return default_head_dir() if sha256_file(path) == DEFAULT_GGUF_SHA256 else None
+
+
 def default_head_dir() -> Path | None:
     """A directory holding an MTP head (``mtp.safetensors``) for the default model, or None.
 
