@@ -179,3 +179,22 @@ def test_the_default_draft_policy_samples_drafts_from_the_mirror_temperature_up(
         assert engine.make_request([1, 2, 3], temperature=temperature).draft_policy == policy
     assert engine.make_request([1, 2, 3], temperature=1.0, draft_policy="greedy").draft_policy == "greedy"
     assert engine.make_request([1, 2, 3], temperature=0.5, draft_policy="mirror").draft_policy == "mirror"
+
+
+@pytest.mark.slow
+def test_malformed_prompts_and_stops_are_invalid_parameters_naming_the_field(default_gguf):
+    """Every shape a Python caller can get wrong is refused as InvalidParameter naming it (not a
+    TypeError from the loop, a template engine's error, or the tokenizer's)."""
+    engine = mtplx.load(default_gguf, head=None)
+    for prompt, kwargs, param in [
+        ("hi", {"stop": 5}, "stop"),
+        ([], {"chat": True}, "prompt"),
+        ([{"role": "user"}], {"chat": True}, "prompt"),
+        ([{"role": "user", "content": None}], {"chat": True}, "prompt"),
+        ([{"role": "user", "content": ["a list"]}], {"chat": True}, "prompt"),
+        ("a\ud800b", {}, "prompt"),
+        ([{"role": "user", "content": "a\ud800b"}], {"chat": True}, "prompt[0].content"),
+    ]:
+        with pytest.raises(InvalidParameter) as err:
+            engine.generate(prompt, max_tokens=2, **kwargs)
+        assert err.value.param == param, (prompt, kwargs)

@@ -221,10 +221,10 @@ class Engine:
                 raise InvalidParameter(
                     "prompt", "this model has no tokenizer files, so only token-id prompts (a list of ints) work")
             if chat:
-                if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
-                    raise InvalidParameter("prompt", "with chat=True the prompt is a list of {'role', 'content'} messages")
+                _check_messages(prompt)
                 ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
             elif isinstance(prompt, str):
+                _check_text(prompt, "prompt")
                 ids = self.tokenizer.encode(prompt)
             else:
                 raise InvalidParameter("prompt", "expected a string, a list of token ids, or chat messages with chat=True")
@@ -279,6 +279,8 @@ class Engine:
                 f"not tuned (`mtplx tune`): at temperature {params.temperature:g} the head's recorded acceptance and "
                 f"the cycle costs ({self.costs_source}) expect MTP depth {best} at "
                 f"{speedup:.2f}x AR, under {MIN_EXPECTED_SPEEDUP:.2f}x; generation_mode mtp asks for it")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise InvalidParameter("stop", f"expected a string or a list of strings, got {stop!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
@@ -410,6 +412,25 @@ class Engine:
         stats = seq.stats.as_dict()
         stats["mode"] = seq.mode
         return GenerationResult(seq.generated, text, seq.finish_reason or "length", stats, len(seq.prompt_ids))
+
+
+def _check_text(text: str, name: str) -> None:
+    """Text the tokenizer takes: a lone surrogate (no Unicode character) is refused by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameter(name, f"not valid Unicode text at character {exc.start}: {exc.reason}") from None
+
+
+def _check_messages(messages) -> None:
+    """Chat messages as the template reads them: a non-empty list of {"role": str, "content": str}."""
+    shape = "with chat=True the prompt is a non-empty list of {'role': str, 'content': str} messages"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidParameter("prompt", shape)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidParameter("prompt", f"{shape}; message {i} is {m!r}"[:300])
+        _check_text(m["content"], f"prompt[{i}].content")
 
 
 class TextTracker:
