@@ -155,6 +155,24 @@ def test_logprob_bytes_rebuild_the_text_where_tokens_split_characters(oai, serve
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
 
 
+def test_streamed_chunks_carry_the_logprobs_of_their_own_text_under_a_stop_string(oai, server):
+    """A stop string holds back text that may be its start; the tokens of that text (and their
+    logprobs) wait with it, so each chunk's logprob tokens spell that chunk's content, and
+    nothing past the stop is sent (MTP at depth 3 commits several tokens a cycle)."""
+    serial_only(server)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
+                  max_tokens=40, temperature=0, logprobs=True, stop=["9,"])
+    whole = oai.chat.completions.create(extra_body={"generation_mode": "ar"}, **kwargs)
+    chunks = list(oai.chat.completions.create(stream=True, extra_body={"generation_mode": "mtp", "depth": 3}, **kwargs))
+    pairs = [(c.choices[0].delta.content or "", bytes(b for e in c.choices[0].logprobs.content for b in e.bytes).decode())
+             for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert len(pairs) > 3 and all(text == spelled for text, spelled in pairs[:-1]), pairs
+    assert "".join(t for t, _ in pairs) == whole.choices[0].message.content
+    assert "".join(s for _, s in pairs).startswith(whole.choices[0].message.content)  # the last: through the stop
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) \
+        == len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+
+
 def test_logprobs_agree_between_ar_and_mtp(oai, server):
     serial_only(server)
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=16,

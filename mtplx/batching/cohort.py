@@ -40,7 +40,7 @@ class Row:
         return self.prefilled
 
     def publish(self) -> None:
-        self.job.publish(self.seq, self.text.update(self.seq))
+        self.job.publish(self.seq, self.text.update(self.seq), self.text.shown)
 
     @property
     def done(self) -> bool:

@@ -100,10 +100,12 @@ class Job:
     def start(self, lane: str) -> None:
         self.lane, self.t_started = lane, time.perf_counter()
 
-    def publish(self, seq: Sequence, text: str) -> None:
-        """Send the tokens committed since the last call, with their (possibly held back) text."""
+    def publish(self, seq: Sequence, text: str, shown: int | None = None) -> None:
+        """Send the tokens committed since the last call whose text is sent (``shown``: the
+        text tracker's count, None: all), with that text, so that a chunk's tokens and logprobs
+        are its text's (a stop string holds both back alike)."""
         self.live_stats = seq.stats  # one reference: readers (the dashboard) see the cycles as they count
-        new_ids = seq.generated[self._sent_tokens:]
+        new_ids = seq.generated[self._sent_tokens:shown]
         if not new_ids and not text:
             return
         logprobs = None if seq.logprobs is None else seq.logprobs[self._sent_tokens:self._sent_tokens + len(new_ids)]

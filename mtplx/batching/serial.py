@@ -19,11 +19,12 @@ from mtplx.engine.sequence import Sequence
 def run_serial(engine: Engine, job: Job, on_cycle: Callable[[Sequence], None] | None = None) -> Sequence:
     """Decode ``job`` alone, publishing each cycle's output; stop at the first cycle boundary
     after a cancel. The KV blocks are released when this returns or raises."""
-    stream = engine.run(job.request)
+    text = engine.text_tracker(job.request)
+    stream = engine.run(job.request, text)
     seq = None
     try:
         for seq, piece in stream:
-            job.publish(seq, piece)
+            job.publish(seq, piece, text.shown)
             if on_cycle is not None:
                 on_cycle(seq)
             if job.cancelled and not seq.finished:

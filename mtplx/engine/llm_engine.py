@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
@@ -354,11 +355,12 @@ class Engine:
                         prompt_top_logprobs=req.prompt_logprobs or 0)
 
     # -- running ------------------------------------------------------------------------------
-    def run(self, req: Request) -> Iterator[tuple[Sequence, str]]:
+    def run(self, req: Request, text: TextTracker | None = None) -> Iterator[tuple[Sequence, str]]:
         """Decode one request alone (serial path); yields (sequence, new text) after each step.
-        The final text honours stop strings; blocks are returned when the generator closes."""
+        The final text honours stop strings; blocks are returned when the generator closes.
+        text: the request's ``text_tracker`` where the caller reads it too (its ``shown``)."""
         seq = self.new_sequence(req)
-        text = self.text_tracker(req)
+        text = text or self.text_tracker(req)
         with torch.inference_mode():
             self.generator.admit(seq)  # holds nothing if it raises
             try:
@@ -448,10 +450,19 @@ class TextTracker:
         self.emitted = 0    # characters already yielded
         self.searched = 0   # stop strings were looked for in text[:searched]
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ends: list[int] = []  # len(text) once each consumed token was decoded
+        self.done = False   # the sequence had finished at the last update
+
+    @property
+    def shown(self) -> int | None:
+        """Generated tokens whose text has been yielded (those a stream's chunk may carry with
+        it: text a stop string may still end is held back, and so are its tokens); None: all."""
+        return None if self.done or self.decoder is None else bisect.bisect_right(self.ends, self.emitted)
 
     def update(self, seq: Sequence) -> str:
         if self.fault_hook is not None:
             self.fault_hook("detokenize", seq)
+        self.done = seq.finished
         if self.decoder is None:
             return ""
         new = seq.generated[self.consumed:]
@@ -460,6 +471,7 @@ class TextTracker:
             self.text += self.decoder.push(new)
             if seq.finished:
                 self.text += self.decoder.flush()
+            self.ends += [len(self.text)] * len(new)
             return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
         # one token at a time, as AR steps commit them: the output ends with the token that
         # completes a stop string, also where a cycle committed tokens past it
@@ -468,9 +480,11 @@ class TextTracker:
             self.text += self.decoder.push([token])
             if seq.finished and i == len(new) - 1:
                 self.text += self.decoder.flush()
+            self.ends.append(len(self.text))
             cut = self._stop_at()
             if cut >= 0:
                 seq.stop_after(self.consumed)
+                self.done = True
                 return self._emit(cut)
         return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
 
