@@ -191,7 +191,7 @@ def test_malformed_prompts_and_stops_are_invalid_parameters_naming_the_field(def
         ([], {"chat": True}, "prompt"),
         ([{"role": "user"}], {"chat": True}, "prompt"),
         ([{"role": "user", "content": None}], {"chat": True}, "prompt"),
-        ([{"role": "user", "content": ["a list"]}], {"chat": True}, "prompt"),
+        ([{"role": "user", "content": 7}], {"chat": True}, "prompt"),
         ("a\ud800b", {}, "prompt"),
         ([{"role": "user", "content": "a\ud800b"}], {"chat": True}, "prompt[0].content"),
     ]:

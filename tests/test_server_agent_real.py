@@ -153,6 +153,13 @@ def test_logprob_bytes_rebuild_the_text_where_tokens_split_characters(oai, serve
     lp = completion.choices[0].logprobs
     text = completion.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for token, at in zip(lp.tokens, lp.text_offset):  # a whole token's text stands at its offset
+        if "\\x" not in token:
+            assert text[at:at + len(token)] == token, (token, at, text)
+    echoed = oai.completions.create(model=MODEL, prompt="<|im_start|>user\nHi 🐉<|im_end|>\n", max_tokens=4,
+                                    temperature=0, logprobs=1, echo=True)
+    lp, text = echoed.choices[0].logprobs, echoed.choices[0].text
+    assert lp.tokens[0] == "<|im_start|>" and lp.text_offset[-1] <= len(text)
 
 
 def test_streamed_chunks_carry_the_logprobs_of_their_own_text_under_a_stop_string(oai, server):

@@ -66,6 +66,8 @@ class Job:
     request_id: str = field(default_factory=lambda: f"job-{next(_job_ids)}")
     scheduler_mode: str = ""  # set by the scheduler on submit
     choice: int = 0  # which of its HTTP request's n choices (the request counts once: server/metrics.py)
+    choices: int = 1  # n
+    group: str = ""  # the request id its choices share
     lane: str = ""  # the scheduler lane that ran it (set by the policy)
     mtp_disabled_reason: str | None = None
     ticket: Any = None  # a mode's admission ticket (hyper)

@@ -34,6 +34,6 @@ def run(args) -> int:
     report["model"] = str(engine.loaded.source)
     print(render_table(report))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        Path(args.json_out).expanduser().write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0

@@ -313,9 +313,12 @@ class Generator:
                     seq.stats.ar_steps += 1
                     seq.hidden_backlog = _cat(seq.hidden_backlog, hidden[r, :1])
                 elif seq.mode == "mtp":
-                    seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
-                    if seq.depth_plan is not None:
-                        seq.depth_plan.observe(len(drafts), accepted)
+                    if drafts:
+                        seq.stats.record_cycle(len(drafts), accepted, full=accepted == len(drafts))
+                        if seq.depth_plan is not None:
+                            seq.depth_plan.observe(len(drafts), accepted)
+                    else:  # a row at depth 0 in a drafting cycle (the context's end): an AR step
+                        seq.stats.ar_steps += 1
                     seq.hidden_backlog = None if continued else hidden[r, : accepted + 1]
                 seq.trunk_len += accepted + 1
                 if not continued:

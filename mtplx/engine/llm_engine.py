@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
@@ -425,14 +426,19 @@ def _check_text(text: str, name: str) -> None:
 
 
 def _check_messages(messages) -> None:
-    """Chat messages as the template reads them: a non-empty list of {"role": str, "content": str}."""
+    """Chat messages as templates read them: a non-empty list of {"role": str, "content": ...},
+    the content a string, a list of parts, or (an assistant's message with tool calls) None."""
     shape = "with chat=True the prompt is a non-empty list of {'role': str, 'content': str} messages"
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidParameter("prompt", shape)
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, dict) else None
+        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and (
+            isinstance(content, (str, list)) or (content is None and m.get("tool_calls")))
+        if not ok:
             raise InvalidParameter("prompt", f"{shape}; message {i} is {m!r}"[:300])
-        _check_text(m["content"], f"prompt[{i}].content")
+        if isinstance(content, str):
+            _check_text(content, f"prompt[{i}].content")
 
 
 class TextTracker:
@@ -450,43 +456,63 @@ class TextTracker:
         self.emitted = 0    # characters already yielded
         self.searched = 0   # stop strings were looked for in text[:searched]
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ends: list[int] = []  # len(text) once each consumed token was decoded
+        self.ends: list[float] = []  # len(text) once each consumed token's text was out (inf: not yet)
         self.done = False   # the sequence had finished at the last update
+        self.stopped = False  # a stop string ended the text: nothing more is emitted
 
     @property
     def shown(self) -> int | None:
         """Generated tokens whose text has been yielded (those a stream's chunk may carry with
-        it: text a stop string may still end is held back, and so are its tokens); None: all."""
+        it: text a stop string may still end is held back, and so are its tokens; so is a token
+        holding the first bytes of a character); None: all."""
         return None if self.done or self.decoder is None else bisect.bisect_right(self.ends, self.emitted)
 
     def update(self, seq: Sequence) -> str:
         if self.fault_hook is not None:
             self.fault_hook("detokenize", seq)
         self.done = seq.finished
-        if self.decoder is None:
+        if self.decoder is None or self.stopped:
             return ""
         new = seq.generated[self.consumed:]
         if not self.stop:
-            self.consumed += len(new)
-            self.text += self.decoder.push(new)
-            if seq.finished:
-                self.text += self.decoder.flush()
-            self.ends += [len(self.text)] * len(new)
+            self._push(new, seq.finished)
             return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
         # one token at a time, as AR steps commit them: the output ends with the token that
         # completes a stop string, also where a cycle committed tokens past it
         for i, token in enumerate(new):
-            self.consumed += 1
-            self.text += self.decoder.push([token])
-            if seq.finished and i == len(new) - 1:
-                self.text += self.decoder.flush()
-            self.ends.append(len(self.text))
-            cut = self._stop_at()
-            if cut >= 0:
-                seq.stop_after(self.consumed)
-                self.done = True
-                return self._emit(cut)
+            self._push([token], seq.finished and i == len(new) - 1)
+            if self._stopped(seq):
+                return self._emit(self.cut)
+        if seq.finished and not new:
+            self._push([], True)  # the end (EOS) completes nothing: what the decoder held
+            if self._stopped(seq):
+                return self._emit(self.cut)
         return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
+
+    def _push(self, tokens: list[int], last: bool) -> None:
+        """Decode ``tokens`` (``last``: and flush), recording where each one's text ends."""
+        self.consumed += len(tokens)
+        self.text += self.decoder.push(tokens)
+        if last:
+            self.text += self.decoder.flush()
+        waiting = self.decoder.pending and not last
+        self.ends += [math.inf if waiting else len(self.text)] * len(tokens)
+        if not waiting:  # earlier tokens of a character now complete
+            for j in range(len(self.ends) - 1, -1, -1):
+                if self.ends[j] != math.inf:
+                    break
+                self.ends[j] = len(self.text)
+
+    def _stopped(self, seq: Sequence) -> bool:
+        """Whether a stop string now stands in the text: then the sequence ends at the token that
+        completed it (``Sequence.stop_after``) and the text at the stop string (``cut``)."""
+        cut = self._stop_at()
+        if cut < 0:
+            return False
+        seq.stop_after(self.consumed)
+        self.done = self.stopped = True
+        self.cut = cut
+        return True
 
     def _stop_at(self) -> int:
         """Where the first stop string starts in the text, or -1 (each part searched once)."""

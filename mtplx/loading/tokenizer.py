@@ -151,6 +151,14 @@ class Tokenizer:
             return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``decode`` leaves the token out of the text (a control token: BOS, EOS, a
+        chat template's markers)."""
+        special = self.__dict__.get("_special")
+        if special is None:
+            special = self.__dict__["_special"] = frozenset(self._hf.all_special_ids)
+        return token_id in special
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (special tokens: their text), also where they are part
         of a UTF-8 character, which ``decode`` gives as U+FFFD: through the byte-level alphabet
@@ -215,6 +223,11 @@ class IncrementalDecoder:
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return full_text[len(prefix_text):]
+
+    @property
+    def pending(self) -> bool:
+        """Whether ids pushed since the last text wait for a character's later bytes."""
+        return self._read < len(self.ids)
 
     def flush(self) -> str:
         """Return whatever is still held back (e.g. a genuinely invalid byte sequence at the end)."""

@@ -12,6 +12,8 @@ when a request ends.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -29,7 +31,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.http_requests = Counter("mtplx_http_requests", "HTTP requests by route and status code",
                                      ["route", "status"], registry=r)
-        self.request_success = Counter("mtplx_request_success", "Requests that ended, by finish reason (of n choices: the first's)",
+        self.request_success = Counter("mtplx_request_success", "Requests that ended, by finish reason (of n choices: the last to end)",
                                        ["finish_reason"], registry=r)
         self.request_failure = Counter("mtplx_request_failure", "Generations that failed (each choice of a request)", registry=r)
         self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of ended requests (once for n choices, as usage)", registry=r)
@@ -59,22 +61,40 @@ class Metrics:
                                             "Drafted tokens by draft position (0-based)", ["position"], registry=r)
         self.phase_seconds = Counter("mtplx_decode_phase_seconds", "Decode time by cycle phase", ["phase"],
                                      registry=r)
+        self._open: dict[str, tuple[int, float]] = {}  # n-choice requests with choices still running
         scheduler.add_listener(self.on_job_end)
 
     def on_job_end(self, job: Job, result: JobResult | None) -> None:
         """Count one ended job (a scheduler listener; prometheus-client is thread-safe)."""
         if result is None:
             self.request_failure.inc()
+            self._choices_ended(job)  # (its request's other choices still count it as ended)
             return
         self.generation_tokens.inc(result.completion_tokens)
-        if job.choice == 0:  # a request of n choices: its prompt and its times once, as its usage counts them
-            self.request_success.labels(result.finish_reason).inc()
-            self.prompt_tokens.inc(result.prompt_tokens)
+        if job.choice == 0:  # a request's first token and start: its first choice's
             if job.t_first_token is not None:
                 self.ttft.observe(job.t_first_token - job.t_enqueued)
-            self.e2e.observe(job.t_finished - job.t_enqueued)
             if job.t_started is not None:
                 self.queue_time.observe(job.t_started - job.t_enqueued)
+        ended = self._choices_ended(job)
+        if ended is not None:  # the request's last choice: once for its n, as its usage counts them
+            self.request_success.labels(result.finish_reason).inc()
+            self.prompt_tokens.inc(result.prompt_tokens)
+            self.e2e.observe(ended - job.t_enqueued)
+
+    def _choices_ended(self, job: Job) -> float | None:
+        """The last finish time of a request's choices once all have ended (one choice: its
+        own), else None (the scheduler thread is the only caller)."""
+        finished = job.t_finished if job.t_finished is not None else time.perf_counter()
+        if job.choices <= 1:
+            return finished
+        count, last = self._open.get(job.group, (0, 0.0))
+        count, last = count + 1, max(last, finished)
+        if count < job.choices:
+            self._open[job.group] = count, last
+            return None
+        self._open.pop(job.group, None)
+        return last
         stats = result.stats
         if stats.get("verify_calls"):
             self.num_drafts.inc(stats["verify_calls"])

@@ -331,12 +331,16 @@ class ResponseShape:
         offsets = []
         for token in token_ids:  # where each token's text starts: characters completed before it
             offsets.append(self.offsets[index])
-            self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
+            if not self._special(token):  # (control tokens are not in the text)
+                self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
                 "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
                                  for _, top in values],
                 "text_offset": offsets}
+
+    def _special(self, token_id: int) -> bool:
+        return self.tokenizer is not None and self.tokenizer.is_special(token_id)
 
     def _bytes(self, token_id: int) -> bytes:
         return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else str(token_id).encode()

@@ -27,7 +27,7 @@ from mtplx.server.errors import RETRY_AFTER_S, APIError, error_body
 
 
 def submit(scheduler: Scheduler, request: EngineRequest, request_id: str, events: asyncio.Queue,
-           index: int = 0, deltas: bool = True) -> Job:
+           index: int = 0, deltas: bool = True, choices: int = 1, group: str = "") -> Job:
     """Queue a job for ``request``; its events (without the Deltas when ``deltas`` is False)
     arrive on ``events`` as ``(index, event)``."""
     loop = asyncio.get_running_loop()
@@ -40,7 +40,7 @@ def submit(scheduler: Scheduler, request: EngineRequest, request_id: str, events
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    job = Job(request, emit, request_id=request_id, choice=index)
+    job = Job(request, emit, request_id=request_id, choice=index, choices=choices, group=group or request_id)
     scheduler.submit(job)  # QueueFull becomes a 503 in server/errors.py
     return job
 
@@ -53,7 +53,8 @@ def submit_all(scheduler: Scheduler, requests: list[EngineRequest], request_id: 
     jobs: list[Job] = []
     try:
         for i, request in enumerate(requests):
-            jobs.append(submit(scheduler, request, request_id if i == 0 else f"{request_id}-{i}", events, i, deltas))
+            jobs.append(submit(scheduler, request, request_id if i == 0 else f"{request_id}-{i}", events, i, deltas,
+                               len(requests), request_id))
     except BaseException:
         for job in jobs:
             job.cancel()
