@@ -81,6 +81,17 @@ class Metrics:
             self.request_success.labels(result.finish_reason).inc()
             self.prompt_tokens.inc(result.prompt_tokens)
             self.e2e.observe(ended - job.t_enqueued)
+        stats = result.stats
+        if stats.get("verify_calls"):
+            self.num_drafts.inc(stats["verify_calls"])
+            self.num_draft_tokens.inc(stats["drafted_tokens"])
+            self.num_accepted_tokens.inc(stats["accepted_tokens"])
+            for pos, accepted in enumerate(stats["accepted_by_depth"]):
+                self.accepted_per_pos.labels(str(pos)).inc(accepted)
+            for pos, drafted in enumerate(stats["drafted_by_depth"]):
+                self.draft_tokens_per_pos.labels(str(pos)).inc(drafted)
+            for phase in PHASES:  # MTP requests only: time per verify cycle = phase seconds / drafts
+                self.phase_seconds.labels(phase).inc(stats.get(f"{phase}_s") or 0.0)
 
     def _choices_ended(self, job: Job) -> float | None:
         """The last finish time of a request's choices once all have ended (one choice: its
@@ -95,17 +106,6 @@ class Metrics:
             return None
         self._open.pop(job.group, None)
         return last
-        stats = result.stats
-        if stats.get("verify_calls"):
-            self.num_drafts.inc(stats["verify_calls"])
-            self.num_draft_tokens.inc(stats["drafted_tokens"])
-            self.num_accepted_tokens.inc(stats["accepted_tokens"])
-            for pos, accepted in enumerate(stats["accepted_by_depth"]):
-                self.accepted_per_pos.labels(str(pos)).inc(accepted)
-            for pos, drafted in enumerate(stats["drafted_by_depth"]):
-                self.draft_tokens_per_pos.labels(str(pos)).inc(drafted)
-            for phase in PHASES:  # MTP requests only: time per verify cycle = phase seconds / drafts
-                self.phase_seconds.labels(phase).inc(stats.get(f"{phase}_s") or 0.0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
