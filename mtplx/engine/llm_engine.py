@@ -481,12 +481,12 @@ class TextTracker:
         # completes a stop string, also where a cycle committed tokens past it
         for i, token in enumerate(new):
             self._push([token], seq.finished and i == len(new) - 1)
-            if self._stopped(seq):
-                return self._emit(self.cut)
+            if (cut := self._stop(seq)) is not None:
+                return self._emit(cut)
         if seq.finished and not new:
             self._push([], True)  # the end (EOS) completes nothing: what the decoder held
-            if self._stopped(seq):
-                return self._emit(self.cut)
+            if (cut := self._stop(seq)) is not None:
+                return self._emit(cut)
         return self._emit(len(self.text) if seq.finished else len(self.text) - self.hold)
 
     def _push(self, tokens: list[int], last: bool) -> None:
@@ -503,16 +503,15 @@ class TextTracker:
                     break
                 self.ends[j] = len(self.text)
 
-    def _stopped(self, seq: Sequence) -> bool:
-        """Whether a stop string now stands in the text: then the sequence ends at the token that
-        completed it (``Sequence.stop_after``) and the text at the stop string (``cut``)."""
+    def _stop(self, seq: Sequence) -> int | None:
+        """Where the text ends if a stop string now stands in it (the sequence then ends at the
+        token that completed it: ``Sequence.stop_after``), else None."""
         cut = self._stop_at()
         if cut < 0:
-            return False
+            return None
         seq.stop_after(self.consumed)
         self.done = self.stopped = True
-        self.cut = cut
-        return True
+        return cut
 
     def _stop_at(self) -> int:
         """Where the first stop string starts in the text, or -1 (each part searched once)."""
