@@ -272,6 +272,8 @@ def test_anthropic_errors_in_anthropic_shape(claude, url):
             model=MODEL, max_tokens=4, messages=CHAT)
     r = httpx.post(f"{url}/v1/messages", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": CHAT})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"  # max_tokens is required
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):  # Anthropic's range is [0, 1]
+        claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, extra_body={"temperature": 1.5})
 
 
 # -- Responses --------------------------------------------------------------------------------
@@ -352,6 +354,12 @@ def test_responses_is_stateless(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)
     assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
+
+
+def test_responses_refuse_a_temperature_past_2(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="hi", temperature=2.5, max_output_tokens=2)
+    assert err.value.body["param"] == "temperature"
 
 
 def test_responses_refuse_an_empty_conversation(oai):

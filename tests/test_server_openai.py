@@ -166,6 +166,14 @@ def test_per_request_generation_mode_and_depth(client, refs):
     (dict(response_format={"type": "xml"}), "response_format.type", "json_object or json_schema"),
     (dict(extra_body={"min_tokens": 3}), "min_tokens", "not supported"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "not supported"),
+    (dict(temperature=2.5), "temperature", "less than or equal to 2"),
+    (dict(extra_body={"best_of": 3}), "best_of", "not supported"),
+    (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
+    (dict(seed=2 ** 64 + 5), "seed", "64-bit integer"),
+    (dict(seed=-2 ** 63 - 1), "seed", "64-bit integer"),
+    # a field of several shapes is named, with its shapes, not by pydantic's first try ("stop.str")
+    (dict(stop=["a", 14]), "stop", "stop: expected a string or a list of strings"),
+    (dict(extra_body={"depth": "deep"}), "depth", "depth: expected an integer or 'auto'"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as err:
@@ -173,6 +181,30 @@ def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, word
     error = err.value.body
     assert err.value.status_code == 400 and error["param"] == param and words in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_no_json_object_is_400_saying_so(url):
+    bad_json = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "x", "messages": [}',
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400
+    assert bad_json.json()["error"]["message"].startswith("the body is not valid JSON: ")
+    assert bad_json.json()["error"]["param"] is None  # not the character offset
+    listed = httpx.post(f"{url}/v1/chat/completions", json=[1, 2])
+    assert listed.status_code == 400 and listed.json()["error"]["message"].startswith("the body must be a JSON object")
+    null = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                          "messages": [{"role": "assistant", "content": None}]})
+    assert null.json()["error"]["message"] == ("messages.0.content: an assistant message needs content (a string "
+                                               "or text parts), got null")
+
+
+def test_seeds_are_their_64_bits(client):
+    """-1 and 2**64 - 1 are one seed (the same bits); 2**64 + 5 is refused, not taken as 5."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0)
+    texts = [client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (-1, 2 ** 64 - 1)]
+    assert texts[0] == texts[1]
+    two = client.chat.completions.create(seed=2 ** 64 - 1, n=2, **kw)  # choice 1 takes seed 0: no overflow
+    assert two.choices[0].message.content == texts[0]
+    assert two.choices[1].message.content == client.chat.completions.create(seed=0, **kw).choices[0].message.content
 
 
 def test_neutral_values_of_unsupported_fields_and_harmless_unknown_fields_pass(client, refs):

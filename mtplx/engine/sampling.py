@@ -35,6 +35,7 @@ from mtplx.kernels import noise
 from mtplx.kernels import sampling as sampling_kernels
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's allowed range for presence/frequency penalties
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # int64 and uint64 seeds; a negative one is taken as its 64 bits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class SamplingParams:
                 raise InvalidParameter(name, f"must be in [-2, 2], got {value}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidParameter("seed", f"must be an integer or null, got {self.seed!r}")
+        if self.seed is not None and not (SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise InvalidParameter("seed", f"must be a 64-bit integer, from -2**63 to 2**64 - 1 (a negative seed is "
+                                           f"its 64 bits: -1 is 2**64 - 1), got {self.seed}")
         return self
 
 
@@ -185,7 +189,7 @@ class NoiseStream:
     emitted token's race."""
 
     def __init__(self, seed: int | None = None):
-        self.key = secrets.randbits(64) if seed is None else seed % 2 ** 64  # any Python int maps in
+        self.key = secrets.randbits(64) if seed is None else seed % 2 ** 64  # a negative seed: its 64 bits
         self.fills = 0
 
     def take(self, n: int = 1) -> int:

@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field
 from mtplx.batching.job import Delta, JobResult
 from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
-from mtplx.server.protocol import RequestBody, chat_message, sse
+from mtplx.server.protocol import RequestBody, article, chat_message, sse
 from mtplx.server.structured import tool_call_grammar
 from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
                                 split_tool_calls)
@@ -119,7 +119,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
                 result = f"Error: {result}"
             out.append(chat_message("tool", result, None, str(block.get("tool_use_id") or ""), at))
         else:
-            raise _bad(at, f"block type {kind!r} is not supported in a {m.role} message (text, tool_use in "
+            raise _bad(at, f"block type {kind!r} is not supported in {article(m.role)} message (text, tool_use in "
                            "assistant messages, tool_result in user messages)")
     if m.role == "assistant":
         out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
@@ -131,7 +131,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
 class MessagesRequest(PromptFields):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, le=1.0)  # Anthropic's range is [0, 1]
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False

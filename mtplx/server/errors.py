@@ -60,6 +60,52 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# pydantic's names for the members of a union, as a reader would say them
+_UNION_MEMBERS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+                  "list[str]": "a list of strings", "list[int]": "a list of integers",
+                  "list[list[int]]": "a list of lists of integers", "list[dict[any,any]]": "a list of objects",
+                  "dict[any,any]": "an object"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """The message and ``param`` of a 400 for a body that failed validation: the first error's
+    place in the body (``messages.0.content``) and what was wrong there. A field that takes one
+    of several shapes (``stop``: a string or a list of strings) is named with the shapes it takes,
+    not by pydantic's name for the first shape it tried (``stop.str``)."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", None))[-1]
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return f"the body is not valid JSON: {reason} (at character {where})", None
+    locs = [tuple(e.get("loc", ())) for e in errors]
+    locs = [l[1:] if l[:1] == ("body",) else l for l in locs]
+    loc = locs[0]
+    if not loc:
+        return f"the body must be a JSON object ({first.get('msg', 'invalid value')})", None
+    for cut in range(len(loc) - 1, 0, -1):  # the innermost place where a union's shapes were tried
+        shapes = [l[cut] for l in locs if len(l) > cut and l[:cut] == loc[:cut] and _is_shape(l[cut])]
+        shapes = list(dict.fromkeys(shapes))
+        if _is_shape(loc[cut]) and len(shapes) > 1:
+            param = ".".join(str(x) for x in loc[:cut])
+            said = [_UNION_MEMBERS.get(t.replace(" ", ""), _literal(t)) for t in shapes]
+            return f"{param}: expected {', '.join(said[:-1])} or {said[-1]}", param
+    param = ".".join(str(x) for x in loc)
+    return f"{param}: {first.get('msg', 'invalid value')}", param
+
+
+def _is_shape(part) -> bool:
+    """Whether a place in pydantic's error location names one of a union's shapes (``str``,
+    ``list[str]``, ``literal['auto']``) rather than a field or a list index."""
+    return isinstance(part, str) and (part.replace(" ", "") in _UNION_MEMBERS or "[" in part)
+
+
+def _literal(tag: str) -> str:
+    """``literal['auto']`` -> ``'auto'``; other tags as pydantic wrote them."""
+    return tag[len("literal["):-1] if tag.startswith("literal[") and tag.endswith("]") else tag
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
@@ -67,10 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+        message, param = validation_message(exc.errors())
         return APIError(400, message, param=param, code="invalid_value").response(request.url.path)
 
     @app.exception_handler(HTTPException)

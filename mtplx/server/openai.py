@@ -126,7 +126,7 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
     base.grammar, base.logprobs, base.prompt_logprobs = grammar, logprobs, prompt_logprobs
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(
-        base.params, seed=None if seed is None else seed + i)) for i in range(1, n)]
+        base.params, seed=None if seed is None else (seed + i) % 2 ** 64)) for i in range(1, n)]
 
 
 def _mode_default(settings: SchedulerSettings) -> str | None:

@@ -22,6 +22,7 @@ from mtplx.server.tools import (ROLES, ToolCall, ToolCallStream, ToolChoice, par
                                 split_tool_calls)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's documented default when a request gives none
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
 NO_LOGPROB = -9999.0  # what JSON carries for a token the distribution excludes (-inf), as OpenAI
@@ -75,7 +76,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}), "functions": (None, []),
     "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "prompt_logprobs": (None, 0), "length_penalty": (None, 1, 1.0),
-    "use_beam_search": (None, False), "min_new_tokens": (None, 0),
+    "use_beam_search": (None, False), "min_new_tokens": (None, 0), "best_of": (None, 1),
 }
 
 
@@ -87,7 +88,7 @@ class GenerationFields(RequestBody):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -110,6 +111,9 @@ class GenerationFields(RequestBody):
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                           code="invalid_value")
 
     def sampling_kwargs(self, default_temperature: float = DEFAULT_TEMPERATURE) -> dict:
         """Keyword arguments for ``Engine.make_request`` (besides prompt, max_tokens, mode, depth)."""
@@ -176,12 +180,17 @@ class ChatCompletionRequest(GenerationFields):
                 for i, m in enumerate(self.messages)]
 
 
+def article(word: str) -> str:
+    """``word`` after its indefinite article: "an assistant", "a user"."""
+    return ("an " if word[:1] in "aeiou" else "a ") + word
+
+
 def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str | None, where: str) -> dict:
     def bad(param: str, message: str) -> APIError:
         return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
     if content is None and not (role == "assistant" and tool_calls):
-        raise bad(f"{where}.content", f"a {role} message needs content (a string or text parts), got null")
+        raise bad(f"{where}.content", f"{article(role)} message needs content (a string or text parts), got null")
     message = {"role": "system" if role == "developer" else role,
                "content": "" if content is None else text_of(content, f"{where}.content")}
     if tool_calls:

@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field
 from mtplx.batching.job import Delta, JobResult
 from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
-from mtplx.server.protocol import RequestBody, chat_message, sse
+from mtplx.server.protocol import MAX_TEMPERATURE, RequestBody, chat_message, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
 from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, check_unique_names, make_tool, parse_tool_choice,
                                 split_tool_calls)
@@ -42,7 +42,7 @@ class ResponsesRequest(RequestBody):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     tools: list[dict] | None = None
     tool_choice: Any = None
