@@ -155,6 +155,51 @@ def test_a_forced_tool_call_streams_as_delta_tool_calls(oai):
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 
+@pytest.mark.parametrize("max_tokens", [2, 20, 55])
+def test_a_forced_tool_call_cut_by_max_tokens_is_the_call_so_far(oai, claude, url, max_tokens):
+    """max_tokens may cut a forced call before its markup closes (before its name shows at 2
+    tokens): the reply is the call so far, finish_reason "length", never the dialect's markup as
+    content; streamed and whole replies agree. Anthropic's tool_use input is then {} (its stream
+    sent the partial JSON); a Responses item the end cut is "incomplete"."""
+    kwargs = dict(model=MODEL, messages=CHAT, tools=[CITY], tool_choice={"type": "function", "function": {
+        "name": "get_city"}}, max_tokens=max_tokens, seed=5, temperature=0.8)
+    full = oai.chat.completions.create(**{**kwargs, "max_tokens": 120}).choices[0].message.tool_calls[0]
+    r = oai.chat.completions.create(**kwargs)
+    message, [call] = r.choices[0].message, r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "length" and message.content is None and r.usage.completion_tokens == max_tokens
+    assert call.function.name == "get_city" and full.function.arguments.startswith(call.function.arguments)
+    assert len(call.function.arguments) < len(full.function.arguments)
+    name, arguments, reasons, content = "", "", [], ""
+    for chunk in oai.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                name += d.function.name or ""
+                arguments += d.function.arguments or ""
+            reasons.append(c.finish_reason)
+    assert (content, name, arguments, reasons[-1]) == ("", "get_city", call.function.arguments, "length")
+
+    tool = {"name": "get_city", "input_schema": CITY["function"]["parameters"]}
+    body = {"model": MODEL, "max_tokens": max_tokens, "messages": CHAT, "tools": [tool], "temperature": 0.8,
+            "tool_choice": {"type": "tool", "name": "get_city"}}
+    m = claude.messages.create(**{k: v for k, v in body.items() if k != "temperature"},
+                               extra_body={"temperature": 0.8})
+    assert [(b.type, b.name) for b in m.content] == [("tool_use", "get_city")] and m.stop_reason == "max_tokens"
+    with httpx.stream("POST", f"{url}/v1/messages", headers={"x-api-key": KEY}, json={**body, "stream": True}) as s:
+        events = sse_events(s)
+    assert [e["content_block"]["type"] for n, e in events if n == "content_block_start"] == ["tool_use"]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+    fn = {"type": "function", "name": "get_city", "parameters": CITY["function"]["parameters"]}
+    reply = oai.responses.create(model=MODEL, input=CHAT, tools=[fn], tool_choice="required", temperature=0.8,
+                                 max_output_tokens=max_tokens)
+    assert reply.status == "incomplete" and [(i.type, i.name, i.status) for i in reply.output] == [
+        ("function_call", "get_city", "incomplete")]
+    done = [e for e in oai.responses.create(model=MODEL, input=CHAT, tools=[fn], tool_choice="required",
+                                            temperature=0.8, max_output_tokens=max_tokens, stream=True)][-1]
+    assert done.type == "response.incomplete" and done.response.output[0].status == "incomplete"
+
+
 def test_response_format_json_schema_output_validates(oai):
     schema = CITY["function"]["parameters"]
     for n, temperature in ((1, 0.0), (2, 1.0)):

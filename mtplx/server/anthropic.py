@@ -176,25 +176,28 @@ async def messages(body: MessagesRequest, request: Request):
     [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
                                        sampling=body.sampling(server.default_temperature), grammar=grammar)
     reply = MessageShape(body.model, tools, server.tool_parser if tools else None, body.stop_sequences or [],
-                         server.engine, len(engine_request.prompt_ids))
+                         server.engine, len(engine_request.prompt_ids), choice)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)
 
 
 class MessageShape:
     """Builds one Anthropic reply, whole (``whole``) or as a stream (``start`` ... ``end``)."""
 
-    def __init__(self, model: str, tools: list[Tool], parser, stops: list[str], engine, prompt_tokens: int):
+    def __init__(self, model: str, tools: list[Tool], parser, stops: list[str], engine, prompt_tokens: int,
+                 choice: ToolChoice | None = None):
         self.model, self.tools, self.parser, self.stops = model, tools, parser, stops
-        self.engine, self.prompt_tokens = engine, prompt_tokens
+        self.engine, self.prompt_tokens, self.choice = engine, prompt_tokens, choice
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
-        self.stream = ToolCallStream(parser, tools) if tools and parser else None
+        self.stream = ToolCallStream(parser, tools, choice) if tools and parser else None
         self.block: int | None = None  # index of the open text block
         self.tool_block = 0  # index of the last tool_use block
         self.blocks = 0
         self.result: JobResult | None = None
 
     def _split(self, text: str) -> tuple[str, list[ToolCall]]:
-        return split_tool_calls(self.parser, self.tools, text) if self.tools and self.parser else (text, [])
+        if not (self.tools and self.parser):
+            return text, []
+        return split_tool_calls(self.parser, self.tools, text, self.choice)
 
     def _stop(self, result: JobResult, called: bool) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) from the job's finish."""
@@ -290,7 +293,18 @@ class MessageShape:
 
 def _tool_use(call: ToolCall, input: dict | None = None) -> dict:
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name,
-            "input": json.loads(call.arguments) if input is None else input}
+            "input": _input(call.arguments) if input is None else input}
+
+
+def _input(arguments: str) -> dict:
+    """A call's arguments as a tool_use input object; {} for a forced call that max_tokens cut
+    before its arguments closed (stop_reason says max_tokens; a stream sent them as far as they
+    came, as partial_json)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _event(kind: str, **fields: Any) -> str:

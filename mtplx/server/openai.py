@@ -48,7 +48,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar,
                                logprobs=body.logprobs_wanted)
     shape = ResponseShape(True, body.model, body.return_token_ids, body.n, body.include_usage, tools,
-                          server.tool_parser if tools else None, server.engine.tokenizer)
+                          server.tool_parser if tools else None, server.engine.tokenizer, choice=body.choice)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
 
 

@@ -270,8 +270,10 @@ class ResponseShape:
     ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
-                 tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int]] | None = None):
+                 tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int]] | None = None,
+                 choice: ToolChoice | None = None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.choice = choice  # a forced one makes output cut by max_tokens the call so far
         self.echo = echo  # completions' echo: (prompt text, prompt token ids), sent before the output
         self.echoed = [False] * n
         self.tokenizer = tokenizer  # for logprobs' token strings
@@ -285,7 +287,9 @@ class ResponseShape:
         self.results: dict[int, JobResult] = {}
 
     def _tool_stream(self) -> ToolCallStream | None:
-        return ToolCallStream(self.parser, self.tools) if self.chat and self.tools and self.parser else None
+        if not (self.chat and self.tools and self.parser):
+            return None
+        return ToolCallStream(self.parser, self.tools, self.choice)
 
     @property
     def object(self) -> str:
@@ -306,7 +310,7 @@ class ResponseShape:
         if self.chat:
             message = {"role": "assistant", "content": result.text}
             if self._tool_stream() is not None:
-                content, calls = split_tool_calls(self.parser, self.tools, result.text)
+                content, calls = split_tool_calls(self.parser, self.tools, result.text, self.choice)
                 if calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai_dict() for c in calls]}

@@ -25,8 +25,8 @@ from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import MAX_TEMPERATURE, RequestBody, chat_message, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
-from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, check_unique_names, make_tool, parse_tool_choice,
-                                split_tool_calls)
+from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
+                                parse_tool_choice, split_tool_calls)
 
 router = APIRouter()
 
@@ -149,22 +149,23 @@ async def create_response(body: ResponsesRequest, request: Request):
     [engine_request] = engine_requests(server, body, prompt, ("max_output_tokens", body.max_output_tokens),
                                        chat=chat, sampling=body.sampling(server.default_temperature),
                                        grammar=grammar)
-    reply = ResponseObject(body, tools, server.tool_parser if tools else None)
+    reply = ResponseObject(body, tools, server.tool_parser if tools else None, choice)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)
 
 
 class ResponseObject:
     """Builds one Responses reply, whole (``whole``) or streamed (``start`` ... ``end``)."""
 
-    def __init__(self, body: ResponsesRequest, tools: list[Tool], parser):
-        self.body, self.tools, self.parser = body, tools, parser
+    def __init__(self, body: ResponsesRequest, tools: list[Tool], parser, choice: ToolChoice | None = None):
+        self.body, self.tools, self.parser, self.choice = body, tools, parser, choice
         self.id = f"resp_{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.stream = ToolCallStream(parser, tools) if tools and parser else None
+        self.stream = ToolCallStream(parser, tools, choice) if tools and parser else None
         self.seq = 0
         self.items: list[dict] = []  # output items so far
         self.text_item: dict | None = None  # the open message item
         self.call_item: dict | None = None  # the last function_call item
+        self.closing = "completed"  # the status of items that close; "incomplete" for those the end cut
 
     def envelope(self, status: str, output: list[dict], result: JobResult | None = None) -> dict:
         b = self.body
@@ -197,10 +198,13 @@ class ResponseObject:
         [result] = results
         text, calls = result.text, []
         if self.tools and self.parser:
-            text, calls = split_tool_calls(self.parser, self.tools, result.text)
+            text, calls = split_tool_calls(self.parser, self.tools, result.text, self.choice)
         output = [_message_item(text, "completed")] if text or not calls else []
         output += [_call_item(c, "completed") for c in calls]
-        return self.envelope(self.status(result), output, result)
+        status = self.status(result)
+        if status == "incomplete":  # the item max_output_tokens cut is the last one
+            output[-1]["status"] = "incomplete"
+        return self.envelope(status, output, result)
 
     # -- streamed --------------------------------------------------------------------------
     def _event(self, kind: str, **fields) -> str:
@@ -239,7 +243,7 @@ class ResponseObject:
                 out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                        output_index=at, delta=fragment))
             if kind in ("call", "call_end"):
-                item.update(arguments=call.arguments, status="completed")
+                item.update(arguments=call.arguments, status=self.closing)
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=at, arguments=call.arguments))
                 out.append(self._event("response.output_item.done", output_index=at, item=item))
@@ -262,7 +266,7 @@ class ResponseObject:
         if item is None:
             return []
         at = self.items.index(item)
-        item["status"] = "completed"
+        item["status"] = self.closing
         part = item["content"][0]
         return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
                             text=part["text"]),
@@ -271,6 +275,7 @@ class ResponseObject:
                 self._event("response.output_item.done", output_index=at, item=item)]
 
     def done(self, index: int, result: JobResult) -> list[str]:
+        self.closing = self.status(result)  # what closes now is what the end cut, if it cut
         out = self._items(self.stream.finish()) if self.stream else []
         if not self.items:  # an empty reply is an empty message
             out += self._open_text()

@@ -376,10 +376,16 @@ class ToolCallStream:
     dialect lets arguments stream (hermes), ("call_start", call) once its name is out, then
     ("arguments", (call, fragment)) as they arrive and ("call_end", call). Content that might
     begin markup is held back until decided; a block that does not parse is released as
-    content (a streamed call whose arguments turn out malformed ends with what was sent)."""
+    content (a streamed call whose arguments turn out malformed ends with what was sent). Under a
+    forced ``choice`` (the grammar makes the output a call) a block cut short by max_tokens is the
+    call so far: its name (the choice's where the cut came before it) and its arguments as far as
+    they came, as OpenAI reports a cut call, never the dialect's raw markup as content."""
 
-    def __init__(self, parser, tools: list[Tool]):
+    def __init__(self, parser, tools: list[Tool], choice: ToolChoice | None = None):
         self.parser, self.tools = parser, {t.name: t for t in tools}
+        self.forced = choice is not None and choice.forced
+        self.forced_name = (choice.name if choice is not None and choice.mode == "function"
+                            else tools[0].name if len(tools) == 1 else "")
         self.text = ""
         self.pos = 0          # text[:pos] is decided (sent as content or parsed as calls)
         self.block: int | None = None  # where the open markup block starts
@@ -399,6 +405,8 @@ class ToolCallStream:
         while True:
             if self.block is None:
                 start = self.parser.find_start(self.text, self.pos, not self.calls and not self.text[:self.pos].strip())
+                if start < 0 and final and self.forced and not self.calls and self.text[self.pos:].strip():
+                    start = self.pos  # cut inside the markup's opening: the call had begun
                 if start < 0:
                     keep = 0 if final else self.parser.held(self.text[self.pos:], not self.text[:self.pos].strip()
                                                             and not self.calls)
@@ -410,6 +418,7 @@ class ToolCallStream:
             if end is None and not final:
                 self._stream_arguments(events)
                 return events
+            cut = end is None
             end = len(self.text) if end is None else end
             calls = self.parser.parse_block(self.text[self.block:end], self.tools, final)
             if self.open is not None:
@@ -418,6 +427,9 @@ class ToolCallStream:
             elif calls and all(c.name in self.tools for c in calls):  # a call to no offered tool is text
                 self.calls += calls
                 events += [("call", c) for c in calls]
+                self.pos = end
+            elif cut and self.forced:
+                self._cut_call(events)
                 self.pos = end
             else:
                 self._content(events, end)
@@ -443,6 +455,17 @@ class ToolCallStream:
             events.append(("arguments", (call, arguments[len(call.arguments):])))
             call.arguments = arguments
 
+    def _cut_call(self, events: list) -> None:
+        """A forced call whose block max_tokens cut: its name and its arguments so far."""
+        head = self.parser.header(self.text[self.block:])
+        if head is not None and head[0] in self.tools:
+            at = self.block + head[1]
+            call = ToolCall(head[0], self.text[at:json_value_end(self.text, at) or len(self.text)])
+        else:
+            call = ToolCall(self.forced_name, "")
+        self.calls.append(call)
+        events.append(("call", call))
+
     def _end_call(self, events: list, calls: list[ToolCall] | None) -> None:
         if calls and len(calls) == 1 and calls[0].name == self.open.name:
             self._send_arguments(events, calls[0].arguments)
@@ -455,11 +478,12 @@ class ToolCallStream:
             self.pos = upto
 
 
-def split_tool_calls(parser, tools: list[Tool], text: str) -> tuple[str, list[ToolCall]]:
+def split_tool_calls(parser, tools: list[Tool], text: str,
+                     choice: ToolChoice | None = None) -> tuple[str, list[ToolCall]]:
     """Whole-output parsing: (content, calls). A stream of ``text`` gives the same calls and
     content, except that a call whose name streamed and whose arguments then turned out
     malformed stays a call there (it was already sent) and is content here."""
-    stream = ToolCallStream(parser, tools)
+    stream = ToolCallStream(parser, tools, choice)
     stream.text = text
     events = stream.finish()
     content = "".join(e for kind, e in events if kind == "content")
