@@ -68,6 +68,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     dt = resolve_dtype(dtype, dev)
     kv = resolve_kv_dtype(kv_dtype, dev, dt)  # (a bad value fails before the weights load)
     _check_sizes(kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_depth=max_depth)
+    if depth is not None:
+        Engine.check_depth(depth)
+    if max_depth is not None:
+        Engine.check_depth(max_depth, "max_depth", allow_auto=False)
     if model is None:
         from mtplx.loading.default_model import default_head_dir, default_model_path
 

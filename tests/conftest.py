@@ -15,10 +15,20 @@ def default_gguf() -> Path:
 
 def pytest_configure(config):
     """One intra-op thread: the tests' models are tiny, and on a shared 2-core machine a
-    second thread makes small operations many times slower, not faster."""
+    second thread makes small operations many times slower, not faster. The commands under test
+    (and their subprocesses) read no user settings: no config file, no ``MTPLX_<KEY>`` variable
+    of mtplx.config (tests that want them set their own)."""
+    import os
+    import tempfile
+
     import torch
 
+    from mtplx.config import KEYS
+
     torch.set_num_threads(1)
+    os.environ["MTPLX_CONFIG"] = str(Path(tempfile.mkdtemp(prefix="mtplx-test-")) / "no-config.toml")
+    for key in KEYS.values():
+        os.environ.pop(key.env, None)
 
 
 @pytest.fixture

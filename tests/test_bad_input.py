@@ -133,6 +133,9 @@ def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree
         (["bench", "--model", "/no/such/dir", "--repeats", "0"], "repeats"),
         (["tune", "--model", "/no/such/dir", "--max-tokens", "0"], "max-tokens"),
         (["bench", "--model", "/no/such/dir", "--json", "/no/such/dir/report.json"], "no such folder"),
+        (["generate", "hi", "--model", "/no/such/dir", "--max-tokens", "0"], "max-tokens"),
+        (["generate", "hi", "--model", "/no/such/dir", "--top-p", "2"], "top_p"),
+        (["generate", "hi", "--model", "/no/such/dir", "--max-depth", "9"], "max_depth"),
     ]:
         proc = _cli(*args)  # the model path does not exist: these fail on the option, before any load
         lines = [l for l in proc.stderr.splitlines() if l.strip()]
@@ -140,7 +143,8 @@ def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree
 
 
 @pytest.mark.parametrize("option", [{"max_depth": 0}, {"kv_cache_tokens": 0}, {"kv_cache_tokens": -5},
-                                    {"kv_cache_tokens": "a"}, {"block_size": 0}, {"block_size": 2.5}])
+                                    {"kv_cache_tokens": "a"}, {"block_size": 0}, {"block_size": 2.5},
+                                    {"depth": 9}, {"depth": "deep"}, {"max_depth": 9}])
 def test_load_refuses_sizes_below_one_by_name_before_loading(option):
     with pytest.raises(InvalidParameter) as err:
         mtplx.load("/no/such/model", **option)  # the path is never read: the option fails first
@@ -158,10 +162,44 @@ def test_generate_into_a_closed_pipe_ends_quietly(default_gguf):
     assert proc.returncode == 141 and "Traceback" not in err and "Error" not in err, err
 
 
+def test_the_model_commands_read_the_config_file_under_their_flags(tmp_path, monkeypatch):
+    """generate, bench, tune and inspect load the model the config file names (as serve does),
+    and a flag beats it."""
+    hf, cfg = hf_reference("llama")
+    _write(tmp_path, cfg, hf.state_dict())
+    config = tmp_path / "config.toml"
+    config.write_text('model = "/no/such/configured/model"\n')
+    monkeypatch.setenv("MTPLX_CONFIG", str(config))
+    for args in (["generate", "hi"], ["bench"], ["tune"], ["inspect"]):
+        proc = _cli(*args)
+        assert proc.returncode == 2 and "/no/such/configured/model" in proc.stderr, (args, proc.stderr)
+    assert _cli("inspect", str(tmp_path)).returncode == 4  # the positional MODEL beats the file
+    config.write_text('max_depth = 12\n')
+    proc = _cli("generate", "hi", "--model", str(tmp_path))
+    assert proc.returncode == 2 and "max_depth = 12" in proc.stderr and str(config) in proc.stderr
+
+
+@pytest.mark.slow
+def test_generate_reads_the_prompt_from_stdin_and_inspect_refuses_a_truncated_gguf(default_gguf, tmp_path):
+    args = [sys.executable, "-m", "mtplx.cli", "generate", "--model", str(default_gguf), "--max-tokens", "6",
+            "--json"]
+    piped = subprocess.run([*args, "-"], input="Name a color.", capture_output=True, text=True, timeout=300)
+    given = subprocess.run([*args, "Name a color."], capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0 and json.loads(piped.stdout)["token_ids"] == json.loads(given.stdout)["token_ids"]
+    assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(given.stdout)["prompt_tokens"]
+    cut = tmp_path / "cut.gguf"
+    data = default_gguf.read_bytes()
+    cut.write_bytes(data[: len(data) - 4096])  # the header whole, the last tensor's bytes short
+    proc = _cli("inspect", str(cut))
+    assert proc.returncode == 2 and "truncated" in proc.stderr, proc.stderr
+
+
 def test_cli_inspect_exit_codes_differ_per_tier(tmp_path):
     hf, cfg = hf_reference("llama")
     _write(tmp_path, cfg, hf.state_dict())
     assert _cli("inspect", str(tmp_path)).returncode == 4  # AR-only
+    missing = _cli("inspect", str(tmp_path), "--head", str(tmp_path / "nowhere"))  # as mtplx.load: an error
+    assert missing.returncode == 2 and "no mtp.safetensors in" in missing.stderr
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}, default=str))
     unsupported = _cli("inspect", str(tmp_path), "--json")
     assert unsupported.returncode == 5 and json.loads(unsupported.stdout)["tier"] == "unsupported"

@@ -30,13 +30,28 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "default none: the head's own dtype")
 
 
-def load_engine(args, depth=None):
+# the config file's keys that say how a model loads (mtplx.config; serve reads them all)
+MODEL_KEYS = ("model", "device", "dtype", "quantize", "max_depth", "kv_dtype", "head_quantize")
+
+
+def model_config(args, **flags):
+    """How the command's model loads: each flag given, else ``MTPLX_<KEY>``, else the config file
+    (``mtplx config``), else the default, as ``mtplx serve`` reads them. ``flags``: more keys
+    (``depth=args.depth``). A bad value fails here, naming where it came from, before any weight
+    loads."""
+    from mtplx.config import Config
+
+    return Config.load(overrides={**{k: getattr(args, k, None) for k in MODEL_KEYS}, **flags})
+
+
+def load_engine(args, cfg=None, depth=None):
+    """The command's engine, as ``model_config`` (or ``cfg``, its result) says."""
     import mtplx
 
-    return mtplx.load(args.model, device=args.device, dtype=args.dtype, depth=depth, head=args.head,
-                      allow_unverified_head=args.allow_unverified_head, quantize=getattr(args, "quantize", None),
-                      max_depth=getattr(args, "max_depth", None), kv_dtype=getattr(args, "kv_dtype", None),
-                      head_quantize=getattr(args, "head_quantize", None))
+    cfg = cfg if cfg is not None else model_config(args)
+    return mtplx.load(cfg.model, device=cfg.device, dtype=cfg.dtype, depth=depth, head=args.head,
+                      allow_unverified_head=args.allow_unverified_head, quantize=cfg.quantize,
+                      max_depth=cfg.max_depth, kv_dtype=cfg.kv_dtype, head_quantize=cfg.head_quantize)
 
 
 # a token-id prompt suite for models without a tokenizer

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from mtplx.commands.common import add_model_options, load_engine, parse_depth
+from mtplx.commands.common import add_model_options, load_engine, model_config, parse_depth
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     add_model_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--mode", choices=("ar", "mtp"), default=None, help="default: mtp when the model has a head")
@@ -31,9 +31,19 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    engine = load_engine(args)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    kwargs = dict(mode=args.mode, depth=args.depth, max_tokens=args.max_tokens, temperature=args.temperature,
+    from mtplx.engine.sampling import SamplingParams
+    from mtplx.errors import InvalidParameter
+
+    # every option is checked before the model loads
+    cfg = model_config(args, depth=args.depth, generation_mode=args.mode)
+    if args.max_tokens < 1:
+        raise InvalidParameter("max-tokens", f"must be at least 1, got {args.max_tokens}")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   seed=args.seed).validate()
+    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = load_engine(args, cfg)
+    prompt = [{"role": "user", "content": prompt_text}] if args.chat else prompt_text
+    kwargs = dict(mode=cfg.generation_mode, depth=cfg.depth, max_tokens=args.max_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                   chat=args.chat, draft_policy=args.draft_policy)
     req = engine.make_request(prompt, **kwargs)

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import json
 
+from mtplx.commands.common import model_config
 from mtplx.loading.describe import TIERS, describe
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="describe a model: architecture, MTP head, support tier")
-    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: the default model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF directory or .gguf file (default: the config's model, else the default model)")
     p.add_argument("--head", default=None, help="directory with a forged mtp.safetensors")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    model, head = args.model, args.head
+    model, head = model_config(args).model, args.head  # MODEL, else MTPLX_MODEL, else the config file's
     if model is None:
         from mtplx.loading.default_model import default_head_dir, default_model_path
 

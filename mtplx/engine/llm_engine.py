@@ -138,8 +138,8 @@ class Engine:
             if value not in (None, "ar", "mtp"):
                 raise InvalidParameter(name, f"must be 'ar' or 'mtp', got {value!r}")
         if sampled_depth is not None:
-            self._check_depth(sampled_depth, "sampled_depth")
-        self._check_depth(max_depth, "max_depth", allow_auto=False)
+            self.check_depth(sampled_depth, "sampled_depth")
+        self.check_depth(max_depth, "max_depth", allow_auto=False)
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -170,7 +170,7 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set(self.config.eos_token_ids)
         chain = self.runner.graphs is not None if chain is None else chain
         self.generator = Generator(self.runner, self.kv, eos, chain=chain)
-        self.default_depth = self._check_depth(depth) if depth is not None else DEFAULT_DEPTH
+        self.default_depth = self.check_depth(depth) if depth is not None else DEFAULT_DEPTH
         self.depth_given = depth is not None
         self.cost_machine = cost_machine(self.device)
         self.costs_source = "tuned" if depth_costs is not None else f"{self.cost_machine} defaults"
@@ -269,7 +269,7 @@ class Engine:
             raise InvalidParameter("draft_policy", f"{draft_policy!r} is not one of {', '.join(DRAFT_POLICIES)}")
         if draft_policy == "auto":
             draft_policy = "mirror" if params.temperature >= mirror_from(self.device.type) else "greedy"
-        depth = self._check_depth(depth) if depth is not None else default_depth
+        depth = self.check_depth(depth) if depth is not None else default_depth
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
         reason = None
@@ -336,7 +336,7 @@ class Engine:
         return self.auto_depth.expected_speedup(temperature, None if depth == "auto" else depth)
 
     @staticmethod
-    def _check_depth(depth, name: str = "depth", allow_auto: bool = True) -> int | str:
+    def check_depth(depth, name: str = "depth", allow_auto: bool = True) -> int | str:
         if depth == "auto" and allow_auto:
             return depth
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:

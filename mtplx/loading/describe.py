@@ -66,6 +66,8 @@ def describe(path: str | Path, head_dir: str | Path | None = None) -> dict:
     sidecar = Path(head_dir).expanduser() if head_dir else (path if path.is_dir() else path.parent)
     if (sidecar / SIDECAR_WEIGHTS).is_file():
         return {**info, **_sidecar_tier(path, sidecar)}
+    if head_dir:  # as loading does: a head asked for and not there is an error, not "no head"
+        raise ModelLoadError(f"no {SIDECAR_WEIGHTS} in {sidecar}")
     return {**info, "tier": "ar_only", "mtp": None,
             "reason": "no MTP head: forge one with `mtplx forge build`"}
 

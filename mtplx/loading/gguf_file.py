@@ -98,9 +98,8 @@ def load_gguf(path: Path, *, dtype: torch.dtype, quantized: bool = False) -> tup
     header = read_gguf_header(path)
     _require_supported(header)
     config = gguf_config(header.metadata, {t.name: t.shape for t in header.tensors})
-    # Validate names and extents first: fail before spending seconds dequantising.
+    # Validate names first (the header's reader checked the extents): fail before spending seconds dequantising.
     hf_names = {t.name: hf_tensor_name(t.name, path) for t in header.tensors if t.name not in _DERIVED_TENSORS}
-    _check_extents(header)
     data = np.memmap(path, dtype=np.uint8, mode="r")  # freed with its last view
     state_dict: dict[str, torch.Tensor] = {}
     metadata = dict(header.metadata)
@@ -139,15 +138,18 @@ def _read_quantized(data: np.ndarray, header: GGUFHeader, info: TensorInfo):
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
-    """Parse the metadata and tensor table of a GGUF file (v2 or v3, little-endian)."""
+    """Parse the metadata and tensor table of a GGUF file (v2 or v3, little-endian); a file
+    whose tensors' bytes do not all lie inside it (truncated) is refused here, for every reader."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist or is not a file")
     try:
         # A memoryview slices without creating numpy objects (that is what makes GGUFReader slow).
-        return _parse_header(path, memoryview(np.memmap(path, dtype=np.uint8, mode="r")))
+        header = _parse_header(path, memoryview(np.memmap(path, dtype=np.uint8, mode="r")))
     except (struct.error, ValueError, UnicodeDecodeError, IndexError, OverflowError) as exc:
         raise ModelLoadError(f"GGUF file {path} is truncated or corrupt (while reading its header: {exc})") from exc
+    _check_extents(header)
+    return header
 
 
 def gguf_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> dict:
