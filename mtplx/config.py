@@ -223,10 +223,20 @@ _LINE_IN_ERROR = re.compile(r"at line (\d+)")
 
 def read_file(path: Path) -> dict[str, Any]:
     """The file's settings, each checked; {} when the file does not exist."""
+    text, raw = _read_toml(path)
+    values = {}
+    for name, value in raw.items():
+        values[name] = convert(name, value, f"config file {path}, line {_line_of(text, name)}")
+    return values
+
+
+def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
+    """The file's text and its table, values unchecked (plain values only); ("", {}) when the
+    file does not exist."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return {}
+        return "", {}
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     try:
@@ -235,13 +245,11 @@ def read_file(path: Path) -> dict[str, Any]:
         found = _LINE_IN_ERROR.search(str(exc))
         where = f", line {found.group(1)}" if found else ""
         raise ConfigError(f"config file {path}{where}: invalid TOML: {exc}") from None
-    values = {}
     for name, value in raw.items():
-        where = f"config file {path}, line {_line_of(text, name)}"
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: {name} must be a plain value, not a table or array")
-        values[name] = convert(name, value, where)
-    return values
+            raise ConfigError(f"config file {path}, line {_line_of(text, name)}: {name} must be a plain value, "
+                              "not a table or array")
+    return text, raw
 
 
 def _line_of(text: str, name: str) -> int | str:
@@ -252,11 +260,12 @@ def _line_of(text: str, name: str) -> int | str:
 def set_value(name: str, text: str, path: Path | None = None) -> Any:
     """Check ``text`` for key ``name`` and write it to the file (creating it); returns the
     value. The values "auto" and "" remove the key (back to the default), except for depth,
-    where "auto" is adaptive depth (``unset`` removes it)."""
+    where "auto" is adaptive depth (``unset`` removes it). The file's other entries are kept as
+    they are, a bad or unknown one too: so a file can be mended a key at a time."""
     path = path or config_path()
     removes = text in ("auto", "") and name != "depth"  # every key's default, never a literal "auto"
     value = None if removes and name in KEYS else convert(name, text, "config set")
-    values = read_file(path)
+    _, values = _read_toml(path)
     if value is None:
         values.pop(name, None)
     else:
@@ -266,27 +275,33 @@ def set_value(name: str, text: str, path: Path | None = None) -> Any:
 
 
 def unset_value(name: str, path: Path | None = None) -> None:
-    """Remove key ``name`` from the file (back to the default)."""
-    if name not in KEYS:
-        raise ConfigError(f"unknown key {name!r}; known keys: {', '.join(KEYS)}")
+    """Remove key ``name`` from the file (back to the default); an unknown key the file holds
+    is removed too. The file's other entries are kept as they are."""
     path = path or config_path()
-    values = read_file(path)
+    _, values = _read_toml(path)
+    if name not in KEYS and name not in values:
+        raise ConfigError(f"unknown key {name!r}; known keys: {', '.join(KEYS)}")
     values.pop(name, None)
     write_file(path, values)
 
 
 def write_file(path: Path, values: dict[str, Any]) -> None:
-    """Write ``values`` as a flat TOML table (keys in their documented order), atomically."""
+    """Write ``values`` as a flat TOML table (known keys in their documented order, then any
+    others the file held), atomically."""
     lines = ["# mtplx settings (`mtplx config show` lists every key; flags and MTPLX_* variables win)"]
-    for name in KEYS:
+    for name in [*KEYS, *(k for k in values if k not in KEYS)]:
         if values.get(name) is not None:
-            lines.append(f"{name} = {_toml_value(values[name])}")
+            lines.append(f"{_toml_key(name)} = {_toml_value(values[name])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    if any(KEYS[name].secret for name in values):
+    if any(name in KEYS and KEYS[name].secret for name in values):
         tmp.chmod(0o600)  # it holds a secret
     tmp.replace(path)
+
+
+def _toml_key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
 
 
 def _toml_value(value: Any) -> str:
@@ -294,4 +309,8 @@ def _toml_value(value: Any) -> str:
         value = value.value
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if hasattr(value, "isoformat"):  # a TOML date or time, kept as the file had it
+        return value.isoformat()
     return repr(value)

@@ -125,3 +125,21 @@ def test_config_command_round_trip(cfg_file, capsys):
     assert "must be one of serial, mtp_batch, hyper, ar_batch, solo_mtp" in capsys.readouterr().err
     assert main(["config", "path"]) == 0
     assert capsys.readouterr().out.strip() == str(cfg_file)
+
+
+def test_a_file_with_bad_entries_is_mended_a_key_at_a_time(cfg_file, capsys):
+    """set and unset keep the file's other entries as they are (bad or unknown ones too), and
+    unset removes an unknown key the file holds: the CLI can repair what Config.load refuses."""
+    cfg_file.parent.mkdir(parents=True)
+    cfg_file.write_text('colour = "blue"\nport = 99999\nshiny = true\nsince = 2026-12-07\n')
+    assert main(["config", "show"]) == 2
+    assert main(["config", "set", "port", "8001"]) == 0
+    assert main(["config", "show"]) == 2  # colour is still there...
+    for key in ("colour", "shiny"):
+        assert main(["config", "unset", key]) == 0
+    assert 'since = 2026-12-07' in cfg_file.read_text()
+    assert main(["config", "unset", "since"]) == 0
+    assert Config.load().port == 8001 and cfg_file.read_text().count("=") == 1  # ...until unset
+    capsys.readouterr()
+    assert main(["config", "unset", "colour"]) == 2  # not in the file, and not a key
+    assert "unknown key 'colour'" in capsys.readouterr().err

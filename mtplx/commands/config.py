@@ -17,8 +17,9 @@ def add_parser(sub) -> None:
     put = actions.add_parser("set", help="save a value (checked first); 'auto' removes the key")
     put.add_argument("key", choices=list(KEYS), metavar="KEY")
     put.add_argument("value")
-    unset = actions.add_parser("unset", help="remove a key from the file (back to the default)")
-    unset.add_argument("key", choices=list(KEYS), metavar="KEY")
+    unset = actions.add_parser("unset", help="remove a key from the file (back to the default; an unknown key "
+                                              "the file holds too)")
+    unset.add_argument("key", metavar="KEY")
     actions.add_parser("path", help="the config file's path")
     p.set_defaults(func=run)
 
