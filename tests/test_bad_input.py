@@ -32,12 +32,16 @@ def engine():
     (dict(mode="fast"), "mode"),
     (dict(draft_policy="typical"), "draft_policy"),
     (dict(stop=[""]), "stop"),
+    (dict(ignore_eos="false"), "ignore_eos"),  # a string would be true
+    (dict(chat=1), "chat"),
 ])
 def test_bad_generation_parameters_name_the_parameter(engine, kwargs, param):
     with pytest.raises(InvalidParameter) as err:
         engine.generate([1, 2, 3], **kwargs)
     assert err.value.param == param
     assert param in str(err.value)
+    with pytest.raises(InvalidParameter):  # at the call, before any piece is asked for
+        engine.stream([1, 2, 3], **kwargs)
 
 
 def test_prompt_longer_than_the_context_is_refused(engine):

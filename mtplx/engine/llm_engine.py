@@ -273,6 +273,10 @@ class Engine:
         adaptive = depth == "auto"
         depth = self.auto_depth.max_depth if adaptive else depth
         reason = None
+        if named_mode is None and mode == "ar" and self.has_mtp:  # the engine's default (mtplx tune's verdict)
+            regime = "greedy" if params.greedy else "sampled"
+            reason = (f"the default for {regime} requests is AR (`mtplx tune` found no MTP depth faster than AR on "
+                      "this machine); generation_mode mtp asks for it")
         estimate = self.mtp_estimate(params.temperature, "auto" if adaptive else depth) \
             if mode == "mtp" and named_mode is None else None
         if estimate is not None and estimate[1] < MIN_EXPECTED_SPEEDUP:  # MTP expected to lose
@@ -281,13 +285,16 @@ class Engine:
                 f"not tuned (`mtplx tune`): at temperature {params.temperature:g} the head's recorded acceptance and "
                 f"the cycle costs ({self.costs_source}) expect MTP depth {best} at "
                 f"{speedup:.2f}x AR, under {MIN_EXPECTED_SPEEDUP:.2f}x; generation_mode mtp asks for it")
+        for name, flag in (("chat", chat), ("ignore_eos", ignore_eos)):
+            if not isinstance(flag, bool):  # "false" would be true
+                raise InvalidParameter(name, f"must be True or False, got {flag!r}")
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise InvalidParameter("stop", f"expected a string or a list of strings, got {stop!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "each stop sequence must be a non-empty string")
         return Request(self.encode_prompt(prompt, chat=chat), params, max_tokens, mode,
-                       depth if mode == "mtp" else 0, draft_policy, stops, bool(ignore_eos),
+                       depth if mode == "mtp" else 0, draft_policy, stops, ignore_eos,
                        adaptive=adaptive and mode == "mtp", mtp_disabled_reason=reason)
 
     def request_depth(self, temperature: float) -> int | str:
@@ -405,11 +412,10 @@ class Engine:
         return result
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
-        """Yield text pieces as tokens commit (several tokens per piece under MTP)."""
+        """Text pieces as tokens commit (several tokens per piece under MTP). The request is
+        checked here, so a bad parameter raises at the call, not at the first piece."""
         req = self.make_request(prompt, **kwargs)
-        for _, piece in self.run(req):
-            if piece:
-                yield piece
+        return (piece for _, piece in self.run(req) if piece)
 
     def result(self, seq: Sequence, text: str) -> GenerationResult:
         stats = seq.stats.as_dict()
