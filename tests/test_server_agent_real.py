@@ -160,6 +160,9 @@ def test_logprob_bytes_rebuild_the_text_where_tokens_split_characters(oai, serve
                                     temperature=0, logprobs=1, echo=True)
     lp, text = echoed.choices[0].logprobs, echoed.choices[0].text
     assert lp.tokens[0] == "<|im_start|>" and lp.text_offset[-1] <= len(text)
+    for token, at in list(zip(lp.tokens, lp.text_offset))[:echoed.usage.prompt_tokens]:  # the echoed prompt
+        if "\\x" not in token:  # holds its control tokens' literal text: they take their place in it
+            assert text[at:at + len(token)] == token, (token, at, text)
 
 
 def test_streamed_chunks_carry_the_logprobs_of_their_own_text_under_a_stop_string(oai, server):

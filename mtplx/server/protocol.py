@@ -331,11 +331,13 @@ class ResponseShape:
         """Completions' logprobs of the echoed prompt: its first token has none (null)."""
         if values is None:
             return None
-        return self.logprobs(index, self.echo[1], [(None, None)] + values)
+        return self.logprobs(index, self.echo[1], [(None, None)] + values, echoed=True)
 
-    def logprobs(self, index: int, token_ids: list[int], values: list | None) -> dict | None:
+    def logprobs(self, index: int, token_ids: list[int], values: list | None, echoed: bool = False) -> dict | None:
         """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
-        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked."""
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked.
+        ``echoed``: the tokens of the echoed prompt, whose text holds its control tokens' literal
+        text (generated text leaves them out)."""
         if values is None:
             return None
         if self.chat:
@@ -344,7 +346,7 @@ class ResponseShape:
         offsets = []
         for token in token_ids:  # where each token's text starts: characters completed before it
             offsets.append(self.offsets[index])
-            if not self._special(token):  # (control tokens are not in the text)
+            if echoed or not self._special(token):  # (generated control tokens are not in the text)
                 self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
