@@ -265,6 +265,12 @@ def test_a_request_of_n_choices_counts_its_prompt_once_in_the_metrics(client, ur
     assert moved["mtplx_prompt_tokens_total"] == r.usage.prompt_tokens
     assert moved["mtplx_generation_tokens_total"] == r.usage.completion_tokens == 3 * 6
     assert moved["mtplx_e2e_request_latency_seconds_count"] == 1
+    choices = r.model_extra["mtplx_choice_stats"]  # every choice's drafts and acceptances count
+    for counter, stat in (("mtplx_spec_decode_num_drafts_total", "verify_calls"),
+                          ("mtplx_spec_decode_num_draft_tokens_total", "drafted_tokens"),
+                          ("mtplx_spec_decode_num_accepted_tokens_total", "accepted_tokens")):
+        assert moved[counter] == sum(c[stat] for c in choices), counter
+    assert moved["mtplx_spec_decode_num_drafts_total"] > 0
 
 
 # -- telemetry --------------------------------------------------------------------------------
