@@ -167,3 +167,66 @@ def test_a_template_with_a_tools_section_renders_them_itself():
     ids = render_prompt(tokenizer, HISTORY[:3], [WEATHER])
     assert tokenizer.decode(ids) == "TOOL get_weather;[user]Weather in Paris?;[assistant]CALL get_weather Paris;" \
                                     "[tool]18 C;>> "
+
+
+# -- a forced call that ended before its markup closed ------------------------------------------
+@pytest.mark.parametrize(("parser", "text", "name", "arguments"), [
+    (HermesParser(), '<tool_cal', "", ""),  # cut inside the opening marker: the choice names no tool
+    (HermesParser(), '<tool_call>\n{"name": "get_wea', "", ""),
+    (HermesParser(), '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "get_weather",
+     '{"city": "Par'),
+    (Llama3JsonParser(), '{"name": "get_weather", "parameters": {"city": "Par', "get_weather", '{"city": "Par'),
+    (Llama3JsonParser(), '<|python_tag|>{"name": "get_time", "parameters": {', "get_time", "{"),
+])
+def test_a_forced_call_cut_short_is_the_call_so_far_marked_incomplete(parser, text, name, arguments):
+    from mtplx.server.tools import ToolChoice
+
+    content, [call] = split_tool_calls(parser, TOOLS, text, ToolChoice("required"))
+    assert (content, call.name, call.arguments, call.complete) == ("", name, arguments, False)
+    _, [named] = split_tool_calls(parser, TOOLS, text, ToolChoice("function", "get_time"))
+    assert named.name == (name or "get_time") and not named.complete  # a named choice names it
+    assert split_tool_calls(parser, TOOLS, text)[1] == []  # not forced: the text stays content
+    whole = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    assert split_tool_calls(HermesParser(), TOOLS, whole, ToolChoice("required"))[1][0].complete
+
+
+@pytest.mark.parametrize("finish", ["length", "stop", "cancelled"])
+def test_a_cut_forced_call_keeps_why_the_reply_ended_in_every_protocol(finish):
+    """Only a complete call ends a reply as "tool_calls" / "tool_use" / a completed item: one
+    that max_tokens, a stop string or a cancel cut keeps that reason."""
+    from types import SimpleNamespace
+
+    from mtplx.batching.job import JobResult
+    from mtplx.server.anthropic import MessageShape
+    from mtplx.server.protocol import ResponseShape
+    from mtplx.server.responses import ResponseObject, ResponsesRequest
+    from mtplx.server.tools import ToolChoice
+
+    forced, text = ToolChoice("function", "get_weather"), '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    result = JobResult(text, [1, 2, 3], finish, 5, 3, {})
+    chat = ResponseShape(True, "m", False, tools=TOOLS, parser=HermesParser(), choice=forced).whole([result])
+    [call] = chat["choices"][0]["message"]["tool_calls"]
+    assert chat["choices"][0]["finish_reason"] == finish and call["function"]["arguments"] == '{"ci'
+    engine = SimpleNamespace(generator=SimpleNamespace(eos_token_ids={0}),
+                             tokenizer=SimpleNamespace(decode=lambda ids: text + '"'))
+    message = MessageShape("m", TOOLS, HermesParser(), ['"'], engine, 5, forced).whole([result])
+    want = {"length": "max_tokens", "stop": "stop_sequence", "cancelled": "cancelled"}[finish]
+    assert message["stop_reason"] == want and message["content"][0]["input"] == {}
+    body = ResponsesRequest(model="m", input="hi")
+    reply = ResponseObject(body, TOOLS, HermesParser(), forced).whole([result])
+    assert reply["output"][0]["status"] == "incomplete"
+    assert reply["status"] == ("completed" if finish == "stop" else "incomplete")
+    if finish == "cancelled":
+        assert reply["incomplete_details"] == {"reason": "cancelled"}
+
+
+def test_a_streamed_call_whose_block_ends_unparsed_is_incomplete():
+    """Arguments that streamed once the name showed: a block the end cut (or that turns out
+    malformed) closes with what was sent, and the call says it is not whole."""
+    for text, whole in (('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', True),
+                        ('<tool_call>{"name": "get_time", "arguments": {"zone": "U', False)):
+        stream = ToolCallStream(HermesParser(), TOOLS)
+        for i in range(0, len(text), 7):
+            stream.feed(text[i:i + 7])
+        stream.finish()
+        assert [(c.name, c.complete) for c in stream.calls] == [("get_time", whole)]

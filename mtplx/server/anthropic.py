@@ -199,11 +199,14 @@ class MessageShape:
             return text, []
         return split_tool_calls(self.parser, self.tools, text, self.choice)
 
-    def _stop(self, result: JobResult, called: bool) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence) from the job's finish."""
+    def _stop(self, result: JobResult, calls: list[ToolCall]) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) from the job's finish; "cancelled" (mtplx's, as on the
+        OpenAI routes) for a request cancelled by its id, which did not end its turn."""
         if result.finish_reason == "length":
             return "max_tokens", None
-        if called:
+        if result.finish_reason == "cancelled":
+            return "cancelled", None
+        if calls and all(c.complete for c in calls):
             return "tool_use", None
         eos = self.engine.generator.eos_token_ids
         if self.stops and not (result.token_ids and result.token_ids[-1] in eos):
@@ -220,7 +223,7 @@ class MessageShape:
         text, calls = self._split(result.text)
         content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
-        reason, sequence = self._stop(result, bool(calls))
+        reason, sequence = self._stop(result, calls)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence, "usage": self.usage(result),
                 "mtplx_stats": result.stats}
@@ -278,7 +281,7 @@ class MessageShape:
             self.block, self.blocks = 0, 1
             out.append(_event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
         out += self._close_text()
-        reason, sequence = self._stop(result, bool(self.stream and self.stream.calls))
+        reason, sequence = self._stop(result, self.stream.calls if self.stream else [])
         out.append(_event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                           usage={"output_tokens": result.completion_tokens}, mtplx_stats=result.stats))
         return out

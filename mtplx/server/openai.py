@@ -61,9 +61,9 @@ async def completions(body: CompletionRequest, request: Request):
     requests = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=False, n=body.n,
                                logprobs=body.logprobs_wanted, prompt_logprobs=body.logprobs if body.echo else None)
     echo = None
-    if body.echo:  # the prompt as sent (token ids: decoded), before the output
+    if body.echo:  # the prompt as sent (token ids: decoded, control tokens as their text), before the output
         ids = requests[0].prompt_ids
-        echo = (prompt if isinstance(prompt, str) else server.engine.tokenizer.decode(ids)
+        echo = (prompt if isinstance(prompt, str) else server.engine.tokenizer.decode(ids, skip_special_tokens=False)
                 if server.engine.tokenizer is not None else "", ids)
     shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage,
                           tokenizer=server.engine.tokenizer, echo=echo)

@@ -314,7 +314,7 @@ class ResponseShape:
                 if calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai_dict() for c in calls]}
-                    choice["finish_reason"] = _tool_finish(result.finish_reason)
+                    choice["finish_reason"] = _tool_finish(result.finish_reason, calls)
             choice["message"] = message
         else:
             choice["text"] = result.text
@@ -336,8 +336,8 @@ class ResponseShape:
     def logprobs(self, index: int, token_ids: list[int], values: list | None, echoed: bool = False) -> dict | None:
         """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
         {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked.
-        ``echoed``: the tokens of the echoed prompt, whose text holds its control tokens' literal
-        text (generated text leaves them out)."""
+        ``echoed``: the tokens of the echoed prompt, whose text may hold its control tokens'
+        literal text (a prompt sent as text; generated text leaves them out)."""
         if values is None:
             return None
         if self.chat:
@@ -346,8 +346,11 @@ class ResponseShape:
         offsets = []
         for token in token_ids:  # where each token's text starts: characters completed before it
             offsets.append(self.offsets[index])
-            if echoed or not self._special(token):  # (generated control tokens are not in the text)
+            if not self._special(token):
                 self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
+            elif echoed and self.echo[0].startswith(literal := self._token(token), self.offsets[index]):
+                self.offsets[index] += len(literal)  # a prompt's control token, there in its text
+            # (other control tokens are not in the text: generated ones, a BOS the tokenizer added)
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
                 "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
@@ -437,7 +440,7 @@ class ResponseShape:
         out = self._echo_chunk(index, result.prompt_logprobs)
         if stream is not None:
             out += self._tool_events(index, stream.finish())
-            reason = _tool_finish(reason) if stream.calls else reason
+            reason = _tool_finish(reason, stream.calls)
         last = len(self.results) == self.n
         extra = {}
         if last and not self.include_usage:  # the last chunk before [DONE] carries usage and stats
@@ -476,8 +479,10 @@ def _finite(value: float) -> float:
     return value if value > NO_LOGPROB else NO_LOGPROB
 
 
-def _tool_finish(reason: str) -> str:
-    return "tool_calls" if reason == "stop" else reason
+def _tool_finish(reason: str, calls: list[ToolCall]) -> str:
+    """A reply that ended on its calls finishes "tool_calls"; one whose (forced) call was cut
+    short keeps why it ended (length, stop, cancelled)."""
+    return "tool_calls" if reason == "stop" and calls and all(c.complete for c in calls) else reason
 
 
 def sse(obj: dict, event: str | None = None) -> str:

@@ -35,6 +35,10 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
+# why a reply is "incomplete" (incomplete_details.reason), by the job's finish reason
+INCOMPLETE = {"length": "max_output_tokens", "cancelled": "cancelled"}
+
+
 class ResponsesRequest(RequestBody):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -165,7 +169,6 @@ class ResponseObject:
         self.items: list[dict] = []  # output items so far
         self.text_item: dict | None = None  # the open message item
         self.call_item: dict | None = None  # the last function_call item
-        self.closing = "completed"  # the status of items that close; "incomplete" for those the end cut
 
     def envelope(self, status: str, output: list[dict], result: JobResult | None = None) -> dict:
         b = self.body
@@ -177,7 +180,8 @@ class ResponseObject:
                      "output_tokens_details": {"reasoning_tokens": 0}}
         obj = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "model": b.model, "output": output, "error": None,
-               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "incomplete_details": ({"reason": INCOMPLETE[result.finish_reason if result else "length"]}
+                                      if status == "incomplete" else None),
                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                "temperature": b.temperature, "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
                "tool_choice": b.tool_choice or "auto",
@@ -192,7 +196,8 @@ class ResponseObject:
 
     @staticmethod
     def status(result: JobResult) -> str:
-        return "incomplete" if result.finish_reason == "length" else "completed"
+        """"incomplete" where max_output_tokens or a cancel (by the request's id) cut it."""
+        return "incomplete" if result.finish_reason in INCOMPLETE else "completed"
 
     def whole(self, results: list[JobResult]) -> dict:
         [result] = results
@@ -200,9 +205,9 @@ class ResponseObject:
         if self.tools and self.parser:
             text, calls = split_tool_calls(self.parser, self.tools, result.text, self.choice)
         output = [_message_item(text, "completed")] if text or not calls else []
-        output += [_call_item(c, "completed") for c in calls]
+        output += [_call_item(c, _item_status(c)) for c in calls]
         status = self.status(result)
-        if status == "incomplete":  # the item max_output_tokens cut is the last one
+        if status == "incomplete" and output[-1]["type"] == "message":  # its text is what the end cut
             output[-1]["status"] = "incomplete"
         return self.envelope(status, output, result)
 
@@ -243,7 +248,7 @@ class ResponseObject:
                 out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                        output_index=at, delta=fragment))
             if kind in ("call", "call_end"):
-                item.update(arguments=call.arguments, status=self.closing)
+                item.update(arguments=call.arguments, status=_item_status(call))
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=at, arguments=call.arguments))
                 out.append(self._event("response.output_item.done", output_index=at, item=item))
@@ -261,12 +266,13 @@ class ResponseObject:
                 self._event("response.content_part.added", item_id=self.text_item["id"], output_index=at,
                             content_index=0, part=part)]
 
-    def _close_text(self) -> list[str]:
+    def _close_text(self, status: str = "completed") -> list[str]:
+        """Close the open message item: "incomplete" where the reply's end cut its text."""
         item, self.text_item = self.text_item, None
         if item is None:
             return []
         at = self.items.index(item)
-        item["status"] = self.closing
+        item["status"] = status
         part = item["content"][0]
         return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
                             text=part["text"]),
@@ -275,12 +281,11 @@ class ResponseObject:
                 self._event("response.output_item.done", output_index=at, item=item)]
 
     def done(self, index: int, result: JobResult) -> list[str]:
-        self.closing = self.status(result)  # what closes now is what the end cut, if it cut
         out = self._items(self.stream.finish()) if self.stream else []
         if not self.items:  # an empty reply is an empty message
             out += self._open_text()
-        out += self._close_text()
         status = self.status(result)
+        out += self._close_text(status)  # the last item, if it is text
         out.append(self._event(f"response.{status}", response=self.envelope(status, self.items, result)))
         return out
 
@@ -289,6 +294,10 @@ class ResponseObject:
 
     def error(self, error: APIError) -> list[str]:
         return [self._event("error", code=error.code, message=error.message, param=error.param)]
+
+
+def _item_status(call: ToolCall) -> str:
+    return "completed" if call.complete else "incomplete"
 
 
 def _message_item(text: str, status: str) -> dict:

@@ -123,6 +123,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    complete: bool = True  # False: a forced call whose output ended before its markup closed
 
     def openai_dict(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -456,19 +457,26 @@ class ToolCallStream:
             call.arguments = arguments
 
     def _cut_call(self, events: list) -> None:
-        """A forced call whose block max_tokens cut: its name and its arguments so far."""
-        head = self.parser.header(self.text[self.block:])
+        """A forced call whose output ended before its block closed (max_tokens, a stop string,
+        a cancel): its name and its arguments so far, marked incomplete."""
+        block = self.text[self.block:]
+        head = self.parser.header(block)
+        if head is None:  # a dialect that does not stream arguments (llama3_json's JSON object)
+            found = _CUT_HEAD.match(block)
+            head = (found.group(1), found.end()) if found else None
         if head is not None and head[0] in self.tools:
             at = self.block + head[1]
-            call = ToolCall(head[0], self.text[at:json_value_end(self.text, at) or len(self.text)])
+            call = ToolCall(head[0], self.text[at:json_value_end(self.text, at) or len(self.text)], complete=False)
         else:
-            call = ToolCall(self.forced_name, "")
+            call = ToolCall(self.forced_name, "", complete=False)
         self.calls.append(call)
         events.append(("call", call))
 
     def _end_call(self, events: list, calls: list[ToolCall] | None) -> None:
         if calls and len(calls) == 1 and calls[0].name == self.open.name:
             self._send_arguments(events, calls[0].arguments)
+        else:  # its block ended unparsed (cut short, or malformed): it ends with what was sent
+            self.open.complete = False
         events.append(("call_end", self.open))
         self.open = None
 
@@ -476,6 +484,11 @@ class ToolCallStream:
         if upto > self.pos:
             events.append(("content", self.text[self.pos:upto]))
             self.pos = upto
+
+
+# the start of a call written as a JSON object, as far as its arguments (a cut call's name)
+_CUT_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,'
+                       r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 def split_tool_calls(parser, tools: list[Tool], text: str,
