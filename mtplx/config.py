@@ -180,16 +180,19 @@ class Config:
 
     @classmethod
     def load(cls, path: Path | str | None = None, *, env: dict[str, str] | None = None,
-             overrides: dict[str, Any] | None = None) -> Config:
+             overrides: dict[str, Any] | None = None, keys: tuple[str, ...] | None = None) -> Config:
         """Defaults, then the file, then ``MTPLX_*`` variables, then ``overrides`` (command-line
-        flags: a None value means the flag was not given)."""
+        flags: a None value means the flag was not given). ``keys``: read (and check) only these
+        from the file and the environment; the others keep their defaults."""
         path = Path(path) if path is not None else config_path()
         env = os.environ if env is None else env
         cfg = cls()
         cfg.sources = {name: "default" for name in KEYS}
-        for name, value in read_file(path).items():
+        for name, value in read_file(path, keys).items():
             cfg._set(name, value, f"config file {path}")
         for name, key in KEYS.items():
+            if keys is not None and name not in keys:
+                continue
             if env.get(key.env, "") != "":
                 cfg._set(name, convert(name, env[key.env], f"environment {key.env}"), f"environment {key.env}")
         for name, value in (overrides or {}).items():
@@ -221,18 +224,29 @@ class Config:
 _LINE_IN_ERROR = re.compile(r"at line (\d+)")
 
 
-def read_file(path: Path) -> dict[str, Any]:
-    """The file's settings, each checked; {} when the file does not exist."""
+def read_file(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The file's settings, each checked (``keys``: only these); {} when the file does not
+    exist. Every entry that is wrong is named in one error."""
     text, raw = _read_toml(path)
-    values = {}
+    values, problems = {}, []
     for name, value in raw.items():
-        values[name] = convert(name, value, f"config file {path}, line {_line_of(text, name)}")
+        if keys is not None and name not in keys:
+            continue
+        where = f"config file {path}, line {_line_of(text, name)}"
+        try:
+            if isinstance(value, (dict, list)):
+                raise ConfigError(f"{where}: {name} must be a plain value, not a table or array")
+            values[name] = convert(name, value, where)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems) if len(problems) == 1 else
+                          f"{len(problems)} problems: " + "; ".join(problems))
     return values
 
 
 def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
-    """The file's text and its table, values unchecked (plain values only); ("", {}) when the
-    file does not exist."""
+    """The file's text and its table, values unchecked; ("", {}) when the file does not exist."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -245,15 +259,11 @@ def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
         found = _LINE_IN_ERROR.search(str(exc))
         where = f", line {found.group(1)}" if found else ""
         raise ConfigError(f"config file {path}{where}: invalid TOML: {exc}") from None
-    for name, value in raw.items():
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"config file {path}, line {_line_of(text, name)}: {name} must be a plain value, "
-                              "not a table or array")
     return text, raw
 
 
 def _line_of(text: str, name: str) -> int | str:
-    pattern = re.compile(rf"^\s*[\"']?{re.escape(name)}[\"']?\s*=")
+    pattern = re.compile(rf"^\s*(?:[\"']?{re.escape(name)}[\"']?\s*=|\[+\s*[\"']?{re.escape(name)}[\"']?\s*[\].])")
     return next((i for i, line in enumerate(text.splitlines(), 1) if pattern.match(line)), "?")
 
 
@@ -287,7 +297,12 @@ def unset_value(name: str, path: Path | None = None) -> None:
 
 def write_file(path: Path, values: dict[str, Any]) -> None:
     """Write ``values`` as a flat TOML table (known keys in their documented order, then any
-    others the file held), atomically."""
+    others the file held), atomically. A table or array the file held is not written back:
+    ConfigError says which, and how to remove it."""
+    nested = [k for k, v in values.items() if isinstance(v, (dict, list))]
+    if nested:
+        raise ConfigError(f"config file {path} holds {', '.join(nested)}, a table or array (settings are plain "
+                          f"values), which cannot be written back: `mtplx config unset {nested[0]}` removes it")
     lines = ["# mtplx settings (`mtplx config show` lists every key; flags and MTPLX_* variables win)"]
     for name in [*KEYS, *(k for k in values if k not in KEYS)]:
         if values.get(name) is not None:

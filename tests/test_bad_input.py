@@ -178,6 +178,8 @@ def test_the_model_commands_read_the_config_file_under_their_flags(tmp_path, mon
         proc = _cli(*args)
         assert proc.returncode == 2 and "/no/such/configured/model" in proc.stderr, (args, proc.stderr)
     assert _cli("inspect", str(tmp_path)).returncode == 4  # the positional MODEL beats the file
+    config.write_text('port = 99999\nscheduler_mode = "warp"\n')  # serve's keys are serve's to check
+    assert _cli("inspect", str(tmp_path)).returncode == 4
     config.write_text('max_depth = 12\n')
     proc = _cli("generate", "hi", "--model", str(tmp_path))
     assert proc.returncode == 2 and "max_depth = 12" in proc.stderr and str(config) in proc.stderr

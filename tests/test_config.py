@@ -131,8 +131,13 @@ def test_a_file_with_bad_entries_is_mended_a_key_at_a_time(cfg_file, capsys):
     """set and unset keep the file's other entries as they are (bad or unknown ones too), and
     unset removes an unknown key the file holds: the CLI can repair what Config.load refuses."""
     cfg_file.parent.mkdir(parents=True)
-    cfg_file.write_text('colour = "blue"\nport = 99999\nshiny = true\nsince = 2026-12-07\n')
+    cfg_file.write_text('colour = "blue"\nport = 99999\nshiny = true\nsince = 2026-12-07\n[server]\nport = 1\n')
     assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err  # every wrong entry at once, each with its line
+    assert "5 problems" in err and all(f"line {n}" in err for n in (1, 2, 3, 4, 5)), err
+    assert main(["config", "set", "port", "8001"]) == 2  # the table cannot be written back...
+    assert "`mtplx config unset server` removes it" in capsys.readouterr().err
+    assert main(["config", "unset", "server"]) == 0  # ...until it is removed
     assert main(["config", "set", "port", "8001"]) == 0
     assert main(["config", "show"]) == 2  # colour is still there...
     for key in ("colour", "shiny"):
@@ -143,3 +148,11 @@ def test_a_file_with_bad_entries_is_mended_a_key_at_a_time(cfg_file, capsys):
     capsys.readouterr()
     assert main(["config", "unset", "colour"]) == 2  # not in the file, and not a key
     assert "unknown key 'colour'" in capsys.readouterr().err
+
+
+def test_set_warns_where_serve_would_refuse_the_settings(cfg_file, capsys):
+    assert main(["config", "set", "scheduler_mode", "hyper"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["config", "set", "max_active_requests", "4"]) == 0  # saved: a flag may still mend it
+    assert "`mtplx serve` would refuse these settings: hyper admits one request" in capsys.readouterr().err
+    assert Config.load().max_active_requests == 4

@@ -37,11 +37,12 @@ MODEL_KEYS = ("model", "device", "dtype", "quantize", "max_depth", "kv_dtype", "
 def model_config(args, **flags):
     """How the command's model loads: each flag given, else ``MTPLX_<KEY>``, else the config file
     (``mtplx config``), else the default, as ``mtplx serve`` reads them. ``flags``: more keys
-    (``depth=args.depth``). A bad value fails here, naming where it came from, before any weight
-    loads."""
+    (``depth=args.depth``). Only these keys are read; a bad value of one fails here, naming where
+    it came from, before any weight loads."""
     from mtplx.config import Config
 
-    return Config.load(overrides={**{k: getattr(args, k, None) for k in MODEL_KEYS}, **flags})
+    overrides = {**{k: getattr(args, k, None) for k in MODEL_KEYS}, **flags}
+    return Config.load(overrides=overrides, keys=tuple(overrides))  # serve's own keys are serve's to check
 
 
 def load_engine(args, cfg=None, depth=None):

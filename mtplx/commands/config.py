@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from mtplx.config import KEYS, Config, config_path, set_value, unset_value
 
@@ -30,6 +31,8 @@ def run(args) -> int:
     elif args.action == "set":
         value = set_value(args.key, args.value)
         print(f"{args.key} = {_show(args.key, value)}  (saved to {config_path()})")
+        if (problem := _serve_would_refuse()) is not None:
+            print(f"warning: as it stands `mtplx serve` would refuse these settings: {problem}", file=sys.stderr)
     elif args.action == "unset":
         unset_value(args.key)
         print(f"{args.key} removed from {config_path()}")
@@ -45,6 +48,25 @@ def run(args) -> int:
             for key, value in values.items():
                 print(f"{key:<{width}}  {_show(key, value):<24}  ({cfg.source(key)})")
     return 0
+
+
+def _serve_would_refuse() -> str | None:
+    """What `mtplx serve` would refuse in the settings now in force (file and environment), as it
+    checks them before loading a model; None if nothing. Flags given to serve may still mend it."""
+    from mtplx.batching import settings as scheduler_settings
+    from mtplx.errors import MtplxError
+    from mtplx.server.security import check_exposure
+
+    try:
+        cfg = Config.load()
+        scheduler_settings.validate_scheduler_settings(
+            cfg.scheduler_mode, generation_mode=cfg.generation_mode, depth=cfg.depth,
+            max_active_requests=cfg.max_active_requests, decode_batch_max=cfg.decode_batch_max,
+            batch_wait_ms=cfg.batch_wait_ms, max_queued_requests=cfg.max_queued_requests, sources=cfg.sources)
+        check_exposure(cfg.host, cfg.api_key)
+    except MtplxError as exc:
+        return str(exc)
+    return None
 
 
 def _show(key: str, value) -> str:
