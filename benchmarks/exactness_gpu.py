@@ -81,8 +81,10 @@ def context_end(model, head: str, tokens: int) -> dict:
         for p in BENCH_PROMPTS[:3]:
             msgs = [{"role": "user", "content": p}]
             ar = engine.generate(msgs, chat=True, mode="ar", max_tokens=10**6, ignore_eos=True)
-            stop = ar.text[len(ar.text) // 2:][:6]
+            natural = engine.generate(msgs, chat=True, mode="ar", max_tokens=10**6).text  # to its end of sequence
+            stop = natural[len(natural) // 2:][:6]  # a stop string the output reaches
             ar_stop = engine.generate(msgs, chat=True, mode="ar", max_tokens=10**6, stop=[stop])
+            assert ar_stop.finish_reason == "stop" and len(ar_stop.text) < len(natural), (p, stop)
             for depth, chained in configs:
                 engine.generator.chain.enabled = chained
                 for kw, ref in (({"ignore_eos": True}, ar), ({"stop": [stop]}, ar_stop)):

@@ -168,6 +168,7 @@ def test_per_request_generation_mode_and_depth(client, refs):
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "not supported"),
     (dict(temperature=2.5), "temperature", "less than or equal to 2"),
     (dict(extra_body={"best_of": 3}), "best_of", "not supported"),
+    (dict(extra_body={"best_of": True}), "best_of", "not supported"),  # true is not the neutral 1
     (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
     (dict(seed=2 ** 64 + 5), "seed", "64-bit integer"),
     (dict(seed=-2 ** 63 - 1), "seed", "64-bit integer"),
@@ -189,6 +190,9 @@ def test_a_body_that_is_no_json_object_is_400_saying_so(url):
     assert bad_json.status_code == 400
     assert bad_json.json()["error"]["message"].startswith("the body is not valid JSON: ")
     assert bad_json.json()["error"]["param"] is None  # not the character offset
+    nan = httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"},
+                     content=f'{{"model": "{MODEL}", "messages": [], "temperature": NaN}}'.encode())
+    assert nan.status_code == 400 and "finite number" in nan.json()["error"]["message"]
     listed = httpx.post(f"{url}/v1/chat/completions", json=[1, 2])
     assert listed.status_code == 400 and listed.json()["error"]["message"].startswith("the body must be a JSON object")
     null = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
@@ -198,7 +202,9 @@ def test_a_body_that_is_no_json_object_is_400_saying_so(url):
 
 
 def test_seeds_are_their_64_bits(client):
-    """-1 and 2**64 - 1 are one seed (the same bits); 2**64 + 5 is refused, not taken as 5."""
+    """-1 and 2**64 - 1 are one seed (the same bits), and choice 1 of 2**64 - 1 takes seed 0 (no
+    overflow past the range); 2**64 + 5 is refused (test_bad_parameters_are_400_naming_the_parameter),
+    not taken as 5."""
     kw = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0)
     texts = [client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (-1, 2 ** 64 - 1)]
     assert texts[0] == texts[1]

@@ -94,7 +94,7 @@ def test_an_engine_defaulting_to_ar_still_serves_mtp_on_request():
     engine, _ = tiny_engine("llama")
     ar_engine = type(engine)(engine.loaded, default_mode="ar", kv_cache_tokens=512, block_size=4)
     assert ar_engine.make_request([3, 4, 5]).mode == "ar"
-    assert "`mtplx tune` found no MTP depth faster" in ar_engine.make_request([3, 4, 5]).mtp_disabled_reason
+    assert "default for greedy requests is AR" in ar_engine.make_request([3, 4, 5]).mtp_disabled_reason
     assert ar_engine.make_request([3, 4, 5], mode="mtp").mode == "mtp"
     assert ar_engine.make_request([3, 4, 5], mode="mtp").mtp_disabled_reason is None
     assert engine.make_request([3, 4, 5]).mode == "mtp"  # the default with a head

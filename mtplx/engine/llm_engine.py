@@ -275,8 +275,8 @@ class Engine:
         reason = None
         if named_mode is None and mode == "ar" and self.has_mtp:  # the engine's default (mtplx tune's verdict)
             regime = "greedy" if params.greedy else "sampled"
-            reason = (f"the default for {regime} requests is AR (`mtplx tune` found no MTP depth faster than AR on "
-                      "this machine); generation_mode mtp asks for it")
+            reason = (f"this engine's default for {regime} requests is AR (what `mtplx tune` saves where no MTP "
+                      "depth beat AR on this machine); generation_mode mtp asks for MTP")
         estimate = self.mtp_estimate(params.temperature, "auto" if adaptive else depth) \
             if mode == "mtp" and named_mode is None else None
         if estimate is not None and estimate[1] < MIN_EXPECTED_SPEEDUP:  # MTP expected to lose

@@ -131,7 +131,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
 class MessagesRequest(PromptFields):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, le=1.0)  # Anthropic's range is [0, 1]
+    temperature: float | None = Field(default=None, le=1.0, allow_inf_nan=False)  # Anthropic's range is [0, 1]
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False

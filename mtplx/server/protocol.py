@@ -80,6 +80,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
+def _neutral(value, neutral: tuple) -> bool:
+    """Whether ``value`` is one of the neutral values, of the same type (true is not 1)."""
+    return any(value == n and type(value) is type(n) for n in neutral)
+
+
 class GenerationFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions. Numbers are strict: ``true``
     is not 1 and ``2.5`` is not an integer."""
@@ -88,7 +93,7 @@ class GenerationFields(RequestBody):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -108,7 +113,7 @@ class GenerationFields(RequestBody):
     def check_supported(self) -> None:
         """400 for features this server does not offer, instead of silently ignoring them."""
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+            if name in UNSUPPORTED_FIELDS and not _neutral(value, UNSUPPORTED_FIELDS[name]):
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:

@@ -46,7 +46,7 @@ class ResponsesRequest(RequestBody):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = 1.0
     tools: list[dict] | None = None
     tool_choice: Any = None
