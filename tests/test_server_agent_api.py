@@ -401,6 +401,29 @@ def test_responses_is_stateless(oai):
     assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
 
 
+def test_anthropic_names_its_own_fields_honours_seed_and_joins_text_blocks(claude, url):
+    with pytest.raises(anthropic.BadRequestError, match="tools.0.input_schema"):
+        claude.messages.create(model=MODEL, max_tokens=2, messages=CHAT,
+                               tools=[{"name": "f", "input_schema": {"type": "objekt"}}])
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences: each stop sequence"):
+        claude.messages.create(model=MODEL, max_tokens=2, messages=CHAT, stop_sequences=[""])
+    texts = [claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT,
+                                    extra_body={"temperature": 1.0, "seed": 11}).content[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+    count = lambda system: claude.messages.count_tokens(model=MODEL, messages=CHAT, system=system).input_tokens  # noqa: E731
+    assert count([{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]) == count("A\nB") != count("AB")
+
+
+def test_responses_refuse_an_output_for_no_call_and_a_format_that_is_no_object(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, max_output_tokens=2, input=[
+            {"type": "function_call_output", "call_id": "nope", "output": "x"}])
+    assert err.value.body["param"] == "input.0.call_id"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, response_format="json")
+    assert err.value.body["param"] == "response_format" and "must be an object" in err.value.body["message"]
+
+
 def test_responses_refuse_a_temperature_past_2(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", temperature=2.5, max_output_tokens=2)

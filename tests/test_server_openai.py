@@ -193,6 +193,9 @@ def test_a_body_that_is_no_json_object_is_400_saying_so(url):
     nan = httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"},
                      content=f'{{"model": "{MODEL}", "messages": [], "temperature": NaN}}'.encode())
     assert nan.status_code == 400 and "finite number" in nan.json()["error"]["message"]
+    form = httpx.post(f"{url}/v1/chat/completions", content=json.dumps({"model": MODEL, "messages": CHAT}),
+                      headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d's default
+    assert form.status_code == 400 and "content-type: application/json" in form.json()["error"]["message"]
     listed = httpx.post(f"{url}/v1/chat/completions", json=[1, 2])
     assert listed.status_code == 400 and listed.json()["error"]["message"].startswith("the body must be a JSON object")
     null = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="find the fastest MTP depth on this machine, greedy and sampled "
                                     "(saved to ~/.mtplx/tuning.json)")
     add_model_options(p)
-    p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths to try (default 1,2,3)")
+    p.add_argument("--depths", default="1,2,3", help="comma-separated MTP depths to try, each 1-8 (default 1,2,3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt suite")
     p.add_argument("--no-auto", action="store_true", help="do not measure depth=auto (saves the second pass)")

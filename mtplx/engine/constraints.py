@@ -28,6 +28,7 @@ chained or captured cycle).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Sequence as Seq
 
 import torch
@@ -82,7 +83,12 @@ class GrammarCompiler:
         try:
             return (compile or self.compiler.compile_grammar)(build())
         except (RuntimeError, ValueError, TypeError) as exc:  # a schema xgrammar cannot turn into a grammar
-            raise InvalidParameter(param, f"cannot build a grammar from it: {str(exc).splitlines()[0]}") from None
+            reason = _LOG_PREFIX.sub("", str(exc).splitlines()[0])  # not the engine's log line's time and source file
+            raise InvalidParameter(param, f"cannot build a grammar from it: {reason}") from None
+
+
+# "[10:24:48] /project/cpp/regex_converter.cc:94: " before a grammar engine's message
+_LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 
 
 class Grammar:

@@ -19,9 +19,10 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
 from mtplx.batching.job import Delta, JobResult
+from mtplx.errors import InvalidParameter
 from mtplx.server.errors import APIError, anthropic_type
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
-from mtplx.server.protocol import RequestBody, article, chat_message, sse
+from mtplx.server.protocol import RequestBody, article, chat_message, join_text, sse
 from mtplx.server.structured import tool_call_grammar
 from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
                                 split_tool_calls)
@@ -57,7 +58,8 @@ class PromptFields(RequestBody):
             if "input_schema" not in t:
                 raise _bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
                                          f"server tool type {t.get('type')!r} is not")
-            tools.append(make_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}"))
+            tools.append(make_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
+                                   "input_schema"))
         check_unique_names(tools, "tools")
         return tools
 
@@ -89,7 +91,7 @@ def _text(content, param: str) -> str:
         return content
     if not all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content):
         raise _bad(param, "only text blocks ({\"type\": \"text\", \"text\": str}) are supported here")
-    return "".join(b["text"] for b in content)
+    return join_text(b["text"] for b in content)
 
 
 def _convert(m: AnthropicMessage, where: str) -> list[dict]:
@@ -111,7 +113,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
             calls.append(ToolCall(block["name"], json.dumps(block["input"]), id=str(block.get("id") or "")))
         elif kind == "tool_result" and m.role == "user":
             if text:
-                out.append(chat_message("user", "".join(text), None, None, where))
+                out.append(chat_message("user", join_text(text), None, None, where))
                 text = []
             content = block.get("content", "")
             result = _text(content, f"{at}.content") if content is not None else ""
@@ -122,9 +124,9 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
             raise _bad(at, f"block type {kind!r} is not supported in {article(m.role)} message (text, tool_use in "
                            "assistant messages, tool_result in user messages)")
     if m.role == "assistant":
-        out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+        out.append({"role": "assistant", "content": join_text(text), **({"tool_calls": calls} if calls else {})})
     elif text:
-        out.append(chat_message("user", "".join(text), None, None, where))
+        out.append(chat_message("user", join_text(text), None, None, where))
     return out
 
 
@@ -134,6 +136,7 @@ class MessagesRequest(PromptFields):
     temperature: float | None = Field(default=None, le=1.0, allow_inf_nan=False)  # Anthropic's range is [0, 1]
     top_p: float | None = None
     top_k: int | None = None
+    seed: int | None = None  # mtplx's, as on the OpenAI routes (Anthropic's API has none)
     stream: bool = False
     # mtplx extensions, as on the OpenAI routes
     generation_mode: Literal["mtp", "ar"] | None = None
@@ -149,7 +152,7 @@ class MessagesRequest(PromptFields):
 
     def sampling(self, default_temperature: float) -> dict:
         return dict(temperature=default_temperature if self.temperature is None else self.temperature,
-                    top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                    top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
                     stop=self.stop_sequences, draft_policy=self.draft_policy)
 
 
@@ -173,8 +176,14 @@ async def messages(body: MessagesRequest, request: Request):
     tools = tools if choice.mode != "none" else []
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
     grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser)
-    [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
-                                       sampling=body.sampling(server.default_temperature), grammar=grammar)
+    try:
+        [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
+                                           sampling=body.sampling(server.default_temperature), grammar=grammar)
+    except InvalidParameter as exc:  # the engine's names for what this protocol calls otherwise
+        name = {"stop": "stop_sequences"}.get(exc.param)
+        if name is None:
+            raise
+        raise InvalidParameter(name, str(exc).removeprefix(f"{exc.param}: ")) from None
     reply = MessageShape(body.model, tools, server.tool_parser if tools else None, body.stop_sequences or [],
                          server.engine, len(engine_request.prompt_ids), choice)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)

@@ -114,6 +114,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
+        kind = request.headers.get("content-type", "")
+        if param is None and "json" not in kind.lower():  # the body was not read as JSON at all
+            message = (f"the body must be JSON sent with content-type: application/json (this request's content-type "
+                       f"is {kind or 'missing'!r}; curl -d sends application/x-www-form-urlencoded: add "
+                       "-H 'content-type: application/json')")
         return APIError(400, message, param=param, code="invalid_value").response(request.url.path)
 
     @app.exception_handler(HTTPException)

@@ -150,7 +150,14 @@ def text_of(content, param: str) -> str:
            for part in content):
         raise APIError(400, f"{param}: only text parts ({{'type': 'text', 'text': str}}) are supported",
                        param=param, code="unsupported_value")
-    return "".join(part["text"] for part in content)
+    return join_text(part["text"] for part in content)
+
+
+def join_text(parts) -> str:
+    """A message's text parts (OpenAI's content parts, Anthropic's text blocks) as one text: a
+    line break between parts, as the parts were written apart (joined bare, "You are a pirate."
+    and "Answer briefly." ran into one sentence)."""
+    return "\n".join(parts)
 
 
 class ChatCompletionRequest(GenerationFields):

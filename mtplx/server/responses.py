@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field
 from mtplx.batching.job import Delta, JobResult
 from mtplx.server.errors import APIError
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
-from mtplx.server.protocol import MAX_TEMPERATURE, RequestBody, chat_message, sse
+from mtplx.server.protocol import MAX_TEMPERATURE, RequestBody, chat_message, join_text, sse
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
 from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
                                 parse_tool_choice, split_tool_calls)
@@ -119,7 +119,7 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
             if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                        and isinstance(p.get("text"), str) for p in content):
                 raise _bad(f"{where}.content", "only text parts (input_text, output_text) are supported")
-            content = "".join(p["text"] for p in content)
+            content = join_text(p["text"] for p in content)
         out.append(chat_message(role, content, None, None, where))
     elif kind == "function_call":
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
@@ -133,6 +133,9 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
         output = item.get("output")
         if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
             raise _bad(where, "a function_call_output item needs call_id and output (strings)")
+        calls = {c.id for m in out for c in m.get("tool_calls", ())}
+        if item["call_id"] not in calls:  # (as OpenAI: an output answers a call the input holds)
+            raise _bad(f"{where}.call_id", f"no function_call item before it has call_id {item['call_id']!r}")
         out.append(chat_message("tool", output, None, item["call_id"], where))
     else:
         raise _bad(f"{where}.type", f"item type {kind!r} is not supported (message, function_call, "

@@ -27,7 +27,10 @@ def response_format_grammar(engine, raw, param: str = "response_format") -> Gram
     the schema (``json_schema``; ``strict`` or not, the output follows the schema)."""
     if raw is None or raw == {"type": "text"}:
         return None
-    kind = raw.get("type") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise APIError(400, f"{param}: must be an object such as {{\"type\": \"json_object\"}}, got {raw!r}",
+                       param=param, code="invalid_value")
+    kind = raw.get("type")
     if kind == "json_object":
         return compiler_for(engine).json_schema({"type": "object"}, param)
     if kind == "json_schema":

@@ -55,13 +55,15 @@ def check_schema(schema, param: str) -> dict:
     return schema
 
 
-def make_tool(name, description, parameters, param: str) -> Tool:
+def make_tool(name, description, parameters, param: str, schema_field: str = "parameters") -> Tool:
+    """A tool from a request's entry ``param`` (``tools.0``); ``schema_field``: what the protocol
+    calls its schema (Anthropic's ``input_schema``), for the errors."""
     if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise _bad(f"{param}.name", f"must be 1-64 characters of a-z, A-Z, 0-9, '_', '.', '-', got {name!r}")
     if description is not None and not isinstance(description, str):
         raise _bad(f"{param}.description", "must be a string")
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters
-    return Tool(name, description or "", check_schema(parameters, f"{param}.parameters"))
+    return Tool(name, description or "", check_schema(parameters, f"{param}.{schema_field}"))
 
 
 def parse_tools(raw, param: str = "tools") -> list[Tool]:
