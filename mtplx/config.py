@@ -263,7 +263,7 @@ def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def _line_of(text: str, name: str) -> int | str:
-    pattern = re.compile(rf"^\s*(?:[\"']?{re.escape(name)}[\"']?\s*=|\[+\s*[\"']?{re.escape(name)}[\"']?\s*[\].])")
+    pattern = re.compile(rf"^\s*(?:[\"']?{re.escape(name)}[\"']?\s*[=.]|\[+\s*[\"']?{re.escape(name)}[\"']?\s*[\].])")
     return next((i for i, line in enumerate(text.splitlines(), 1) if pattern.match(line)), "?")
 
 

@@ -156,3 +156,7 @@ def test_set_warns_where_serve_would_refuse_the_settings(cfg_file, capsys):
     assert main(["config", "set", "max_active_requests", "4"]) == 0  # saved: a flag may still mend it
     assert "`mtplx serve` would refuse these settings: hyper admits one request" in capsys.readouterr().err
     assert Config.load().max_active_requests == 4
+    assert main(["config", "unset", "scheduler_mode"]) == 0  # serial takes no concurrency knob either
+    assert "would refuse these settings" in capsys.readouterr().err
+    assert main(["config", "unset", "max_active_requests"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -230,3 +230,31 @@ def test_a_streamed_call_whose_block_ends_unparsed_is_incomplete():
             stream.feed(text[i:i + 7])
         stream.finish()
         assert [(c.name, c.complete) for c in stream.calls] == [("get_time", whole)]
+
+
+def test_an_auto_call_whose_block_closed_malformed_stays_the_models_call():
+    """A block that closed (the model ended its call) but does not parse whole, e.g. one brace
+    too many, ends with the arguments sent and stays complete: only an end inside the markup
+    (max_tokens, a stop, a cancel) makes a call incomplete."""
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}}\n</tool_call>'
+    stream = ToolCallStream(HermesParser(), TOOLS)
+    for i in range(0, len(text), 5):
+        stream.feed(text[i:i + 5])
+    stream.finish()
+    assert [(c.name, c.arguments, c.complete) for c in stream.calls] == [("get_time", '{"zone": "UTC"}', True)]
+
+
+def test_a_forced_call_cut_after_its_name_keeps_the_name():
+    from mtplx.server.tools import ToolChoice
+
+    for parser, text in ((HermesParser(), '<tool_call>\n{"name": "get_weather", "arguments": '),
+                         (Llama3JsonParser(), '{"name": "get_weather", "parameters":')):
+        _, [call] = split_tool_calls(parser, TOOLS, text, ToolChoice("required"))
+        assert (call.name, call.arguments, call.complete) == ("get_weather", "", False)
+
+
+def test_a_grammar_engines_log_prefix_is_cut_from_its_message():
+    from mtplx.engine.constraints import _LOG_PREFIX
+
+    raw = "[10:24:48] /project/cpp/regex_converter.cc:94: Regex parsing error at position 3: Lookbehind"
+    assert _LOG_PREFIX.sub("", raw) == "Regex parsing error at position 3: Lookbehind"

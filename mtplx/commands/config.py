@@ -28,14 +28,15 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.action == "path":
         print(config_path())
-    elif args.action == "set":
-        value = set_value(args.key, args.value)
-        print(f"{args.key} = {_show(args.key, value)}  (saved to {config_path()})")
+    elif args.action in ("set", "unset"):
+        if args.action == "set":
+            value = set_value(args.key, args.value)
+            print(f"{args.key} = {_show(args.key, value)}  (saved to {config_path()})")
+        else:
+            unset_value(args.key)
+            print(f"{args.key} removed from {config_path()}")
         if (problem := _serve_would_refuse()) is not None:
             print(f"warning: as it stands `mtplx serve` would refuse these settings: {problem}", file=sys.stderr)
-    elif args.action == "unset":
-        unset_value(args.key)
-        print(f"{args.key} removed from {config_path()}")
     elif args.action == "get":
         print(_show(args.key, Config.load().as_dict()[args.key]))
     else:

@@ -175,7 +175,7 @@ async def messages(body: MessagesRequest, request: Request):
     choice = body.choice(tools)
     tools = tools if choice.mode != "none" else []
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
-    grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser)
+    grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser, schema_field="input_schema")
     try:
         [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
                                            sampling=body.sampling(server.default_temperature), grammar=grammar)

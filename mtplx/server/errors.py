@@ -106,6 +106,14 @@ def _literal(tag: str) -> str:
     return tag[len("literal["):-1] if tag.startswith("literal[") and tag.endswith("]") else tag
 
 
+def _is_json(content_type: str) -> bool:
+    """Whether a body of this content-type is read as JSON: application/json or application/*+json
+    (FastAPI's rule; text/json is not)."""
+    kind = content_type.split(";")[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
@@ -115,7 +123,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
         kind = request.headers.get("content-type", "")
-        if param is None and "json" not in kind.lower():  # the body was not read as JSON at all
+        if param is None and not _is_json(kind):  # the body was not read as JSON at all
             message = (f"the body must be JSON sent with content-type: application/json (this request's content-type "
                        f"is {kind or 'missing'!r}; curl -d sends application/x-www-form-urlencoded: add "
                        "-H 'content-type: application/json')")

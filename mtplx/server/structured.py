@@ -44,10 +44,11 @@ def response_format_grammar(engine, raw, param: str = "response_format") -> Gram
                    param=f"{param}.type", code="invalid_value")
 
 
-def tool_call_grammar(engine, tools: list[Tool], choice: ToolChoice, parser, param: str = "tool_choice"
-                      ) -> Grammar | None:
+def tool_call_grammar(engine, tools: list[Tool], choice: ToolChoice, parser, param: str = "tool_choice",
+                      schema_field: str = "parameters") -> Grammar | None:
     """For a forced choice, the grammar of one call in the parser's dialect to the named tool
-    (or, for "required", to any offered tool) with arguments valid against its schema."""
+    (or, for "required", to any offered tool) with arguments valid against its schema
+    (``schema_field``: what the protocol calls it, for the errors)."""
     if not choice.forced:
         return None
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
@@ -58,7 +59,7 @@ def tool_call_grammar(engine, tools: list[Tool], choice: ToolChoice, parser, par
     else:
         raise APIError(400, f"{param}: forcing a call is supported in the hermes and llama3_json dialects, not in "
                             f"this model's {type(parser).__name__}", param=param, code="unsupported_value")
-    return compiler_for(engine).tagged_json(options, f"tools ({', '.join(t.name for t in chosen)}) parameters")
+    return compiler_for(engine).tagged_json(options, f"tools ({', '.join(t.name for t in chosen)}) {schema_field}")
 
 
 def _call_schema(tool: Tool, arguments_key: str) -> dict:

@@ -125,7 +125,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    complete: bool = True  # False: a forced call whose output ended before its markup closed
+    complete: bool = True  # False: a call whose output ended (max_tokens, a stop, a cancel) inside its markup
 
     def openai_dict(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -380,9 +380,10 @@ class ToolCallStream:
     ("arguments", (call, fragment)) as they arrive and ("call_end", call). Content that might
     begin markup is held back until decided; a block that does not parse is released as
     content (a streamed call whose arguments turn out malformed ends with what was sent). Under a
-    forced ``choice`` (the grammar makes the output a call) a block cut short by max_tokens is the
-    call so far: its name (the choice's where the cut came before it) and its arguments as far as
-    they came, as OpenAI reports a cut call, never the dialect's raw markup as content."""
+    forced ``choice`` (the grammar makes the output a call) a block the output's end cut short
+    (max_tokens, a stop string, a cancel) is the call so far, marked incomplete: its name (the
+    choice's where the end came before it) and its arguments as far as they came, as OpenAI
+    reports a cut call, never the dialect's raw markup as content."""
 
     def __init__(self, parser, tools: list[Tool], choice: ToolChoice | None = None):
         self.parser, self.tools = parser, {t.name: t for t in tools}
@@ -425,7 +426,7 @@ class ToolCallStream:
             end = len(self.text) if end is None else end
             calls = self.parser.parse_block(self.text[self.block:end], self.tools, final)
             if self.open is not None:
-                self._end_call(events, calls)
+                self._end_call(events, calls, cut)
                 self.pos = end
             elif calls and all(c.name in self.tools for c in calls):  # a call to no offered tool is text
                 self.calls += calls
@@ -466,18 +467,24 @@ class ToolCallStream:
         if head is None:  # a dialect that does not stream arguments (llama3_json's JSON object)
             found = _CUT_HEAD.match(block)
             head = (found.group(1), found.end()) if found else None
+        named = _CUT_NAME.search(block)  # the name, where the end came before the arguments began
         if head is not None and head[0] in self.tools:
             at = self.block + head[1]
             call = ToolCall(head[0], self.text[at:json_value_end(self.text, at) or len(self.text)], complete=False)
+        elif named is not None and named.group(1) in self.tools:
+            call = ToolCall(named.group(1), "", complete=False)
         else:
             call = ToolCall(self.forced_name, "", complete=False)
         self.calls.append(call)
         events.append(("call", call))
 
-    def _end_call(self, events: list, calls: list[ToolCall] | None) -> None:
+    def _end_call(self, events: list, calls: list[ToolCall] | None, cut: bool) -> None:
+        """Close the call whose arguments streamed: with its last arguments where the block
+        parses; else it ends with what was sent, and is incomplete where the output ended inside
+        its block (a block that closed malformed still ends the model's call)."""
         if calls and len(calls) == 1 and calls[0].name == self.open.name:
             self._send_arguments(events, calls[0].arguments)
-        else:  # its block ended unparsed (cut short, or malformed): it ends with what was sent
+        elif cut:
             self.open.complete = False
         events.append(("call_end", self.open))
         self.open = None
@@ -491,6 +498,7 @@ class ToolCallStream:
 # the start of a call written as a JSON object, as far as its arguments (a cut call's name)
 _CUT_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,'
                        r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"')
 
 
 def split_tool_calls(parser, tools: list[Tool], text: str,
