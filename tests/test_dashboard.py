@@ -99,6 +99,8 @@ def test_page_is_open_but_its_data_needs_the_key(server):
     assert httpx.get(f"{url}/dashboard/app.js").headers["content-type"].startswith("text/javascript")
     assert httpx.get(f"{url}/dashboard/style.css").headers["content-type"].startswith("text/css")
     assert httpx.get(f"{url}/dashboard/other.js").status_code == 401  # only the page's files are open
+    head = httpx.head(f"{url}/dashboard")  # link checkers and monitors ask HEAD
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) == len(page.content)
 
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"X-API-Key": "wrong-key"}):
         for method, path in (("GET", "/v1/mtplx/metrics/stream"), ("GET", "/v1/mtplx/settings"),

@@ -38,27 +38,27 @@ RESTART_SETTINGS = {"scheduler_mode": "--scheduler-mode", "max_active_requests":
                     "max_queued_requests": "--max-queue"}
 SOURCE = "dashboard settings"  # where a rejected value came from, in config.convert's messages
 
-page_router = APIRouter()  # the static page: open (security.PAGE_PATHS)
+page_router = APIRouter()  # the static page: open (security.PAGE_PATHS), GET and HEAD (link checkers, monitors)
 router = APIRouter()  # its data: behind the API key
 
 
 # -- the page ---------------------------------------------------------------------------------
-@page_router.get("/", include_in_schema=False)
+@page_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def root():
     return RedirectResponse("/dashboard", status_code=307)
 
 
-@page_router.get("/dashboard", include_in_schema=False)
+@page_router.api_route("/dashboard", methods=["GET", "HEAD"], include_in_schema=False)
 async def page():
     return FileResponse(ASSETS / "index.html", media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
-@page_router.get("/dashboard/app.js", include_in_schema=False)
+@page_router.api_route("/dashboard/app.js", methods=["GET", "HEAD"], include_in_schema=False)
 async def script():
     return FileResponse(ASSETS / "app.js", media_type="text/javascript; charset=utf-8", headers=PAGE_HEADERS)
 
 
-@page_router.get("/dashboard/style.css", include_in_schema=False)
+@page_router.api_route("/dashboard/style.css", methods=["GET", "HEAD"], include_in_schema=False)
 async def style():
     return FileResponse(ASSETS / "style.css", media_type="text/css; charset=utf-8", headers=PAGE_HEADERS)
 
