@@ -479,6 +479,22 @@ def test_echo_scores_the_prompt_as_decoding_scored_the_same_tokens(oai):
     assert streamed == "The sea" + text
 
 
+def test_echo_offsets_count_control_tokens_that_the_echoed_text_holds(oai, engine):
+    """A token-id prompt echoes its control tokens as their text, and they take their place in
+    text_offset; a BOS the tokenizer added to a text prompt is not in its text and takes none."""
+    ids = engine.tokenizer.encode("<s>ab")
+    assert engine.tokenizer.is_special(ids[0])
+    r = oai.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=0, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("<s>ab") and lp.text_offset[:3] == [0, 3, 4]
+
+    from mtplx.server.protocol import ResponseShape
+
+    added = ResponseShape(False, MODEL, False, tokenizer=engine.tokenizer, echo=("<s>ab", [ids[0], *ids], 1))
+    offsets = added.logprobs(0, [ids[0], *ids], [(None, None)] * 4, echoed=True)["text_offset"]
+    assert offsets == [0, 0, 3, 4]  # the added BOS, then the typed one at the text's start
+
+
 @pytest.mark.parametrize("kwargs, param", [(dict(top_logprobs=2), "top_logprobs"),
                                            (dict(logprobs=True, top_logprobs=21), "top_logprobs")])
 def test_bad_logprobs_requests_are_400(oai, kwargs, param):

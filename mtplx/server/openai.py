@@ -62,9 +62,11 @@ async def completions(body: CompletionRequest, request: Request):
                                logprobs=body.logprobs_wanted, prompt_logprobs=body.logprobs if body.echo else None)
     echo = None
     if body.echo:  # the prompt as sent (token ids: decoded, control tokens as their text), before the output
-        ids = requests[0].prompt_ids
-        echo = (prompt if isinstance(prompt, str) else server.engine.tokenizer.decode(ids, skip_special_tokens=False)
-                if server.engine.tokenizer is not None else "", ids)
+        ids, tokenizer = requests[0].prompt_ids, server.engine.tokenizer
+        if isinstance(prompt, str):  # the tokens the tokenizer adds (a BOS) are not in the text
+            echo = (prompt, ids, max(0, len(ids) - len(tokenizer.encode(prompt, add_special_tokens=False))))
+        else:
+            echo = (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else "", ids, 0)
     shape = ResponseShape(False, body.model, body.return_token_ids, body.n, body.include_usage,
                           tokenizer=server.engine.tokenizer, echo=echo)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)

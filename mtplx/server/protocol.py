@@ -282,11 +282,13 @@ class ResponseShape:
     ``tool_calls``. Streaming: ``start``, ``delta``, ``done``, ``end`` return SSE lines."""
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1, include_usage: bool = False,
-                 tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int]] | None = None,
+                 tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int], int] | None = None,
                  choice: ToolChoice | None = None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
         self.choice = choice  # a forced one makes output cut by max_tokens the call so far
-        self.echo = echo  # completions' echo: (prompt text, prompt token ids), sent before the output
+        # completions' echo, sent before the output: (prompt text, prompt token ids, how many of the
+        # ids lead the prompt without being in its text: a BOS the tokenizer added)
+        self.echo = echo
         self.echoed = [False] * n
         self.tokenizer = tokenizer  # for logprobs' token strings
         self.offsets = [0] * n  # text offset of the next token per choice (completions' logprobs)
@@ -348,21 +350,21 @@ class ResponseShape:
     def logprobs(self, index: int, token_ids: list[int], values: list | None, echoed: bool = False) -> dict | None:
         """The choice's ``logprobs`` for these tokens: chat's {"content": [...]} or completions'
         {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when not asked.
-        ``echoed``: the tokens of the echoed prompt, whose text may hold its control tokens'
-        literal text (a prompt sent as text; generated text leaves them out)."""
+        ``echoed``: the tokens of the echoed prompt, whose text holds its control tokens' literal
+        text, but for those the tokenizer added (generated text leaves control tokens out)."""
         if values is None:
             return None
         if self.chat:
             return {"content": [{**self._entry(token, value), "top_logprobs": [self._entry(i, v) for i, v in top]}
                                 for token, (value, top) in zip(token_ids, values)], "refusal": None}
         offsets = []
-        for token in token_ids:  # where each token's text starts: characters completed before it
+        added = self.echo[2] if echoed else 0
+        for i, token in enumerate(token_ids):  # where each token's text starts: characters completed before it
             offsets.append(self.offsets[index])
             if not self._special(token):
                 self.offsets[index] += len(self.characters[index].decode(self._bytes(token)))
-            elif echoed and self.echo[0].startswith(literal := self._token(token), self.offsets[index]):
-                self.offsets[index] += len(literal)  # a prompt's control token, there in its text
-            # (other control tokens are not in the text: generated ones, a BOS the tokenizer added)
+            elif echoed and i >= added:
+                self.offsets[index] += len(self._token(token))  # a prompt's control token, there in its text
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
                 "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
