@@ -67,7 +67,7 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     kv = resolve_kv_dtype(kv_dtype, dev, dt)  # (a bad value fails before the weights load)
-    _check_sizes(kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_depth=max_depth)
+    _check_sizes(kv_cache_tokens=kv_cache_tokens, block_size=block_size)
     if depth is not None:
         Engine.check_depth(depth)
     if max_depth is not None:
@@ -111,12 +111,10 @@ def load(model=None, *, device=None, dtype=None, depth=None, head=None, allow_un
 
 
 def _check_sizes(**sizes) -> None:
-    """The engine's size options are whole numbers of at least 1 (max_depth: None for the
-    default), refused with the option's name before any weight loads."""
+    """The engine's size options are whole numbers of at least 1, refused with the option's name
+    before any weight loads."""
     from mtplx.errors import InvalidParameter
 
     for name, value in sizes.items():
-        if value is None and name == "max_depth":
-            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidParameter(name, f"must be an integer >= 1, got {value!r}")

@@ -66,9 +66,11 @@ def shipped_head_for(model: str | Path) -> Path | None:
     """The shipped head's directory where ``model`` is the default model's GGUF under another path
     (its size, then its sha256) and has no head of its own beside it: the same file gets the same
     head as ``mtplx.load()``. None otherwise (other files are not hashed)."""
+    from mtplx.loading.mtp_weights import SIDECAR_WEIGHTS
+
     path = Path(model).expanduser()
     try:
-        if not path.is_file() or path.stat().st_size != DEFAULT_GGUF_SIZE or (path.parent / "mtp.safetensors").exists():
+        if not path.is_file() or path.stat().st_size != DEFAULT_GGUF_SIZE or (path.parent / SIDECAR_WEIGHTS).exists():
             return None
     except OSError:
         return None

@@ -309,9 +309,9 @@ def _tool_use(call: ToolCall, input: dict | None = None) -> dict:
 
 
 def _input(arguments: str) -> dict:
-    """A call's arguments as a tool_use input object; {} for a forced call that max_tokens cut
-    before its arguments closed (stop_reason says max_tokens; a stream sent them as far as they
-    came, as partial_json)."""
+    """A call's arguments as a tool_use input object; {} for a forced call whose output ended
+    before its arguments closed (stop_reason says why; a stream sent them as far as they came,
+    as partial_json)."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:

@@ -31,10 +31,13 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.http_requests = Counter("mtplx_http_requests", "HTTP requests by route and status code",
                                      ["route", "status"], registry=r)
-        self.request_success = Counter("mtplx_request_success", "Requests that ended, by finish reason (of n choices: the last to end)",
+        self.request_success = Counter("mtplx_request_success",
+                                       "Requests that ended, by finish reason (of n choices: the last to end)",
                                        ["finish_reason"], registry=r)
-        self.request_failure = Counter("mtplx_request_failure", "Generations that failed (each choice of a request)", registry=r)
-        self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of ended requests (once for n choices, as usage)", registry=r)
+        self.request_failure = Counter("mtplx_request_failure", "Generations that failed (each choice of a request)",
+                                       registry=r)
+        self.prompt_tokens = Counter("mtplx_prompt_tokens",
+                                     "Prompt tokens of ended requests (once for n choices, as usage)", registry=r)
         self.generation_tokens = Counter("mtplx_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("mtplx_time_to_first_token_seconds", "Arrival to first token (queue wait included)",
                               buckets=LATENCY_BUCKETS_S, registry=r)

@@ -285,7 +285,7 @@ class ResponseShape:
                  tools: list | None = None, parser=None, tokenizer=None, echo: tuple[str, list[int], int] | None = None,
                  choice: ToolChoice | None = None):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
-        self.choice = choice  # a forced one makes output cut by max_tokens the call so far
+        self.choice = choice  # a forced one makes output that ended inside its markup the call so far
         # completions' echo, sent before the output: (prompt text, prompt token ids, how many of the
         # ids lead the prompt without being in its text: a BOS the tokenizer added)
         self.echo = echo

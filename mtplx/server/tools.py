@@ -462,19 +462,15 @@ class ToolCallStream:
     def _cut_call(self, events: list) -> None:
         """A forced call whose output ended before its block closed (max_tokens, a stop string,
         a cancel): its name and its arguments so far, marked incomplete."""
-        block = self.text[self.block:]
-        head = self.parser.header(block)
-        if head is None:  # a dialect that does not stream arguments (llama3_json's JSON object)
-            found = _CUT_HEAD.match(block)
-            head = (found.group(1), found.end()) if found else None
-        named = _CUT_NAME.search(block)  # the name, where the end came before the arguments began
-        if head is not None and head[0] in self.tools:
-            at = self.block + head[1]
-            call = ToolCall(head[0], self.text[at:json_value_end(self.text, at) or len(self.text)], complete=False)
-        elif named is not None and named.group(1) in self.tools:
-            call = ToolCall(named.group(1), "", complete=False)
-        else:
+        found = _CUT_HEAD.search(self.text, self.block)
+        if found is None or found.group("name") not in self.tools:
             call = ToolCall(self.forced_name, "", complete=False)
+        elif found.group("arguments") is None:  # the end came before the arguments began
+            call = ToolCall(found.group("name"), "", complete=False)
+        else:
+            at = found.end()
+            call = ToolCall(found.group("name"), self.text[at:json_value_end(self.text, at) or len(self.text)],
+                            complete=False)
         self.calls.append(call)
         events.append(("call", call))
 
@@ -495,10 +491,10 @@ class ToolCallStream:
             self.pos = upto
 
 
-# the start of a call written as a JSON object, as far as its arguments (a cut call's name)
-_CUT_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,'
-                       r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
-_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"')
+# a call written as a JSON object (hermes' inside its tags, llama3_json's bare), as far as it came:
+# its name, then where its arguments begin (a cut call's)
+_CUT_HEAD = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"'
+                       r'(?P<arguments>\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{))?')
 
 
 def split_tool_calls(parser, tools: list[Tool], text: str,
