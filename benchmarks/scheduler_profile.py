@@ -26,25 +26,49 @@ from sampled_decoding import HELD_OUT_CHAT, REGIMES, chat_requests  # noqa: E402
 
 
 class StepCounter:
-    """Counts ``Engine.step`` calls (one per scheduler cycle) and the host seconds inside them."""
+    """Counts ``Engine.step`` calls (one per scheduler cycle) and the host seconds inside them,
+    and splits the wall time between steps that started a chain of cycles (the first cycle
+    from the host's state: a row joined or left, or a depth changed) and steps that continued
+    one (``Generator.observers``' "chain_start")."""
 
     def __init__(self, engine):
         self.engine, self.inner = engine, engine.step
         self.calls, self.seconds = 0, 0.0
+        self.starts = 0  # chain_start events in the current step
+        self.kinds = {"chain_start": [0, 0.0], "continued": [0, 0.0]}  # kind -> [steps, wall seconds]
+        self.last_end: float | None = None
+
+    def observe(self, event, seq) -> None:
+        if event == "chain_start":
+            self.starts += 1
 
     def __enter__(self):
         def step(seqs):
             t0 = time.perf_counter()
+            self.starts = 0
             try:
                 return self.inner(seqs)
             finally:
+                end = time.perf_counter()
                 self.calls += 1
-                self.seconds += time.perf_counter() - t0
+                self.seconds += end - t0
+                if self.last_end is not None:  # wall from the last step's end: the scheduler's work between included
+                    kind = self.kinds["chain_start" if self.starts else "continued"]
+                    kind[0] += 1
+                    kind[1] += end - self.last_end
+                self.last_end = end
         self.engine.step = step
+        self.engine.generator.observers.append(self.observe)
         return self
 
     def __exit__(self, *exc):
         self.engine.step = self.inner
+        self.engine.generator.observers.remove(self.observe)
+
+    def breakdown(self) -> dict:
+        """Per kind of step: how many, and the mean wall us from the step before's end to its end."""
+        return {kind: {"steps": n, "wall_us_per_step": round(s * 1e6 / n, 1) if n else None}
+                for kind, (n, s) in self.kinds.items()}
 
 
 def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30) -> list[dict]:
@@ -92,17 +116,18 @@ class GraphTimer:
     def __enter__(self):
         import torch
 
-        def run_chained(seqs, depth, variant="greedy"):
+        def run_chained(seqs, depth, variant="greedy", ghosts=frozenset()):
             g = self.graphs.chained(len(seqs), depth, variant)
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             marks[0].record()
-            g.buffers.draw_noise(seqs)
+            more = (ghosts,) if ghosts else ()  # (trees before the chain's ghost rows take no ghosts)
+            g.buffers.draw_noise(seqs, *more)
             marks[1].record()
             draw, replay = g.buffers.draw_noise, g.graph.replay
-            g.buffers.draw_noise = lambda seqs: None  # drawn above
+            g.buffers.draw_noise = lambda *args: None  # drawn above
             g.graph.replay = lambda: (replay(), marks[2].record())
             try:
-                return self.inner(seqs, depth, variant)
+                return self.inner(seqs, depth, variant, *more)
             finally:
                 g.buffers.draw_noise, g.graph.replay = draw, replay
                 self.pairs.append(marks)
@@ -151,6 +176,7 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
         extra["graph_time"] = timer.per_step(timed.calls)
     return {**extra, "tok_s": tokens / elapsed, "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
             "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
+            "steps_by_kind": plain.breakdown(),
             "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
             "busy_share": kernel_us / wall_us,
             "top": [{"name": n, "count": round(c, 2), "us": round(us, 2)} for n, c, us in rows[:60]]}
@@ -197,6 +223,8 @@ def main() -> None:
                       f"busy {r['busy_share']:.2f}", flush=True)
                 for k in r["top"][:8]:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
+                print("    steps: " + ", ".join(f"{k} {v['steps']} at {v['wall_us_per_step']} us"
+                                            for k, v in r["steps_by_kind"].items()))
                 if "graph_time" in r:
                     print("    GPU per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["graph_time"].items()))
                 for order in ("by_own", "by_cumulative"):

@@ -152,6 +152,57 @@ def test_rows_that_end_or_leave_mid_chain_do_not_change_the_others():
     engine.runner.blocks.check_invariants()
 
 
+GHOST_PROMPTS = PROMPTS + [[4, 9, 16, 25], [60, 61, 62, 63, 64, 65], [88] * 7, [3, 1, 4, 1, 5, 9, 2, 6], [70, 71]]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_rows_that_leave_a_chain_run_on_as_ghosts(depth):
+    """Eight rows (greedy and sampled, seeded) end one by one, as a scheduler retires them
+    (released at once; one is cancelled mid-decoding): the chain goes on with each leaver as a
+    ghost row, frozen so it writes no KV, while the rows left need the 8-row graph (8 down to
+    5), and restarts at 4, 2 and 1. The pool is small, so the live rows' new blocks include
+    blocks the ghosts gave back: every row decodes exactly what it decodes alone, unchained."""
+    engine, _ = tiny_engine("qwen3", kv_cache_tokens=240)
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+    kwargs = [dict(max_tokens=12 + 4 * i, **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(8)]
+    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(GHOST_PROMPTS, kwargs)]
+    engine.generator.chain.enabled = True
+    starts = []
+    engine.generator.observers.append(lambda event, s: starts.append(s) if event == "chain_start" else None)
+    seqs = [start(engine, p, **kw) for p, kw in zip(GHOST_PROMPTS, kwargs)]
+    cache = engine.runner.cache
+    given_back, reused, steps, watched, kept = set(), False, 0, {}, 0
+
+    def kv(block: int) -> list[torch.Tensor]:
+        return [t[block].clone() for t in cache.k + cache.v]
+
+    with torch.inference_mode():
+        while live := [s for s in seqs if not s.finished]:
+            engine.step(live)  # (eagerly, the cycle it launches has run when it returns)
+            steps += 1
+            taken = {b for s in live for b in engine.kv.table(s)}
+            for b, before in watched.items():  # a ghost's cycles write no KV: its blocks are as it left them
+                if b not in taken:
+                    kept += 1
+                    assert all(torch.equal(x, y) for x, y in zip(kv(b), before)), b
+            watched = {}
+            if steps == 4:  # a client cancels a row with its next cycle in flight
+                seqs[7].finish_reason = "cancelled"
+            for s in live:
+                if s.finished:
+                    given_back |= set(engine.kv.table(s))
+                    watched.update((b, kv(b)) for b in engine.kv.table(s))
+                    engine.generator.release(s)
+            reused |= any(given_back & set(engine.kv.table(s)) for s in seqs if not s.finished)
+    assert [s.generated for s in seqs[:7]] == alone[:7]
+    assert seqs[7].generated == alone[7][: len(seqs[7].generated)]
+    assert reused and kept  # a ghost's blocks went to a live row while the chain still ran it
+    assert len({s.seq_id for s in starts}) == 8 and len(starts) == 8 + 4 + 2 + 1  # chains of 8, 4, 2 and 1 rows
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
 def test_an_ar_step_commits_the_cycle_in_flight_first():
     engine = chained_engine()
     reference = engine.generate(PROMPTS[1], mode="ar", max_tokens=24).token_ids

@@ -15,6 +15,12 @@ host is one cycle behind the device; ``CycleChain`` owns that cycle in flight:
 - ``forget``: a row released while its cycle is in flight (its outcome is dropped; the
   device's writes land past the row's committed length, in blocks the row gives back).
 
+A row that leaves (it ended, or its client cancelled) does not end the chain while the rows
+left need the same graph (``runner.row_bucket``: 8 rows down to 5 keep the 8-row graph): it
+stays in the chain's rows as a ghost, a padding row from the next launch on
+(``CycleBuffers.freeze``: it writes no KV), and its outcomes go unread. Restarting the chain
+from the host's state would leave the device idle while the host commits, plans and launches.
+
 Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
 the one starting, and the slots its tail computes for the one after. ``reserve`` takes those
 blocks through the engine's allocator before any launch.
@@ -26,7 +32,7 @@ import torch
 
 from mtplx.cache.block_manager import OutOfBlocks
 from mtplx.engine.kv_allocator import KVAllocator
-from mtplx.engine.runner import CycleLaunch, ModelRunner
+from mtplx.engine.runner import CycleLaunch, ModelRunner, row_bucket
 from mtplx.engine.sequence import Sequence
 
 
@@ -41,16 +47,24 @@ class CycleChain:
         return self.enabled and self.runner.can_chain(len(seqs), depth, self._variant(seqs, depth))
 
     def continues(self, seqs: list[Sequence], depths: list[int]) -> bool:
-        """Whether ``seqs`` are exactly the live rows of the cycle in flight and ``depths``
-        (each row's next depth) are their depths in it."""
+        """Whether ``seqs`` are exactly the live rows of the cycle in flight (the others its
+        ghosts, while the rows left need its graph's rows) and ``depths`` (each row's next
+        depth) are their depths in it."""
         flight = self.flight
-        return (flight is not None and flight.depth == max(depths) and len(seqs) == len(flight.seqs)
-                and all(a is b for a, b in zip(seqs, flight.seqs)) and _same_depths(seqs, depths)
-                and not self._released and not any(s.finished for s in seqs))
+        if flight is None or not seqs or flight.depth != max(depths):
+            return False
+        live = self.live_rows()
+        return (len(seqs) == len(live) and all(a is b for a, b in zip(seqs, live)) and _same_depths(seqs, depths)
+                and row_bucket(len(live)) == row_bucket(len(flight.seqs)))
 
-    def reserve(self, seqs: list[Sequence], depth: int) -> bool:
+    def live_rows(self) -> list[Sequence]:
+        """The rows of the cycle in flight neither released nor finished, in its order."""
+        return [s for s in self.flight.seqs if s.seq_id not in self._released and not s.finished]
+
+    def reserve(self, seqs: list[Sequence], depth: int, rows: list[Sequence] | None = None) -> bool:
         """Take the blocks a chained cycle over these rows may write and copy the grown tables
-        to the device. False (nothing taken) where a row's lookahead passes the slots one row
+        to the device (``rows``: the chain's rows, ``seqs`` and its ghosts, whose tables go
+        empty). False (nothing taken) where a row's lookahead passes the slots one row
         may hold or the pool runs dry: the chain cannot go on."""
         if any(self.runner.lookahead(s, depth) > self.runner.max_row_slots for s in seqs):
             return False
@@ -59,7 +73,10 @@ class CycleChain:
         except OutOfBlocks:
             return False
         if grown:
-            self.runner.upload_tables(len(seqs), depth, [self.kv.table(s) for s in seqs], self._variant(seqs, depth))
+            rows = seqs if rows is None else rows
+            live = {s.seq_id for s in seqs}
+            tables = [self.kv.table(s) if s.seq_id in live else [] for s in rows]
+            self.runner.upload_tables(len(rows), depth, tables, self._variant(rows, depth))
         return True
 
     def start(self, seqs: list[Sequence], backlog: torch.Tensor | None, depth: int) -> None:
@@ -71,13 +88,17 @@ class CycleChain:
         (``depths``, each row's next) and ``reserve`` succeeds, and hand back the one in flight,
         to commit; True when another cycle now runs on from its outcome."""
         last, following = self.flight, None
-        if _same_depths(seqs, depths) and self.reserve(seqs, last.depth):
-            following = self.runner.next_cycle(seqs, last.depth, self._variant(seqs, last.depth))
+        rows = last.seqs  # the chain's rows: ``seqs``, and its ghosts
+        if _same_depths(seqs, depths) and self.reserve(seqs, last.depth, rows):
+            live = {s.seq_id for s in seqs}
+            ghosts = frozenset(r for r, s in enumerate(rows) if s.seq_id not in live)
+            following = self.runner.next_cycle(rows, last.depth, self._variant(rows, last.depth), ghosts,
+                                               sorted(ghosts - last.ghosts))
         self.flight = following
         return last, following is not None
 
     def in_flight(self) -> set[int]:
-        """The seq_ids of the rows of the cycle in flight, released ones aside."""
+        """The seq_ids of the rows of the cycle in flight, released ones (ghosts among them) aside."""
         return {s.seq_id for s in self.flight.seqs} - self._released if self.flight is not None else set()
 
     def _variant(self, seqs: list[Sequence], depth: int) -> str:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from mtplx.cache.attention import AttentionMetadata
-from mtplx.engine.runner import CYCLE_VARIANTS, CycleBuffers, CycleLaunch, ModelRunner, copy_in, flat_tables, pad_row
+from mtplx.engine.runner import (CYCLE_VARIANTS, ROW_BUCKETS, CycleBuffers, CycleLaunch, ModelRunner, copy_in,
+                                 flat_tables, pad_row)
 from mtplx.engine.sequence import Sequence
 
-ROW_BUCKETS = (1, 2, 4, 8)
 MAX_GRAPH_QUERY = 8
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # one-row graphs for chunks of a prompt
 PREFILL_GRAPH_TOKENS = 2048  # longer prompts prefill eagerly, in one forward
@@ -114,18 +114,19 @@ class GraphCache:
         self._fill_cycle(self.chained(len(seqs), depth, variant), seqs, backlog)
         return self.run_chained(seqs, depth, variant)
 
-    def run_chained(self, seqs: list[Sequence], depth: int, variant: str = "greedy") -> CycleLaunch:
+    def run_chained(self, seqs: list[Sequence], depth: int, variant: str = "greedy",
+                    ghosts: frozenset[int] = frozenset()) -> CycleLaunch:
         """Replay the cycle graph from its device-side inputs (drawing the sampling rows' noise
-        first); its outcome goes to one of two pinned host buffers in turn (one is read while
-        the other is written)."""
+        first; ``ghosts``: rows that left, padding now); its outcome goes to one of two pinned
+        host buffers in turn (one is read while the other is written)."""
         g = self.chained(len(seqs), depth, variant)
-        g.buffers.draw_noise(seqs)
+        g.buffers.draw_noise(seqs, ghosts)
         g.graph.replay()
         host, done = g.outcomes[g.turn], g.done[g.turn]
         g.turn ^= 1
         host.copy_(g.out[2], non_blocking=True)
         done.record()
-        return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done)
+        return CycleLaunch(list(seqs), depth, g.out[0][: len(seqs)], host, done, ghosts)
 
     def upload_tables(self, rows: int, depth: int, tables: list[list[int]], variant: str = "greedy") -> None:
         g = self.chained(rows, depth, variant)

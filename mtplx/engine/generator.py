@@ -222,9 +222,11 @@ class Generator:
     def next_depths(self, seqs: list[Sequence]) -> list[int]:
         """Each row's depth in the cycle launched next (rows of one mode; AR: 0): its own, or for
         depth="auto" rows the batch's (``adaptive_depth.batch_depth``), weighed over these rows
-        and the rows of each one's last cycle (the one in flight, where chained) that are not
-        here: ended or released since. A chained cycle launched before the host saw a row end
-        carries it once more, so the unchained path counts it once too (adaptive_depth.py)."""
+        and the rows of each one's last cycle that are not here: ended or released since. A
+        chained cycle launched before the host saw a row end carries it once more, so the
+        unchained path counts it once too (adaptive_depth.py); for the cycle after, the chain
+        counts the rows of the one in flight still live (a row that ended there is a ghost,
+        ``chain.py``), as the unchained path counts the rows of the cycle it just committed."""
         if seqs[0].mode != "mtp":  # AR steps
             return [0] * len(seqs)
         return [min(d, self._room(s)) for s, d in zip(seqs, self._mtp_depths(seqs))]
@@ -238,11 +240,11 @@ class Generator:
         if all(s.depth_plan is None for s in seqs):
             return [s.depth for s in seqs]
         flying = self.chain.in_flight()
-        flight = self.chain.flight
+        flight_mates = self.chain.live_rows() if flying else ()
         here = {s.seq_id for s in seqs}
         gone: dict[int, Sequence] = {}
         for s in seqs:
-            mates = flight.seqs if s.seq_id in flying else self._mates.get(s.seq_id, ())
+            mates = flight_mates if s.seq_id in flying else self._mates.get(s.seq_id, ())
             gone.update((m.seq_id, m) for m in mates if m.seq_id not in here)
         rows = seqs + list(gone.values())
         auto = [s for s in rows if s.depth_plan is not None]
@@ -353,9 +355,11 @@ class Generator:
         depths: the rows' next depths where the caller has them (``next_depths``)."""
         t0 = time.perf_counter()
         launch, continued = self.chain.advance(seqs, self.next_depths(seqs) if depths is None else depths)
-        outcome = self._read_launch(launch, list(range(len(seqs))), result.failed)
+        here = {s.seq_id for s in seqs}
+        keep = [r for r, s in enumerate(launch.seqs) if s.seq_id in here]  # the chain's ghosts aside
+        outcome = self._read_launch(launch, keep, result.failed)
         t1 = time.perf_counter()
-        self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden, continued, result)
+        self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden[keep], continued, result)
         if launch.depth:  # MTP stats: the launch and wait, then the commit
             _add_times(seqs, verify_s=t1 - t0, commit_s=time.perf_counter() - t1)
 

@@ -42,6 +42,15 @@ DEFAULT_STATE_COMMIT = "capture"
 # variants process temperature and top-p alone, what most requests send)
 CYCLE_VARIANTS = ("greedy", "sample", "sample_filters", "mirror", "mirror_filters")
 
+# the row counts CUDA graphs are captured for (cuda_graphs.py): a batch runs in the smallest that
+# holds it, the rest padding rows
+ROW_BUCKETS = (1, 2, 4, 8)
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a batch of ``rows`` computes in a captured graph (past the largest bucket, its own)."""
+    return next((b for b in ROW_BUCKETS if b >= rows), rows)
+
 
 # a greedy cycle's integer inputs (ModelRunner.cycle_layout), in the order a graph's buffer holds them
 CYCLE_FIELDS = ("catch_up_ids", "catch_up_pos", "catch_up_slots", "last", "draft_pos", "draft_slots", "primary",
@@ -362,12 +371,18 @@ class ModelRunner:
         return self._run_chained(b, seqs, depth)
 
     @torch.inference_mode()
-    def next_cycle(self, seqs: list[Sequence], depth: int, variant: str = "greedy") -> CycleLaunch:
+    def next_cycle(self, seqs: list[Sequence], depth: int, variant: str = "greedy",
+                   ghosts: frozenset[int] = frozenset(), freeze: list[int] = ()) -> CycleLaunch:
         """The cycle after the last one started over these rows, from its device-side inputs.
-        As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``CycleChain.reserve``)."""
-        if self.graphs is not None and self.graphs.chained(len(seqs), depth, variant) is not None:
-            return self.graphs.run_chained(seqs, depth, variant)
-        return self._run_chained(self.cycle_buffers(len(seqs), depth, variant), seqs, depth)
+        As for ``start_cycle``, the rows' tables must cover ``lookahead`` (``CycleChain.reserve``).
+        ghosts: indices of rows that left (ended or released) and run on as padding, their
+        outcome unread; freeze: those that left since the last launch (``CycleBuffers.freeze``)."""
+        g = self.graphs.chained(len(seqs), depth, variant) if self.graphs is not None else None
+        b = g.buffers if g is not None else self.cycle_buffers(len(seqs), depth, variant)
+        b.freeze(freeze)
+        if g is not None:
+            return self.graphs.run_chained(seqs, depth, variant, ghosts)
+        return self._run_chained(b, seqs, depth, ghosts)
 
     def upload_tables(self, rows: int, depth: int, tables: list[list[int]], variant: str = "greedy") -> None:
         """Copy grown block tables into the chained cycles' inputs for these rows (the rest of
@@ -396,10 +411,10 @@ class ModelRunner:
         slots = min(self.model.config.max_position_embeddings, self.blocks.num_blocks * self.block_size)
         return min(slots, self.graphs.max_context) if self.graphs is not None else slots
 
-    def _run_chained(self, b, seqs: list[Sequence], depth: int) -> CycleLaunch:
-        b.draw_noise(seqs)
+    def _run_chained(self, b, seqs: list[Sequence], depth: int, ghosts: frozenset[int] = frozenset()) -> CycleLaunch:
+        b.draw_noise(seqs, ghosts)
         hidden, _, packed = self.cycle_and_advance(b, depth)
-        return CycleLaunch(list(seqs), depth, hidden[: len(seqs)], packed.clone(), None)
+        return CycleLaunch(list(seqs), depth, hidden[: len(seqs)], packed.clone(), None, ghosts)
 
     def cycle_and_advance(self, b, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One cycle from CycleBuffers ``b``, then the next cycle's inputs written into them
@@ -499,16 +514,17 @@ class CycleSampling:
             self.mirror_rows.copy_(torch.tensor(rows), non_blocking=True)
             torch.logical_not(self.mirror_rows, out=self.onehot_rows)
 
-    def draw(self, seqs: list[Sequence]) -> None:
+    def draw(self, seqs: list[Sequence | None]) -> None:
         """Plan each sampling row's fills for the cycle about to launch (``generate`` draws them):
         a mirror row's draft races, depth by depth, then the acceptance uniforms (none at depth
         0), then the emitted token's race (``speculative.draw_noise``'s order). Greedy and padding
-        rows take none: their noise comes from fills no stream uses (finite and above 0, and their
-        one-hot distributions decide their tokens whatever it is). Queued on the stream after the
-        cycle before it, which read the last plan."""
+        rows take none (None: a chain's row that left, ``CycleBuffers.freeze``): their noise
+        comes from fills no stream uses (finite and above 0, and their one-hot distributions
+        decide their tokens whatever it is; a ghost's tokens go unread). Queued on the stream
+        after the cycle before it, which read the last plan."""
         plan = []
         for seq in seqs:
-            if seq.params.greedy:
+            if seq is None or seq.params.greedy:
                 plan.append(_idle_plan(self.depth))
                 continue
             n, stream = min(seq.depth, self.depth), seq.noise
@@ -611,10 +627,22 @@ class CycleBuffers:
         if variant != "greedy":
             self.sampling = CycleSampling(rows, depth, runner.model.config.vocab_size, variant, dev)
 
-    def draw_noise(self, seqs: list[Sequence]) -> None:
-        """The sampling rows' noise for the cycle about to launch (``CycleSampling.draw``)."""
+    def draw_noise(self, seqs: list[Sequence], ghosts: frozenset[int] = frozenset()) -> None:
+        """The sampling rows' noise for the cycle about to launch (``CycleSampling.draw``);
+        ``ghosts``' rows (padding now) take none."""
         if self.sampling is not None:
-            self.sampling.draw(seqs)
+            self.sampling.draw([None if r in ghosts else s for r, s in enumerate(seqs)])
+
+    def freeze(self, rows: list[int]) -> None:
+        """Make these rows padding rows from the next cycle on: every slot they write becomes the
+        scratch slot, so their cycles keep their inputs (``advance_cycle``) and write no KV.
+        For rows that left a chain: their blocks may be another row's by then. Device fills,
+        no copy from the host (which would wait for the cycle in flight)."""
+        scratch_slot = self.runner.cache.scratch_slot
+        for r in rows:
+            for name, view in self.fields.items():
+                if name.endswith("slots"):
+                    view[r].fill_(scratch_slot)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
@@ -724,13 +752,15 @@ class CycleLaunch:
 
     seqs: its rows; hidden: its verify hidden states [rows, depth + 1, H] (valid until the same
     buffers run again); host/done: the packed outcome copied to host memory, and the event
-    after that copy."""
+    after that copy; ghosts: the indices of rows that had left the chain when it launched
+    (padding rows, their outcome meaningless)."""
 
     seqs: list[Sequence]
     depth: int
     hidden: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
+    ghosts: frozenset[int] = frozenset()
 
     def rows(self) -> list[list[int]]:
         """Per row: the drafts, the accepted count, the next token (waits for the device)."""

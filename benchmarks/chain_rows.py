@@ -1,0 +1,134 @@
+"""Rows leaving a chained batch (issue 15's 8-stream runs): eight requests of different lengths
+decoded in one batch, stepped through ``Engine.step`` as the batching schedulers step them (a
+row that ends is released at once; one row is cancelled mid-decoding), against each request
+decoded alone. Every row that ran to its end must decode the tokens it decodes alone, and the
+cancelled one a prefix of them. Also counts the chains started (each start leaves the device
+idle while the host commits, plans and launches) and times the batch.
+
+    PYTHONPATH=. python benchmarks/chain_rows.py --model GGUF --head DIR --out FILE.json
+        [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7]
+
+float32 by default: bf16 batches of 8 rows and lone rows round differently and may flip a
+near-tie. Depth 0 is AR (chained AR steps). Runs on the CPU too, where chains run eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from sampled_decoding import HELD_OUT_CHAT, REGIMES  # noqa: E402
+
+ROWS = 8
+
+
+def requests(engine, depth: int, sampling: dict) -> list:
+    """Eight chat requests, 24 to 80 tokens past EOS, seeds apart."""
+    mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
+    return [engine.make_request([{"role": "user", "content": HELD_OUT_CHAT[i]}], chat=True, ignore_eos=True,
+                                max_tokens=24 + 8 * i, **mode,
+                                **{**sampling, **({"seed": sampling["seed"] + i} if "seed" in sampling else {})})
+            for i in range(ROWS)]
+
+
+def alone_tokens(engine, req) -> list[int]:
+    """The request decoded by itself (``Engine.run``, the serial path)."""
+    for seq, _ in engine.run(req):
+        pass
+    return seq.generated
+
+
+def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int, float, bool]:
+    """The requests decoded side by side; -> (tokens per row, chains started, seconds, whether
+    the cancelled row was still live when cancelled)."""
+    import torch
+
+    starts = set()
+
+    def observe(event, seq):
+        if event == "chain_start":
+            starts.add((steps, seq.seq_id))
+
+    gen = engine.generator
+    gen.observers.append(observe)
+    seqs = []
+    for req in reqs:
+        seq = engine.new_sequence(req)
+        gen.admit(seq)
+        gen.prefill(seq)
+        seqs.append(seq)
+    steps, cancelled = 0, False
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            while live := [s for s in seqs if not s.finished]:
+                engine.step(live)
+                steps += 1
+                if steps == cancel_at and not seqs[-1].finished:
+                    seqs[-1].finish_reason = "cancelled"
+                    cancelled = True
+                for s in live:
+                    if s.finished:
+                        gen.release(s)
+            gen.drain()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    finally:
+        gen.observers.remove(observe)
+        for s in seqs:
+            gen.release(s)
+    return [s.generated for s in seqs], len({step for step, _ in starts}), seconds, cancelled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--depths", default="0,1,3")
+    ap.add_argument("--regimes", default="greedy,t0.7")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+
+    import mtplx
+
+    engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
+    if not engine.generator.chain.enabled:
+        engine.generator.chain.enabled = True  # the CPU: the eager chain
+    report = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+              "dtype": args.dtype, "runs": {}}
+    failures = 0
+    for regime in args.regimes.split(","):
+        for depth in (int(d) for d in args.depths.split(",")):
+            alone = [alone_tokens(engine, r) for r in requests(engine, depth, REGIMES[regime])]
+            batch(engine, requests(engine, depth, REGIMES[regime]))  # warm-up
+            tokens, chains, seconds, cancelled = batch(engine, requests(engine, depth, REGIMES[regime]))
+            same = [t == a for t, a in zip(tokens[:-1], alone[:-1])]
+            prefix = tokens[-1] == alone[-1][: len(tokens[-1])]
+            first = [next((i for i, (x, y) in enumerate(zip(t, a)) if x != y), None) for t, a in zip(tokens, alone)]
+            run = {"rows_equal_alone": f"{sum(same)}/{len(same)}", "cancelled_row_prefix": prefix,
+                   "cancelled_row_tokens": len(tokens[-1]), "cancelled_live": cancelled,
+                   "first_difference": first, "chains_started": chains,
+                   "tokens": sum(map(len, tokens)), "seconds": round(seconds, 4),
+                   "tok_s": round(sum(map(len, tokens)) / seconds, 1)}
+            failures += (not all(same)) + (not prefix)
+            report["runs"][f"{regime}/depth{depth}"] = run
+            print(f"{regime} depth {depth}: {run}", flush=True)
+    report["failures"] = failures
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}; {failures} failures")
+
+
+if __name__ == "__main__":
+    main()
