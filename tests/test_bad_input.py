@@ -146,6 +146,17 @@ def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+def test_the_cli_parses_and_refuses_options_without_importing_pytorch():
+    """``mtplx --help`` and a bad bench or tune option answer at once: PyTorch (about 2 s to
+    import on this machine) comes only with a command's work."""
+    code = ("import sys; from mtplx.cli import build_parser, main; build_parser(); "
+            "code = main(['bench', '--model', '/no/such/dir', '--depths', '0']); "
+            "main(['tune', '--model', '/no/such/dir', '--repeats', '0']) if code == 2 else None; "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("option", [{"max_depth": 0}, {"kv_cache_tokens": 0}, {"kv_cache_tokens": -5},
                                     {"kv_cache_tokens": "a"}, {"block_size": 0}, {"block_size": 2.5},
                                     {"depth": 9}, {"depth": "deep"}, {"max_depth": 9}])

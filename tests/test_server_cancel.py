@@ -33,7 +33,7 @@ from tests.test_server_harness import running_server, tiny_text_engine
 
 MODEL = "tiny"
 LONG = 600  # max_tokens of a chaos request: about 0.6 s of decoding, far longer than any client stays
-CLIENTS = {"serial": 64, "mtp_batch": 64, "hyper": 56, "ar_batch": 64, "solo_mtp": 56}
+CLIENTS = {"serial": 40, "mtp_batch": 40, "hyper": 36, "ar_batch": 40, "solo_mtp": 36}
 HYBRID_CLIENTS = 36
 WAVES = (1, 2, 4, 8)  # clients started together
 HOWS = ("mid_body", "at_once", "after_ms", "after_ms", "after_events", "after_events")

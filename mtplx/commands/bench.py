@@ -26,9 +26,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_measure_options(args)  # a bad value fails before the model loads (and before PyTorch is imported)
     from mtplx.benchmarking import render_table
 
-    check_measure_options(args)  # a bad value fails before the model loads
     engine = load_engine(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 from mtplx.commands.common import model_config
-from mtplx.loading.describe import TIERS, describe
 
 
 def add_parser(sub) -> None:
@@ -21,6 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from mtplx.loading.describe import TIERS, describe  # PyTorch comes with it: not for the CLI's parser (~2 s)
+
     model, head = model_config(args).model, args.head  # MODEL, else MTPLX_MODEL, else the config file's
     if model is None:
         from mtplx.loading.default_model import default_head_dir, default_model_path

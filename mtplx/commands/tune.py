@@ -24,10 +24,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from dataclasses import replace
 
+    check_measure_options(args)  # a bad value fails before the model loads (and before PyTorch is imported)
     from mtplx.benchmarking import render_table
     from mtplx.tuning import SAMPLED, depth_costs, pick_depth, save_choice
 
-    check_measure_options(args)  # a bad value fails before the model loads
     engine = load_engine(args)
     if not engine.has_mtp:
         print("this model has no MTP head: it runs AR only, nothing to tune "
