@@ -35,6 +35,14 @@ def test_hermes_calls_with_content_before_them():
                                                              ("get_time", {"zone": "CET"})])
 
 
+def test_a_hermes_string_argument_may_hold_the_end_tag():
+    """The block ends at the first ``</tool_call>`` outside a JSON string (a forced call's grammar
+    lets a string hold any text; the tag inside one ended the block there, and the call came
+    back as content)."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call> ok'
+    assert calls(text, HermesParser()) == ("ok", [("get_weather", {"city": "a</tool_call>b"})])
+
+
 def test_hermes_accepts_an_unclosed_last_call_and_parameters_as_the_arguments_key():
     assert calls('<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}', HermesParser()) == \
         ("", [("get_time", {"zone": "UTC"})])
@@ -95,6 +103,7 @@ SAMPLES = [
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done',
     "Just text with a < and <tool and <tool_call>{broken</tool_call> end",
     '<tool_call>{"name": "get_time", "arguments": {"zone": "</tool_call"}}',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "x</tool_call>\\"</tool_call>"}}</tool_call> end',
 ]
 
 

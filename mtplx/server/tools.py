@@ -220,7 +220,12 @@ class HermesParser:
         return _partial_suffix(text, self.start)
 
     def find_end(self, text: str, start: int) -> int | None:
-        i = text.find(self.end, start)
+        """Past the block's end tag: the first outside a JSON string (a string argument may hold
+        the tag's text: ``{"note": "</tool_call>"}``); None until it shows."""
+        body = start + len(self.start)
+        i = text.find(self.end, body)
+        while i >= 0 and _in_string(text, body, i):
+            i = text.find(self.end, i + 1)
         return None if i < 0 else i + len(self.end)
 
     def parse_block(self, block: str, tools: dict[str, Tool], final: bool) -> list[ToolCall] | None:
@@ -249,6 +254,10 @@ class Qwen3CoderParser(HermesParser):
 
     def header(self, block: str) -> None:
         return None  # arguments are converted by schema at the end, so a call is sent whole
+
+    def find_end(self, text: str, start: int) -> int | None:
+        i = text.find(self.end, start)  # parameter values are plain text, not JSON strings
+        return None if i < 0 else i + len(self.end)
 
     def parse_block(self, block: str, tools: dict[str, Tool], final: bool) -> list[ToolCall] | None:
         calls = []
@@ -351,6 +360,19 @@ def _structure(text: str, start: int = 0):
         elif ch in "}]":
             depth -= 1
         yield i, ch, depth
+
+
+def _in_string(text: str, start: int, at: int) -> bool:
+    """Whether ``text[at]`` lies inside a JSON string, the JSON starting at ``start``."""
+    in_string, escape = False, False
+    for ch in text[start:at]:
+        if escape:
+            escape = False
+        elif in_string and ch == "\\":
+            escape = True
+        elif ch == '"':
+            in_string = not in_string
+    return in_string
 
 
 def json_value_end(text: str, start: int) -> int | None:
