@@ -203,6 +203,29 @@ def test_rows_that_leave_a_chain_run_on_as_ghosts(depth):
     engine.runner.blocks.check_invariants()
 
 
+def test_a_fault_hook_sees_no_forward_of_a_ghost():
+    """A chain's ghost is a request that is over: fault drills' "forward" point is called for
+    the live rows of a chained cycle only (a hook on a finished request failed the others)."""
+    engine = chained_engine()
+    engine.generator.chain.enabled = True
+    seqs = [start(engine, [5 + i, 7, 9], mode="mtp", depth=2, max_tokens=6 if i == 0 else 30) for i in range(8)]
+    late, ghosts = [], 0
+    engine.fault_hook = lambda point, seq: late.append(seq.seq_id) if (
+        point == "forward" and seq.seq_id not in engine.generator.live) else None
+    with torch.inference_mode():
+        for _ in range(8):
+            live = [s for s in seqs if not s.finished]
+            engine.step(live)
+            flight = engine.generator.chain.flight
+            ghosts += bool(flight and flight.ghosts)
+            for s in live:
+                if s.finished:
+                    engine.generator.release(s)
+    assert ghosts and late == []
+    for s in seqs:
+        engine.generator.release(s)
+
+
 def test_an_ar_step_commits_the_cycle_in_flight_first():
     engine = chained_engine()
     reference = engine.generate(PROMPTS[1], mode="ar", max_tokens=24).token_ids

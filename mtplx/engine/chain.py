@@ -18,7 +18,8 @@ host is one cycle behind the device; ``CycleChain`` owns that cycle in flight:
 A row that leaves (it ended, or its client cancelled) does not end the chain while the rows
 left need the same graph (``runner.row_bucket``: 8 rows down to 5 keep the 8-row graph): it
 stays in the chain's rows as a ghost, a padding row from the next launch on
-(``CycleBuffers.freeze``: it writes no KV), and its outcomes go unread. Restarting the chain
+(``CycleBuffers.freeze``: it writes no KV and reads only the scratch block), and its outcomes
+go unread. Restarting the chain
 from the host's state would leave the device idle while the host commits, plans and launches.
 
 Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
@@ -63,8 +64,8 @@ class CycleChain:
 
     def reserve(self, seqs: list[Sequence], depth: int, rows: list[Sequence] | None = None) -> bool:
         """Take the blocks a chained cycle over these rows may write and copy the grown tables
-        to the device (``rows``: the chain's rows, ``seqs`` and its ghosts, whose tables go
-        empty). False (nothing taken) where a row's lookahead passes the slots one row
+        to the device (``rows``: the chain's rows, ``seqs`` and its ghosts, whose tables are
+        the scratch block's). False (nothing taken) where a row's lookahead passes the slots one row
         may hold or the pool runs dry: the chain cannot go on."""
         if any(self.runner.lookahead(s, depth) > self.runner.max_row_slots for s in seqs):
             return False
@@ -98,7 +99,8 @@ class CycleChain:
         return last, following is not None
 
     def in_flight(self) -> set[int]:
-        """The seq_ids of the rows of the cycle in flight, released ones (ghosts among them) aside."""
+        """The seq_ids of the rows of the cycle in flight, released ones aside (a ghost that
+        finished is still here until the scheduler releases it)."""
         return {s.seq_id for s in self.flight.seqs} - self._released if self.flight is not None else set()
 
     def _variant(self, seqs: list[Sequence], depth: int) -> str:

@@ -20,7 +20,8 @@ FAULT_POINTS = ("admit", "prefill", "forward", "draft", "accept", "sample", "com
 
 class FaultyRunner:
     """A runner whose forwards (``FORWARDS``: trunk, head, whole cycles, chained or not) first
-    call ``hook("forward", seq)`` for each of their rows; everything else is the runner's own."""
+    call ``hook("forward", seq)`` for each of their rows (a chained cycle's ghosts aside: rows
+    that left, whose requests are over); everything else is the runner's own."""
 
     FORWARDS = ("trunk", "head_forward", "greedy_cycle", "start_cycle", "next_cycle")
 
@@ -33,8 +34,10 @@ class FaultyRunner:
             return attr
 
         def forward(seqs: list[Sequence], *args, **kwargs):
-            for seq in seqs:
-                self.hook("forward", seq)
+            ghosts = args[2] if name == "next_cycle" and len(args) > 2 else kwargs.get("ghosts", ())
+            for r, seq in enumerate(seqs):
+                if r not in ghosts:
+                    self.hook("forward", seq)
             return attr(seqs, *args, **kwargs)
 
         return forward

@@ -194,8 +194,9 @@ class Generator:
     # -- the step ---------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> StepResult:
         """One cycle for each row (all of one mode: MTP rows at their depths, or AR rows).
-        A chained cycle in flight over exactly these rows goes on; over other rows it is
-        committed first (its rows are in ``advanced`` too)."""
+        A chained cycle in flight over exactly these rows goes on (with its ghosts: rows that
+        left, while the graph bucket holds, ``chain.py``); over other rows it is committed
+        first (its rows are in ``advanced`` too)."""
         result = self._step(seqs)
         self.runner.warn_on_kv_overflow()
         return result

@@ -634,15 +634,17 @@ class CycleBuffers:
             self.sampling.draw([None if r in ghosts else s for r, s in enumerate(seqs)])
 
     def freeze(self, rows: list[int]) -> None:
-        """Make these rows padding rows from the next cycle on: every slot they write becomes the
-        scratch slot, so their cycles keep their inputs (``advance_cycle``) and write no KV.
-        For rows that left a chain: their blocks may be another row's by then. Device fills,
-        no copy from the host (which would wait for the cycle in flight)."""
-        scratch_slot = self.runner.cache.scratch_slot
+        """Make these rows padding rows from the next cycle on, as ``values`` writes a bucket's:
+        every slot they write becomes the scratch slot, so their cycles keep their inputs
+        (``advance_cycle``) and write no KV; their positions go to 0 and their tables to the
+        scratch block, so their attention reads one slot, not their old context. For rows that
+        left a chain: their blocks may be another row's by then. Device fills, no copy from the
+        host (which would wait for the cycle in flight)."""
+        cache = self.runner.cache
         for r in rows:
             for name, view in self.fields.items():
-                if name.endswith("slots"):
-                    view[r].fill_(scratch_slot)
+                view[r].fill_(cache.scratch_slot if name.endswith("slots") else 0)
+            self.tables[r].fill_(cache.scratch_block)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
