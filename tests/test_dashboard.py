@@ -239,6 +239,7 @@ def test_live_settings_apply_to_the_next_request(server):
     ({"generation_mode": "fast"}, 400, "generation_mode", "mtp, ar or auto"),
     ({"temperature": -1}, 400, "temperature", ">= 0"),
     ({"temperature": "hot"}, 400, "temperature", "must be a number"),
+    ({"temperature": 5}, 400, "temperature", "at most 2"),  # a default no request could ask for
     ({"top_p": 0.5}, 400, "top_p", "not a setting"),
     ({"scheduler_mode": "turbo"}, 400, "scheduler_mode", "one of serial, mtp_batch"),
     ({"scheduler_mode": "mtp_batch"}, 409, "scheduler_mode", "restart with --scheduler-mode mtp_batch"),

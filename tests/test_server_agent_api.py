@@ -405,6 +405,10 @@ def test_anthropic_names_its_own_fields_honours_seed_and_joins_text_blocks(claud
     with pytest.raises(anthropic.BadRequestError, match="tools.0.input_schema"):
         claude.messages.create(model=MODEL, max_tokens=2, messages=CHAT,
                                tools=[{"name": "f", "input_schema": {"type": "objekt"}}])
+    with pytest.raises(anthropic.BadRequestError, match="tools.0.input_schema: a custom tool needs an input_schema"):
+        claude.messages.create(model=MODEL, max_tokens=2, messages=CHAT, tools=[{"name": "f"}])
+    with pytest.raises(anthropic.BadRequestError, match="not supported in a user message"):  # was "an user"
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [{"type": "image"}]}])
     with pytest.raises(anthropic.BadRequestError, match="stop_sequences: each stop sequence"):
         claude.messages.create(model=MODEL, max_tokens=2, messages=CHAT, stop_sequences=[""])
     texts = [claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT,

@@ -184,6 +184,26 @@ def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param, word
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_field_sent_as_null_is_not_sent(url, refs):
+    """OpenAI's and Anthropic's specs let a request's fields be null: null reads as unset on
+    every route (it was a 400 for n, stream, top_p, penalties, echo, ...), and decodes what
+    the same request without those fields decodes."""
+    nulls = dict(n=None, stream=None, top_p=None, presence_penalty=None, frequency_penalty=None, stop=None,
+                 parallel_tool_calls=None, seed=None, user=None)
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **GREEDY, **nulls}).json()
+    assert chat["choices"][0]["message"]["content"] == refs["chat"].text
+    text = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "The sea", **GREEDY, "echo": None,
+                                                    "top_k": None, "min_p": None, "logprobs": None}).json()
+    assert text["choices"][0]["text"] == refs["text"].text
+    messages = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "messages": CHAT, "max_tokens": 24, "temperature": 0,
+                                                     "stream": None, "top_p": None, "system": None}).json()
+    assert messages["content"][0]["text"] == refs["chat"].text
+    responses = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": CHAT, "max_output_tokens": 24,
+                                                       "temperature": 0, "top_p": None, "stream": None,
+                                                       "parallel_tool_calls": None}).json()
+    assert responses["output"][0]["content"][0]["text"] == refs["chat"].text
+
+
 def test_a_body_that_is_no_json_object_is_400_saying_so(url):
     bad_json = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "x", "messages": [}',
                           headers={"content-type": "application/json"})

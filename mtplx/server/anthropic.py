@@ -45,6 +45,7 @@ class PromptFields(RequestBody):
     """What ``count_tokens`` and ``messages`` share: the conversation and its tools."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    null_is_unset = True
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -55,6 +56,8 @@ class PromptFields(RequestBody):
     def offered_tools(self) -> list[Tool]:
         tools = []
         for i, t in enumerate(self.tools or ()):
+            if "input_schema" not in t and t.get("type") in (None, "custom"):
+                raise _bad(f"tools.{i}.input_schema", "a custom tool needs an input_schema (a JSON Schema object)")
             if "input_schema" not in t:
                 raise _bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
                                          f"server tool type {t.get('type')!r} is not")

@@ -24,6 +24,7 @@ from mtplx.engine.sampling import SamplingParams
 from mtplx.errors import InvalidParameter
 from mtplx.server.errors import APIError
 from mtplx.server.live import INTERVAL_S, LiveSampler
+from mtplx.server.protocol import MAX_TEMPERATURE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "dashboard"
 MAX_STREAMS = 16  # live streams open at once (the page opens one per tab)
@@ -168,6 +169,9 @@ def validate_settings(server, body: dict) -> dict:
                 changes["temperature"] = float(SamplingParams(temperature=value).validate().temperature)
             except InvalidParameter as exc:
                 raise APIError(400, str(exc), param="temperature", code="invalid_value") from None
+            if changes["temperature"] > MAX_TEMPERATURE:  # a default no request could ask for itself
+                raise APIError(400, f"temperature: must be at most {MAX_TEMPERATURE:g} (OpenAI's range), got {value}",
+                               param="temperature", code="invalid_value")
     return changes
 
 

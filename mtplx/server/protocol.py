@@ -12,7 +12,7 @@ import codecs
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,7 +50,11 @@ def lone_surrogate_path(value, path: tuple = ()) -> tuple | None:
 
 
 class RequestBody(BaseModel):
-    """A request body: every string in it must be valid Unicode (checked before the fields)."""
+    """A request body: every string in it must be valid Unicode (checked before the fields).
+    A whole request (``null_is_unset``) reads a top-level field sent as JSON null as not sent,
+    as OpenAI's and Anthropic's APIs do (clients such as LiteLLM send ``"n": null``)."""
+
+    null_is_unset: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -61,6 +65,8 @@ class RequestBody(BaseModel):
             raise APIError(400, f"{param or 'body'}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
                                 "without its pair), which is not valid Unicode text", param=param,
                            code="invalid_value")
+        if cls.null_is_unset and isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None}
         return data
 
 
@@ -90,6 +96,7 @@ class GenerationFields(RequestBody):
     is not 1 and ``2.5`` is not an integer."""
 
     model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are checked in check_supported
+    null_is_unset = True
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -193,8 +200,9 @@ class ChatCompletionRequest(GenerationFields):
 
 
 def article(word: str) -> str:
-    """``word`` after its indefinite article: "an assistant", "a user"."""
-    return ("an " if word[:1] in "aeiou" else "a ") + word
+    """``word`` after its indefinite article: "an assistant", "a user" (a "u" read as "you")."""
+    vowel = word[:1] in "aeio" or (word[:1] == "u" and not word.startswith(("use", "usa", "uni", "url")))
+    return ("an " if vowel else "a ") + word
 
 
 def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str | None, where: str) -> dict:

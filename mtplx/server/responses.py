@@ -41,6 +41,7 @@ INCOMPLETE = {"length": "max_output_tokens", "cancelled": "cancelled"}
 
 class ResponsesRequest(RequestBody):
     model_config = ConfigDict(extra="allow", strict=True)
+    null_is_unset = True
 
     model: str
     input: str | list[dict]
