@@ -461,11 +461,16 @@ def test_chat_logprobs_whole_streamed_and_across_generation_modes(oai):
 
 
 def test_completion_logprobs_in_the_legacy_shape(oai):
-    r = oai.completions.create(model=MODEL, prompt="The sea", max_tokens=6, temperature=0.8, seed=2, logprobs=2)
+    """The legacy shape: each position's top_logprobs holds the chosen token's too, so up to
+    logprobs + 1 entries (OpenAI's reference; a sampled token outside the top was missing)."""
+    r = oai.completions.create(model=MODEL, prompt="The sea", max_tokens=12, temperature=2.0, seed=5, logprobs=1)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset == list(range(len(lp.tokens)))
-    assert all(len(top) == 2 and max(top.values()) >= value - 1e-6
-               for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(top[token] == value and len(top) in (1, 2) and max(top.values()) >= value - 1e-6
+               for top, token, value in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # at T 2 some sampled token is not the top one
+    none = oai.completions.create(model=MODEL, prompt="The sea", max_tokens=3, temperature=0, logprobs=0)
+    assert [list(top) for top in none.choices[0].logprobs.top_logprobs] == [[t] for t in none.choices[0].logprobs.tokens]
 
 
 def test_echo_scores_the_prompt_as_decoding_scored_the_same_tokens(oai):

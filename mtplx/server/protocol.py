@@ -375,9 +375,14 @@ class ResponseShape:
                 self.offsets[index] += len(self._token(token))  # a prompt's control token, there in its text
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [None if v is None else _finite(v) for v, _ in values],
-                "top_logprobs": [None if top is None else {self._token(i): _finite(v) for i, v in top}
-                                 for _, top in values],
+                "top_logprobs": [None if top is None else self._top(token, value, top)
+                                 for token, (value, top) in zip(token_ids, values)],
                 "text_offset": offsets}
+
+    def _top(self, token_id: int, value: float, top: list) -> dict:
+        """Completions' top logprobs at a position, the chosen token's among them: up to
+        ``logprobs`` + 1 entries, as OpenAI's reference says."""
+        return {**{self._token(i): _finite(v) for i, v in top}, self._token(token_id): _finite(value)}
 
     def _special(self, token_id: int) -> bool:
         return self.tokenizer is not None and self.tokenizer.is_special(token_id)
