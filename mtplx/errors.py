@@ -16,6 +16,11 @@ class InvalidParameter(MtplxError, ValueError):
         self.param = param
 
 
+class ContextLengthExceeded(InvalidParameter):
+    """The prompt does not fit the model's context (servers report OpenAI's
+    ``context_length_exceeded``, which clients check to trim a conversation)."""
+
+
 class ModelLoadError(MtplxError):
     """A model path, file or checkpoint could not be loaded."""
 

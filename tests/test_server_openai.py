@@ -257,9 +257,22 @@ def test_ignore_eos_decodes_past_the_end_of_sequence_token(client, engine):
     assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 40  # ...unless ignored
 
 
-def test_a_prompt_longer_than_the_context_is_400(client):
-    with pytest.raises(openai.BadRequestError, match="context is 4096 tokens"):
+def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(client):
+    """OpenAI's code for it (clients check it to trim a conversation), naming each route's
+    prompt field: prompt, messages, input."""
+    with pytest.raises(openai.BadRequestError, match="context is 4096 tokens") as err:
         client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "prompt"
+    long = [{"role": "user", "content": "x" * 5000}]
+    with pytest.raises(openai.BadRequestError, match="messages: the prompt has") as err:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=2)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="input: the prompt has") as err:
+        client.responses.create(model=MODEL, input=long, max_output_tokens=2)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError, match="leaves for output") as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5000)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
 
 
 def test_unknown_model_and_route_are_404_in_the_openai_shape(client, url):

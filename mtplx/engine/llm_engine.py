@@ -17,7 +17,7 @@ from mtplx.engine.runner import ModelRunner
 from mtplx.engine.sampling import NoiseStream, SamplingParams
 from mtplx.engine.sequence import Sequence
 from mtplx.engine.tensor_parallel import TensorParallel
-from mtplx.errors import InvalidParameter
+from mtplx.errors import ContextLengthExceeded, InvalidParameter
 from mtplx.loading.checkpoint import LoadedModel
 from mtplx.models.layers import fuse_projections
 from mtplx.runtime import resolve_kv_dtype
@@ -233,7 +233,7 @@ class Engine:
         if not ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         if len(ids) >= self.max_context:
-            raise InvalidParameter(
+            raise ContextLengthExceeded(
                 "prompt", f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
         return ids
 

@@ -10,6 +10,7 @@ import jinja2
 from fastapi import APIRouter, Request
 
 from mtplx.batching.state import MTP_ONLY_MODES, SchedulerSettings
+from mtplx.errors import ContextLengthExceeded
 from mtplx.server.errors import APIError
 from mtplx.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
 from mtplx.server.streaming import stream_response, whole_response
@@ -104,17 +105,20 @@ def template_errors():
 
 def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
                     sampling: dict | None = None, grammar=None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> list:
+                    prompt_logprobs: int | None = None, prompt_field: str | None = None) -> list:
     """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
     the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
     None = up to the context); a limit the context cannot hold is a 400 naming the field.
     ``grammar``: the output's grammar (structured.py), None for free text. ``logprobs``: report
     each token's logprob and this many alternatives (None: off); ``prompt_logprobs`` the same
-    for the prompt's tokens (completions' echo)."""
+    for the prompt's tokens (completions' echo). A prompt or limit the context cannot hold is
+    OpenAI's ``context_length_exceeded``, naming the field (``prompt_field``: what the protocol
+    calls the prompt; default messages for chat, else prompt)."""
     settings = server.scheduler.settings
     engine = server.engine
     name, max_tokens = limit
-    with template_errors():
+    field = prompt_field or ("messages" if chat else "prompt")
+    with template_errors(), _context_errors(field):
         base = engine.make_request(
             prompt, chat=chat, mode=body.generation_mode or settings.generation_mode or _mode_default(settings),
             depth=body.depth if body.depth is not None else settings.depth,
@@ -124,11 +128,20 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
                             f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
-                            f"{room}", param=name, code="invalid_value")
+                            f"{room}", param=name, code="context_length_exceeded")
     base.grammar, base.logprobs, base.prompt_logprobs = grammar, logprobs, prompt_logprobs
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(
         base.params, seed=None if seed is None else (seed + i) % 2 ** 64)) for i in range(1, n)]
+
+
+@contextlib.contextmanager
+def _context_errors(field: str):
+    try:
+        yield
+    except ContextLengthExceeded as exc:
+        message = str(exc).split(": ", 1)[1]
+        raise APIError(400, f"{field}: {message}", param=field, code="context_length_exceeded") from None
 
 
 def _mode_default(settings: SchedulerSettings) -> str | None:

@@ -156,7 +156,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                or response_format_grammar(server.engine, body.response_format(), "text.format"))
     [engine_request] = engine_requests(server, body, prompt, ("max_output_tokens", body.max_output_tokens),
                                        chat=chat, sampling=body.sampling(server.default_temperature),
-                                       grammar=grammar)
+                                       grammar=grammar, prompt_field="input")
     reply = ResponseObject(body, tools, server.tool_parser if tools else None, choice)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)
 
