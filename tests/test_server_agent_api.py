@@ -28,9 +28,14 @@ def engine():
     return tiny_text_engine(head="repeat", context=4096)
 
 
+PREFILL = CHAT + [{"role": "assistant", "content": "Once"}]
+
+
 @pytest.fixture(scope="module")
 def refs(engine):
+    prefilled = engine.tokenizer.apply_chat_template(PREFILL, add_generation_prompt=False, continue_final_message=True)
     return {"chat": engine.generate(CHAT, chat=True, max_tokens=16, temperature=0.0),
+            "prefill": (len(prefilled), engine.generate(prefilled, max_tokens=8, temperature=0.0).text),
             "sampled": [engine.generate(CHAT, chat=True, max_tokens=12, temperature=1.0, seed=s) for s in (7, 8, 9)]}
 
 
@@ -393,6 +398,17 @@ def test_responses_stream_a_forced_function_call(oai):
     [call] = final.response.output
     assert call.type == "function_call" and call.arguments == deltas
     jsonschema.validate(json.loads(deltas), tool["parameters"])
+
+
+def test_an_anthropic_prefill_is_continued(claude, refs):
+    """A last assistant message is the start of the reply (Anthropic's prefill): its turn stays
+    open, and the reply is what follows it; it was closed, and a new turn started over."""
+    tokens, text = refs["prefill"]
+    reply = claude.messages.create(model=MODEL, max_tokens=8, messages=PREFILL, extra_body={"temperature": 0})
+    assert reply.usage.input_tokens == tokens and reply.content[0].text == text
+    assert claude.messages.count_tokens(model=MODEL, messages=PREFILL).input_tokens == tokens
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=PREFILL, extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == text
 
 
 def test_responses_is_stateless(oai):

@@ -165,7 +165,8 @@ async def count_tokens(body: PromptFields, request: Request):
     server.check_model(body.model)
     tools = body.offered_tools()
     choice = body.choice(tools)
-    prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools if choice.mode != "none" else [])
+    prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools if choice.mode != "none" else [],
+                               continue_final=True)
     return {"input_tokens": len(server.engine.encode_prompt(prompt, chat=chat))}
 
 
@@ -177,7 +178,7 @@ async def messages(body: MessagesRequest, request: Request):
     tools = body.offered_tools()
     choice = body.choice(tools)
     tools = tools if choice.mode != "none" else []
-    prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
+    prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools, continue_final=True)
     grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser, schema_field="input_schema")
     try:
         [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,

@@ -81,16 +81,27 @@ async def respond_with(request: Request, stream: bool, requests: list, request_i
     return await whole_response(request, server.scheduler, requests, request_id, build)
 
 
-def chat_prompt(engine, messages: list[dict], tools: list) -> tuple[list | list[int], bool]:
+def chat_prompt(engine, messages: list[dict], tools: list,
+                continue_final: bool = False) -> tuple[list | list[int], bool]:
     """(prompt, chat): plain messages go to the engine's chat template as they are; with tools,
-    tool calls or tool results the server renders them (tools.render_prompt) into token ids."""
-    if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+    tool calls or tool results the server renders them (tools.render_prompt) into token ids.
+    ``continue_final`` (Anthropic's prefill): a last assistant message with text and no tool
+    calls is the start of the reply, which continues it (its turn left open), not a new turn."""
+    last = messages[-1] if messages else {}
+    prefill = (continue_final and last.get("role") == "assistant" and not last.get("tool_calls")
+               and isinstance(last.get("content"), str) and last["content"] != "")
+    plain = not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if plain and not prefill:
         return [{"role": m["role"], "content": m["content"]} for m in messages], True
     if engine.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer, so chat messages cannot be formatted",
                        param="messages", code="invalid_value")
     with template_errors():
-        return render_prompt(engine.tokenizer, messages, tools), False
+        if plain:
+            return engine.tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=False,
+                continue_final_message=True), False
+        return render_prompt(engine.tokenizer, messages, tools, continue_final=prefill), False
 
 
 @contextlib.contextmanager

@@ -155,14 +155,16 @@ def template_has_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[Tool]) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], continue_final: bool = False) -> list[int]:
     """Prompt token ids for ``messages`` ({"role", "content", and "tool_calls" / "tool_call_id"
     where they apply}) offering ``tools``: the model's template when it renders tools, else the
-    Hermes fallback (tools in the system message, calls and results as tagged text)."""
+    Hermes fallback (tools in the system message, calls and results as tagged text).
+    ``continue_final``: the last (assistant) message's turn is left open for the reply to continue."""
+    turn = dict(add_generation_prompt=False, continue_final_message=True) if continue_final else {}
     if template_has_tools(tokenizer):
         native = [_native_message(m) for m in messages]
-        return tokenizer.apply_chat_template(native, tools=[t.openai_dict() for t in tools] or None)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools))
+        return tokenizer.apply_chat_template(native, tools=[t.openai_dict() for t in tools] or None, **turn)
+    return tokenizer.apply_chat_template(hermes_messages(messages, tools), **turn)
 
 
 def _native_message(m: dict) -> dict:
