@@ -284,15 +284,19 @@ def set_value(name: str, text: str, path: Path | None = None) -> Any:
     return value
 
 
-def unset_value(name: str, path: Path | None = None) -> None:
+def unset_value(name: str, path: Path | None = None) -> bool:
     """Remove key ``name`` from the file (back to the default); an unknown key the file holds
-    is removed too. The file's other entries are kept as they are."""
+    is removed too. The file's other entries are kept as they are. False (the file untouched)
+    where the file did not hold it."""
     path = path or config_path()
     _, values = _read_toml(path)
     if name not in KEYS and name not in values:
         raise ConfigError(f"unknown key {name!r}; known keys: {', '.join(KEYS)}")
-    values.pop(name, None)
+    if name not in values:
+        return False
+    values.pop(name)
     write_file(path, values)
+    return True
 
 
 def write_file(path: Path, values: dict[str, Any]) -> None:

@@ -39,8 +39,8 @@ def test_set_then_load_round_trips_every_kind_of_value(cfg_file):
     assert cfg.source("port") == f"config file {cfg_file}"
     set_value("depth", "auto")  # adaptive depth: a value, not the default
     assert Config.load().depth == "auto"
-    unset_value("depth")
-    unset_value("port")
+    assert unset_value("depth") and unset_value("port")
+    assert not unset_value("port")  # not there any more: nothing to remove (it said "removed" again)
     cfg = Config.load()
     assert cfg.depth is None and cfg.port == 8000 and cfg.scheduler_mode is SchedulerMode.MTP_BATCH
 

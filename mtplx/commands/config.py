@@ -33,8 +33,10 @@ def run(args) -> int:
             value = set_value(args.key, args.value)
             print(f"{args.key} = {_show(args.key, value)}  (saved to {config_path()})")
         else:
-            unset_value(args.key)
-            print(f"{args.key} removed from {config_path()}")
+            if unset_value(args.key):
+                print(f"{args.key} removed from {config_path()}")
+            else:
+                print(f"{args.key} is not set in {config_path()}: nothing to remove")
         if (problem := _serve_would_refuse()) is not None:
             print(f"warning: as it stands `mtplx serve` would refuse these settings: {problem}", file=sys.stderr)
     elif args.action == "get":
