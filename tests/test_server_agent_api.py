@@ -409,6 +409,8 @@ def test_an_anthropic_prefill_is_continued(claude, refs):
     assert claude.messages.count_tokens(model=MODEL, messages=PREFILL).input_tokens == tokens
     with claude.messages.stream(model=MODEL, max_tokens=8, messages=PREFILL, extra_body={"temperature": 0}) as stream:
         assert "".join(stream.text_stream) == text
+    with pytest.raises(anthropic.BadRequestError, match="cannot end with whitespace"):
+        claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT + [{"role": "assistant", "content": "Once "}])
 
 
 def test_responses_is_stateless(oai):

@@ -271,8 +271,15 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(client)
         client.responses.create(model=MODEL, input=long, max_output_tokens=2)
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "input"
     with pytest.raises(openai.BadRequestError, match="leaves for output") as err:
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5000)
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4090)
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="leaves for output") as err:  # no shorter prompt would help
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5000)
+    assert err.value.body["code"] == "invalid_value"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="messages: the prompt has") as err:  # rendered with tools
+        client.chat.completions.create(model=MODEL, messages=long, tools=[tool], max_tokens=2)
+    assert err.value.body["param"] == "messages"
 
 
 def test_unknown_model_and_route_are_404_in_the_openai_shape(client, url):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtplx.server.tools import (HERMES_FALLBACK, PARSERS, HermesParser, Llama3JsonParser, Qwen3CoderParser, Tool,
-                                ToolCall, ToolCallStream, hermes_messages, parser_for, render_prompt,
+                                ToolCall, ToolCallStream, ToolChoice, hermes_messages, parser_for, render_prompt,
                                 split_tool_calls)
 from tests.test_server_harness import char_tokenizer
 
@@ -35,12 +35,26 @@ def test_hermes_calls_with_content_before_them():
                                                              ("get_time", {"zone": "CET"})])
 
 
-def test_a_hermes_string_argument_may_hold_the_end_tag():
-    """The block ends at the first ``</tool_call>`` outside a JSON string (a forced call's grammar
-    lets a string hold any text; the tag inside one ended the block there, and the call came
-    back as content)."""
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call> ok'
-    assert calls(text, HermesParser()) == ("ok", [("get_weather", {"city": "a</tool_call>b"})])
+def test_a_forced_hermes_string_argument_may_hold_the_end_tag():
+    """Under a forced call (its grammar makes the block valid JSON and lets a string hold any
+    text) the block ends at the first ``</tool_call>`` outside a JSON string: the tag inside one
+    ended the block there, and the call came back as content, streamed or whole. Unforced
+    output may be malformed, so there the first tag still ends a block: an unclosed quote
+    does not swallow the calls after it."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>'
+    forced = ToolChoice("function", "get_weather")
+    content, found = split_tool_calls(HermesParser(), TOOLS, text, forced)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in found] == [
+        ("get_weather", {"city": "a</tool_call>b"})]
+    for cut in range(1, len(text)):
+        stream = ToolCallStream(HermesParser(), TOOLS, forced)
+        events = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
+        assert not [v for k, v in events if k == "content" and v.strip()], cut
+        assert [(c.name, json.loads(c.arguments), c.complete) for c in stream.calls] == [
+            ("get_weather", {"city": "a</tool_call>b"}, True)], cut
+    broken = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo}}</tool_call> then '
+              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done')
+    assert calls(broken, HermesParser())[1] == [("get_time", {})]
 
 
 def test_hermes_accepts_an_unclosed_last_call_and_parameters_as_the_arguments_key():
@@ -103,7 +117,6 @@ SAMPLES = [
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done',
     "Just text with a < and <tool and <tool_call>{broken</tool_call> end",
     '<tool_call>{"name": "get_time", "arguments": {"zone": "</tool_call"}}',
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "x</tool_call>\\"</tool_call>"}}</tool_call> end',
 ]
 
 

@@ -182,7 +182,8 @@ async def messages(body: MessagesRequest, request: Request):
     grammar = tool_call_grammar(server.engine, tools, choice, server.tool_parser, schema_field="input_schema")
     try:
         [engine_request] = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=chat,
-                                           sampling=body.sampling(server.default_temperature), grammar=grammar)
+                                           sampling=body.sampling(server.default_temperature), grammar=grammar,
+                                           prompt_field="messages")
     except InvalidParameter as exc:  # the engine's names for what this protocol calls otherwise
         name = {"stop": "stop_sequences"}.get(exc.param)
         if name is None:

@@ -47,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     grammar = (tool_call_grammar(server.engine, tools, body.choice, server.tool_parser)
                or response_format_grammar(server.engine, body.response_format))
     requests = engine_requests(server, body, prompt, limit, chat=chat, n=body.n, grammar=grammar,
-                               logprobs=body.logprobs_wanted)
+                               logprobs=body.logprobs_wanted, prompt_field="messages")
     shape = ResponseShape(True, body.model, body.return_token_ids, body.n, body.include_usage, tools,
                           server.tool_parser if tools else None, server.engine.tokenizer, choice=body.choice)
     return await respond_with(request, body.stream, requests, shape.id, shape, shape.whole)
@@ -96,12 +96,22 @@ def chat_prompt(engine, messages: list[dict], tools: list,
     if engine.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer, so chat messages cannot be formatted",
                        param="messages", code="invalid_value")
+    if prefill and last["content"] != last["content"].rstrip():
+        raise APIError(400, f"messages.{len(messages) - 1}.content: a final assistant message (a prefill) cannot "
+                            "end with whitespace, as Anthropic's API says", param=f"messages.{len(messages) - 1}.content",
+                       code="invalid_value")
     with template_errors():
-        if plain:
-            return engine.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=False,
-                continue_final_message=True), False
-        return render_prompt(engine.tokenizer, messages, tools, continue_final=prefill), False
+        try:
+            if plain:
+                return engine.tokenizer.apply_chat_template(
+                    [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=False,
+                    continue_final_message=True), False
+            return render_prompt(engine.tokenizer, messages, tools, continue_final=prefill), False
+        except ValueError as exc:  # transformers: the template does not end with the prefill's text
+            if not prefill:
+                raise
+            raise APIError(400, f"messages: this model's chat template cannot continue a final assistant message "
+                                f"(a prefill): {exc}", param="messages", code="invalid_value") from None
 
 
 @contextlib.contextmanager
@@ -136,10 +146,11 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
             max_tokens=max_tokens or engine.max_context,
             **(sampling or body.sampling_kwargs(server.default_temperature)))
     room = engine.max_context - len(base.prompt_ids)
-    if max_tokens is not None and max_tokens > room:
+    if max_tokens is not None and max_tokens > room:  # (no shorter prompt helps a limit past the whole context)
+        code = "context_length_exceeded" if max_tokens < engine.max_context else "invalid_value"
         raise APIError(400, f"{name}: {max_tokens} is more than the context leaves for output: the context is "
                             f"{engine.max_context} tokens and the prompt takes {len(base.prompt_ids)}, so at most "
-                            f"{room}", param=name, code="context_length_exceeded")
+                            f"{room}", param=name, code=code)
     base.grammar, base.logprobs, base.prompt_logprobs = grammar, logprobs, prompt_logprobs
     seed = base.params.seed
     return [base] + [dataclasses.replace(base, params=dataclasses.replace(

@@ -221,12 +221,14 @@ class HermesParser:
         """How many trailing characters might begin markup (kept back from content)."""
         return _partial_suffix(text, self.start)
 
-    def find_end(self, text: str, start: int) -> int | None:
-        """Past the block's end tag: the first outside a JSON string (a string argument may hold
-        the tag's text: ``{"note": "</tool_call>"}``); None until it shows."""
+    def find_end(self, text: str, start: int, forced: bool = False) -> int | None:
+        """Past the block's end tag; None until it shows. ``forced``: the grammar makes the block
+        valid JSON, whose string arguments may hold the tag's text (``{"note": "</tool_call>"}``),
+        so the end is the first tag outside a JSON string. Unforced output may be malformed (an
+        unclosed quote would hide every later tag), so there the first tag ends the block."""
         body = start + len(self.start)
         i = text.find(self.end, body)
-        while i >= 0 and _in_string(text, body, i):
+        while forced and i >= 0 and _in_string(text, body, i):
             i = text.find(self.end, i + 1)
         return None if i < 0 else i + len(self.end)
 
@@ -257,7 +259,7 @@ class Qwen3CoderParser(HermesParser):
     def header(self, block: str) -> None:
         return None  # arguments are converted by schema at the end, so a call is sent whole
 
-    def find_end(self, text: str, start: int) -> int | None:
+    def find_end(self, text: str, start: int, forced: bool = False) -> int | None:
         i = text.find(self.end, start)  # parameter values are plain text, not JSON strings
         return None if i < 0 else i + len(self.end)
 
@@ -298,7 +300,7 @@ class Llama3JsonParser:
         stripped = text.lstrip()
         return len(text) if at_beginning and (not stripped or self.TAG.startswith(stripped)) else 0
 
-    def find_end(self, text: str, start: int) -> int | None:
+    def find_end(self, text: str, start: int, forced: bool = False) -> int | None:
         return None  # the reply's end
 
     def parse_block(self, block: str, tools: dict[str, Tool], final: bool) -> list[ToolCall] | None:
@@ -442,7 +444,7 @@ class ToolCallStream:
                     return events
                 self._content(events, start)
                 self.block = start
-            end = self.parser.find_end(self.text, self.block)
+            end = self.parser.find_end(self.text, self.block, self.forced)
             if end is None and not final:
                 self._stream_arguments(events)
                 return events
