@@ -112,6 +112,15 @@ def test_the_api_key_is_never_shown(cfg_file, capsys):
     assert oct(cfg_file.stat().st_mode & 0o777) == "0o600"
 
 
+def test_an_unset_depth_is_not_shown_as_the_value_auto(cfg_file, capsys):
+    """depth = "auto" is adaptive depth; an unset depth is the engine's choice (depth 1, or
+    tune's verdict): config showed both as "auto"."""
+    assert main(["config", "get", "depth"]) == 0
+    assert capsys.readouterr().out.strip() == "engine default"
+    assert main(["config", "set", "depth", "auto"]) == 0 and main(["config", "get", "depth"]) == 0
+    assert capsys.readouterr().out.strip().endswith("auto")
+
+
 def test_config_command_round_trip(cfg_file, capsys):
     assert main(["config", "set", "scheduler_mode", "hyper"]) == 0
     assert main(["config", "set", "batch_wait_ms", "0"]) == 0

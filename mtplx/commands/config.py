@@ -73,8 +73,8 @@ def _serve_would_refuse() -> str | None:
 
 
 def _show(key: str, value) -> str:
-    if value is None:
-        return {"model": "default", "api_key": "none"}.get(key, "auto")
+    if value is None:  # an unset depth is the engine's per-request choice, not the value "auto" (adaptive)
+        return {"model": "default", "api_key": "none", "depth": "engine default"}.get(key, "auto")
     if KEYS[key].secret:
         return "***"
     return str(value)
