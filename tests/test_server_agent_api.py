@@ -413,6 +413,12 @@ def test_an_anthropic_prefill_is_continued(claude, refs):
         claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT + [{"role": "assistant", "content": "Once "}])
 
 
+def test_a_response_echoes_the_temperature_it_sampled_at(oai):
+    """Sent none, the Responses object echoes the server's default (OpenAI's 1.0 here); it was null."""
+    assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2).temperature == 1.0
+    assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0.3).temperature == 0.3
+
+
 def test_responses_is_stateless(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)

@@ -157,15 +157,18 @@ async def create_response(body: ResponsesRequest, request: Request):
     [engine_request] = engine_requests(server, body, prompt, ("max_output_tokens", body.max_output_tokens),
                                        chat=chat, sampling=body.sampling(server.default_temperature),
                                        grammar=grammar, prompt_field="input")
-    reply = ResponseObject(body, tools, server.tool_parser if tools else None, choice)
+    reply = ResponseObject(body, tools, server.tool_parser if tools else None, choice,
+                           temperature=engine_request.params.temperature)
     return await respond_with(request, body.stream, [engine_request], reply.id, reply, reply.whole)
 
 
 class ResponseObject:
     """Builds one Responses reply, whole (``whole``) or streamed (``start`` ... ``end``)."""
 
-    def __init__(self, body: ResponsesRequest, tools: list[Tool], parser, choice: ToolChoice | None = None):
+    def __init__(self, body: ResponsesRequest, tools: list[Tool], parser, choice: ToolChoice | None = None,
+                 temperature: float | None = None):
         self.body, self.tools, self.parser, self.choice = body, tools, parser, choice
+        self.temperature = body.temperature if temperature is None else temperature  # the one sampled at
         self.id = f"resp_{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stream = ToolCallStream(parser, tools, choice) if tools and parser else None
@@ -187,7 +190,7 @@ class ResponseObject:
                "incomplete_details": ({"reason": INCOMPLETE[result.finish_reason if result else "length"]}
                                       if status == "incomplete" else None),
                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-               "temperature": b.temperature, "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
+               "temperature": self.temperature, "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
                "tool_choice": b.tool_choice or "auto",
                "tools": [{"type": "function", "name": t.name, "description": t.description,
                           "parameters": t.parameters, "strict": False} for t in self.tools],
