@@ -19,8 +19,8 @@ A row that leaves (it ended, or its client cancelled) does not end the chain whi
 left need the same graph (``runner.row_bucket``: 8 rows down to 5 keep the 8-row graph): it
 stays in the chain's rows as a ghost, a padding row from the next launch on
 (``CycleBuffers.freeze``: it writes no KV and reads only the scratch block), and its outcomes
-go unread. Restarting the chain
-from the host's state would leave the device idle while the host commits, plans and launches.
+go unread. Restarting the chain from the host's state would leave the device idle while the
+host commits, plans and launches.
 
 Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
 the one starting, and the slots its tail computes for the one after. ``reserve`` takes those
@@ -93,8 +93,8 @@ class CycleChain:
         if _same_depths(seqs, depths) and self.reserve(seqs, last.depth, rows):
             live = {s.seq_id for s in seqs}
             ghosts = frozenset(r for r, s in enumerate(rows) if s.seq_id not in live)
-            following = self.runner.next_cycle(rows, last.depth, self._variant(rows, last.depth), ghosts,
-                                               sorted(ghosts - last.ghosts))
+            following = self.runner.next_cycle(rows, last.depth, self._variant(rows, last.depth), ghosts=ghosts,
+                                               freeze=sorted(ghosts - last.ghosts))
         self.flight = following
         return last, following is not None
 

@@ -643,7 +643,7 @@ class CycleBuffers:
         cache = self.runner.cache
         for r in rows:
             for name, view in self.fields.items():
-                view[r].fill_(cache.scratch_slot if name.endswith("slots") else 0)
+                view[r].fill_(_padding_value(name, cache.scratch_slot))
             self.tables[r].fill_(cache.scratch_block)
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
@@ -656,7 +656,7 @@ class CycleBuffers:
         for name, view in self.fields.items():
             for row in fields[name]:
                 values += row
-            values += [scratch_slot if name.endswith("slots") else 0] * (pad * view.shape[1])
+            values += [_padding_value(name, scratch_slot)] * (pad * view.shape[1])
         flat, width = flat_tables(tables, self.tables.shape[0], scratch_block)
         return values + flat, width
 
@@ -673,6 +673,11 @@ class CycleBuffers:
             staging[: len(flat)].copy_(source)
             source = staging[: len(flat)]
         self.tables[:, :width].copy_(source.view(-1, width), non_blocking=True)
+
+
+def _padding_value(field: str, scratch_slot: int) -> int:
+    """A padding row's value of a cycle field: its slots the scratch slot (it writes no KV), 0 elsewhere."""
+    return scratch_slot if field.endswith("slots") else 0
 
 
 def flat_tables(tables: list[list[int]], rows: int, scratch_block: int) -> tuple[list[int], int]:

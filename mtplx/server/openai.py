@@ -91,8 +91,9 @@ def chat_prompt(engine, messages: list[dict], tools: list,
     prefill = (continue_final and last.get("role") == "assistant" and not last.get("tool_calls")
                and isinstance(last.get("content"), str) and last["content"] != "")
     plain = not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    bare = [{"role": m["role"], "content": m["content"]} for m in messages] if plain else None
     if plain and not prefill:
-        return [{"role": m["role"], "content": m["content"]} for m in messages], True
+        return bare, True
     if engine.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer, so chat messages cannot be formatted",
                        param="messages", code="invalid_value")
@@ -103,9 +104,8 @@ def chat_prompt(engine, messages: list[dict], tools: list,
     with template_errors():
         try:
             if plain:
-                return engine.tokenizer.apply_chat_template(
-                    [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=False,
-                    continue_final_message=True), False
+                return engine.tokenizer.apply_chat_template(bare, add_generation_prompt=False,
+                                                            continue_final_message=True), False
             return render_prompt(engine.tokenizer, messages, tools, continue_final=prefill), False
         except ValueError as exc:  # transformers: the template does not end with the prefill's text
             if not prefill:

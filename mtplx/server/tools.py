@@ -227,9 +227,10 @@ class HermesParser:
         so the end is the first tag outside a JSON string. Unforced output may be malformed (an
         unclosed quote would hide every later tag), so there the first tag ends the block."""
         body = start + len(self.start)
+        if forced:
+            return next((i + len(self.end) for i, ch, _ in _structure(text, body)
+                         if ch == "<" and text.startswith(self.end, i)), None)
         i = text.find(self.end, body)
-        while forced and i >= 0 and _in_string(text, body, i):
-            i = text.find(self.end, i + 1)
         return None if i < 0 else i + len(self.end)
 
     def parse_block(self, block: str, tools: dict[str, Tool], final: bool) -> list[ToolCall] | None:
@@ -364,19 +365,6 @@ def _structure(text: str, start: int = 0):
         elif ch in "}]":
             depth -= 1
         yield i, ch, depth
-
-
-def _in_string(text: str, start: int, at: int) -> bool:
-    """Whether ``text[at]`` lies inside a JSON string, the JSON starting at ``start``."""
-    in_string, escape = False, False
-    for ch in text[start:at]:
-        if escape:
-            escape = False
-        elif in_string and ch == "\\":
-            escape = True
-        elif ch == '"':
-            in_string = not in_string
-    return in_string
 
 
 def json_value_end(text: str, start: int) -> int | None:
