@@ -1,12 +1,15 @@
-"""Rows leaving a chained batch (issue 15's 8-stream runs): eight requests of different lengths
-decoded in one batch, stepped through ``Engine.step`` as the batching schedulers step them (a
-row that ends is released at once; one row is cancelled mid-decoding), against each request
-decoded alone. Every row that ran to its end must decode the tokens it decodes alone, and the
-cancelled one a prefix of them. Also counts the chains started (each start leaves the device
-idle while the host commits, plans and launches) and times the batch.
+"""Rows leaving and joining a chained batch (issue 15's 8-stream runs): requests of different
+lengths decoded in one batch of eight, stepped through ``Engine.step`` as the batching
+schedulers step them (a row that ends is released at once; one row is cancelled
+mid-decoding), against each request decoded alone. With ``--arrivals N``, N more requests come
+one by one: each is admitted and prefilled when a row ends, with the chain's cycle in flight,
+and steps with the others from then on (a closed-loop client). Every row that ran to its end
+must decode the tokens it decodes alone, and the cancelled one a prefix of them. Also counts
+the chains started (each start leaves the device idle while the host commits, plans and
+launches) and the rows that joined a running chain, and times the batch.
 
     PYTHONPATH=. python benchmarks/chain_rows.py --model GGUF --head DIR --out FILE.json
-        [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7]
+        [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7] [--arrivals 4]
 
 float32 by default: bf16 batches of 8 rows and lone rows round differently and may flip a
 near-tie. Depth 0 is AR (chained AR steps). Runs on the CPU too, where chains run eagerly.
@@ -27,13 +30,14 @@ from sampled_decoding import HELD_OUT_CHAT, REGIMES  # noqa: E402
 ROWS = 8
 
 
-def requests(engine, depth: int, sampling: dict) -> list:
-    """Eight chat requests, 24 to 80 tokens past EOS, seeds apart."""
+def requests(engine, depth: int, sampling: dict, arrivals: int = 0) -> list:
+    """8 + ``arrivals`` chat requests, 24 to 80 tokens past EOS (the first eight; then 24 to 48),
+    seeds apart."""
     mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
-    return [engine.make_request([{"role": "user", "content": HELD_OUT_CHAT[i]}], chat=True, ignore_eos=True,
-                                max_tokens=24 + 8 * i, **mode,
+    return [engine.make_request([{"role": "user", "content": HELD_OUT_CHAT[i % len(HELD_OUT_CHAT)]}], chat=True,
+                                ignore_eos=True, max_tokens=24 + 8 * (i if i < ROWS else i % 4), **mode,
                                 **{**sampling, **({"seed": sampling["seed"] + i} if "seed" in sampling else {})})
-            for i in range(ROWS)]
+            for i in range(ROWS + arrivals)]
 
 
 def alone_tokens(engine, req) -> list[int]:
@@ -43,40 +47,52 @@ def alone_tokens(engine, req) -> list[int]:
     return seq.generated
 
 
-def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int, float, bool]:
-    """The requests decoded side by side; -> (tokens per row, chains started, seconds, whether
-    the cancelled row was still live when cancelled)."""
+def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int, int, float, bool]:
+    """The requests decoded side by side, the first eight at once, each later one admitted
+    when a row ends; -> (tokens per row, chains started, rows that joined a chain, seconds,
+    whether the cancelled row (the eighth) was still live when cancelled)."""
     import torch
 
-    starts = set()
+    starts, joins = set(), set()
 
     def observe(event, seq):
         if event == "chain_start":
-            starts.add((steps, seq.seq_id))
+            starts.add(steps)
+        elif event == "chain_join":
+            joins.add(seq.seq_id)
 
     gen = engine.generator
     gen.observers.append(observe)
     seqs = []
-    for req in reqs:
+
+    def arrive(req) -> None:
         seq = engine.new_sequence(req)
         gen.admit(seq)
         gen.prefill(seq)
         seqs.append(seq)
+
+    for req in reqs[:ROWS]:
+        arrive(req)
+    waiting = list(reqs[ROWS:])
+    live = list(seqs)
     steps, cancelled = 0, False
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            while live := [s for s in seqs if not s.finished]:
+            while live:
                 engine.step(live)
                 steps += 1
-                if steps == cancel_at and not seqs[-1].finished:
-                    seqs[-1].finish_reason = "cancelled"
+                if steps == cancel_at and not seqs[ROWS - 1].finished:
+                    seqs[ROWS - 1].finish_reason = "cancelled"
                     cancelled = True
-                for s in live:
-                    if s.finished:
-                        gen.release(s)
+                for s in [s for s in live if s.finished]:
+                    gen.release(s)
+                    live.remove(s)
+                    if waiting:  # the next request, prefilled with the chain's cycle in flight
+                        arrive(waiting.pop(0))
+                        live.append(seqs[-1])
             gen.drain()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -85,7 +101,7 @@ def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int,
         gen.observers.remove(observe)
         for s in seqs:
             gen.release(s)
-    return [s.generated for s in seqs], len({step for step, _ in starts}), seconds, cancelled
+    return [s.generated for s in seqs], len(starts), len(joins), seconds, cancelled
 
 
 def main() -> None:
@@ -96,6 +112,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--depths", default="0,1,3")
     ap.add_argument("--regimes", default="greedy,t0.7")
+    ap.add_argument("--arrivals", type=int, default=0, help="requests that arrive as rows end")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -111,15 +128,17 @@ def main() -> None:
     failures = 0
     for regime in args.regimes.split(","):
         for depth in (int(d) for d in args.depths.split(",")):
-            alone = [alone_tokens(engine, r) for r in requests(engine, depth, REGIMES[regime])]
-            batch(engine, requests(engine, depth, REGIMES[regime]))  # warm-up
-            tokens, chains, seconds, cancelled = batch(engine, requests(engine, depth, REGIMES[regime]))
-            same = [t == a for t, a in zip(tokens[:-1], alone[:-1])]
-            prefix = tokens[-1] == alone[-1][: len(tokens[-1])]
+            reqs = lambda: requests(engine, depth, REGIMES[regime], args.arrivals)  # noqa: E731
+            alone = [alone_tokens(engine, r) for r in reqs()]
+            batch(engine, reqs())  # warm-up
+            tokens, chains, joins, seconds, cancelled = batch(engine, reqs())
+            c = ROWS - 1  # the cancelled row
+            same = [t == a for i, (t, a) in enumerate(zip(tokens, alone)) if i != c]
+            prefix = tokens[c] == alone[c][: len(tokens[c])]
             first = [next((i for i, (x, y) in enumerate(zip(t, a)) if x != y), None) for t, a in zip(tokens, alone)]
             run = {"rows_equal_alone": f"{sum(same)}/{len(same)}", "cancelled_row_prefix": prefix,
-                   "cancelled_row_tokens": len(tokens[-1]), "cancelled_live": cancelled,
-                   "first_difference": first, "chains_started": chains,
+                   "cancelled_row_tokens": len(tokens[c]), "cancelled_live": cancelled,
+                   "first_difference": first, "chains_started": chains, "rows_joined": joins,
                    "tokens": sum(map(len, tokens)), "seconds": round(seconds, 4),
                    "tok_s": round(sum(map(len, tokens)) / seconds, 1)}
             failures += (not all(same)) + (not prefix)

@@ -5,7 +5,7 @@ time) means the host, not the GPU, sets the pace.
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--cprofile] [--graph-time]
+        [--per-stream 3] [--cprofile] [--graph-time]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu import run_jobs  # noqa: E402
+from gpu import run_clients  # noqa: E402
 from gpu_profile import kernel_rows  # noqa: E402
 from sampled_decoding import HELD_OUT_CHAT, REGIMES, chat_requests  # noqa: E402
 
@@ -28,24 +28,25 @@ from sampled_decoding import HELD_OUT_CHAT, REGIMES, chat_requests  # noqa: E402
 class StepCounter:
     """Counts ``Engine.step`` calls (one per scheduler cycle) and the host seconds inside them,
     and splits the wall time between steps that started a chain of cycles (the first cycle
-    from the host's state: a row joined or left, or a depth changed) and steps that continued
-    one (``Generator.observers``' "chain_start")."""
+    from the host's state: rows the chain could not keep or take, or a depth changed), steps
+    where rows joined a running chain, and steps that continued one (``Generator.observers``'
+    "chain_start" and "chain_join")."""
 
     def __init__(self, engine):
         self.engine, self.inner = engine, engine.step
         self.calls, self.seconds = 0, 0.0
-        self.starts = 0  # chain_start events in the current step
-        self.kinds = {"chain_start": [0, 0.0], "continued": [0, 0.0]}  # kind -> [steps, wall seconds]
+        self.event = None  # the current step's chain event: "chain_start" over "chain_join"
+        self.kinds = {"chain_start": [0, 0.0], "chain_join": [0, 0.0], "continued": [0, 0.0]}  # -> [steps, wall s]
         self.last_end: float | None = None
 
     def observe(self, event, seq) -> None:
-        if event == "chain_start":
-            self.starts += 1
+        if event == "chain_start" or (event == "chain_join" and self.event is None):
+            self.event = event
 
     def __enter__(self):
         def step(seqs):
             t0 = time.perf_counter()
-            self.starts = 0
+            self.event = None
             try:
                 return self.inner(seqs)
             finally:
@@ -53,7 +54,7 @@ class StepCounter:
                 self.calls += 1
                 self.seconds += end - t0
                 if self.last_end is not None:  # wall from the last step's end: the scheduler's work between included
-                    kind = self.kinds["chain_start" if self.starts else "continued"]
+                    kind = self.kinds[self.event or "continued"]
                     kind[0] += 1
                     kind[1] += end - self.last_end
                 self.last_end = end
@@ -71,7 +72,7 @@ class StepCounter:
                 for kind, (n, s) in self.kinds.items()}
 
 
-def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30) -> list[dict]:
+def host_profile(engine, mode: str, requests: list, clients: int, steps: int, lines: int = 30) -> list[dict]:
     """The model-owner thread under cProfile for one run: the functions with the most own time,
     in microseconds per step (cProfile's overhead inflates them all; compare shares)."""
     import cProfile
@@ -90,7 +91,7 @@ def host_profile(engine, mode: str, requests: list, steps: int, lines: int = 30)
 
     Scheduler._run = run
     try:
-        run_jobs(engine, mode, requests)
+        run_clients(engine, mode, requests, clients)
     finally:
         Scheduler._run = inner
     stats = pstats.Stats(prof).stats
@@ -148,31 +149,39 @@ class GraphTimer:
 
 
 def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, cprofile: bool = False,
-        draft_policy: str = "auto", graph_time: bool = False) -> dict:
+        draft_policy: str = "auto", graph_time: bool = False, per_stream: int = 1) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     gen_mode = "mtp" if mode == "mtp_batch" else "ar"
 
     def requests():
-        return chat_requests(engine, HELD_OUT_CHAT, width, gen_mode, depth, max_tokens, sampling, draft_policy, 7)
+        reqs = chat_requests(engine, HELD_OUT_CHAT, width * per_stream, gen_mode, depth, max_tokens, sampling,
+                             draft_policy, 7)
+        if per_stream > 1:  # requests end apart, so new ones join a running batch
+            for i, r in enumerate(reqs):
+                r.max_tokens = max_tokens // 2 + (i * 29) % (max_tokens + 1)
+        return reqs
 
-    run_jobs(engine, mode, requests())  # warm-up
+    def run():  # ``width`` clients in a closed loop
+        return run_clients(engine, mode, requests(), width)
+
+    run()  # warm-up
     with StepCounter(engine) as plain:
-        elapsed, results = run_jobs(engine, mode, requests())
+        elapsed, results = run()
     tokens = sum(r.completion_tokens for r in results)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with StepCounter(engine) as profiled, profile(activities=[activity]) as prof:
-        run_jobs(engine, mode, requests())
+        run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     rows = kernel_rows(prof, profiled.calls, name_chars=80)
     kernel_us = sum(r[2] for r in rows)
     wall_us = elapsed * 1e6 / plain.calls
-    extra = {"host_profile": host_profile(engine, mode, requests(), plain.calls)} if cprofile else {}
+    extra = {"host_profile": host_profile(engine, mode, requests(), width, plain.calls)} if cprofile else {}
     if graph_time and engine.runner.graphs is not None:
         with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
-            run_jobs(engine, mode, requests())
+            run()
         extra["graph_time"] = timer.per_step(timed.calls)
     return {**extra, "tok_s": tokens / elapsed, "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
             "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
@@ -193,6 +202,9 @@ def main() -> None:
     ap.add_argument("--depth", default="1")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-policy", default="auto", help="the MTP requests' draft policy")
+    ap.add_argument("--per-stream", type=int, default=1,
+                    help="requests per client, in a closed loop; over 1, their lengths vary from half to 1.5x "
+                         "--max-tokens (rows leave and join a running batch)")
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
@@ -210,13 +222,13 @@ def main() -> None:
     depth = parse_depth(args.depth)
     gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
-              "max_tokens": args.max_tokens, "runs": {}}
+              "max_tokens": args.max_tokens, "per_stream": args.per_stream, "runs": {}}
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
             for mode in ("mtp_batch", "ar_batch"):
                 r = report["runs"][f"{regime}/{mode}/x{width}"] = one(engine, mode, width, REGIMES[regime], depth,
                                                                      args.max_tokens, args.cprofile, args.draft_policy,
-                                                                     args.graph_time)
+                                                                     args.graph_time, args.per_stream)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "

@@ -203,6 +203,45 @@ def test_rows_that_leave_a_chain_run_on_as_ghosts(depth):
     engine.runner.blocks.check_invariants()
 
 
+JOIN_PROMPTS = [[2 + i, 40 - i, 7, 11 + 2 * i] + [i] * (i % 3) for i in range(14)]
+
+
+@pytest.mark.parametrize("depth, draft_policy", [(0, "greedy"), (2, "greedy"), (3, "mirror")])
+def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_policy):
+    """A scheduler that keeps its batch full: as each row ends it is released and a new request
+    is admitted and prefilled with the chain's cycle in flight, then stepped with the others
+    (last in the scheduler's order, not in the chain's). The new rows (greedy and seeded
+    sampled, of the chain's kind of cycle) take the leavers' places without a restart, and
+    every row decodes exactly what it decodes alone, unchained."""
+    engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    mode = dict(mode="mtp", depth=depth, draft_policy=draft_policy) if depth else dict(mode="ar")
+    kwargs = [dict(max_tokens=8 + 3 * (i % 5), **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(len(JOIN_PROMPTS))]
+    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(JOIN_PROMPTS, kwargs)]
+    engine.generator.chain.enabled = True
+    events = []
+    engine.generator.observers.append(lambda event, s: events.append((event, s.seq_id)))
+    waiting = list(zip(JOIN_PROMPTS, kwargs))
+    seqs = [start(engine, p, **kw) for p, kw in waiting[:4]]
+    waiting = waiting[4:]
+    live = list(seqs)
+    with torch.inference_mode():
+        while live:
+            engine.step(live)
+            for s in [s for s in live if s.finished]:
+                engine.generator.release(s)
+                live.remove(s)
+                if waiting:  # its successor arrives with the chain's cycle in flight
+                    seqs.append(start(engine, *waiting[0][:1], **waiting[0][1]))
+                    live.append(seqs[-1])
+                    waiting = waiting[1:]
+    assert [s.generated for s in seqs] == alone
+    joins = {i for e, i in events if e == "chain_join"}
+    assert len(joins) >= 6, events  # most new rows joined a running chain
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
 def test_a_fault_hook_sees_no_forward_of_a_ghost():
     """A chain's ghost is a request that is over: fault drills' "forward" point is called for
     the live rows of a chained cycle only (a hook on a finished request failed the others)."""

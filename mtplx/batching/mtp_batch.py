@@ -8,8 +8,9 @@ the same way while the width has room (counted as mid-cohort joins). A row that 
 cancelled leaves at the boundary without stalling the others. No padding rows are needed: the
 step takes exactly the live rows.
 
-The gather window never holds the engine idle. A join at a cycle boundary costs one chained
-cycle's restart; holding a lone request for the window cost the whole window (H200, session
+The gather window never holds the engine idle. A join at a cycle boundary takes the place of
+a row that left, in the running chain of cycles (``engine/chain.py``), or else costs the
+chain's restart; holding a lone request for the window cost the whole window (H200, session
 10: one stream at 1,399 tok/s against serial's 1,643, 256 tokens, 20 ms windows), and so did
 every cohort narrower than the width (four streams at T 0.7: 0.98x ar_batch; eight, which
 fill the width at once: 1.16x).

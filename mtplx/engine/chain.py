@@ -10,6 +10,8 @@ host is one cycle behind the device; ``CycleChain`` owns that cycle in flight:
 
 - ``start``: the first cycle, from the host's state;
 - ``advance``: launch the next cycle over the same rows, hand back the one to commit;
+- ``joined``: rows new to the batch take the places of rows that left (below), their
+  inputs written from the host's state (``ModelRunner.join_cycle``), and the chain goes on;
 - ``drain``: no next cycle (the rows changed, or an AR step comes): hand back the one in
   flight, for its rows still live;
 - ``forget``: a row released while its cycle is in flight (its outcome is dropped; the
@@ -20,7 +22,9 @@ left need the same graph (``runner.row_bucket``: 8 rows down to 5 keep the 8-row
 stays in the chain's rows as a ghost, a padding row from the next launch on
 (``CycleBuffers.freeze``: it writes no KV and reads only the scratch block), and its outcomes
 go unread. Restarting the chain from the host's state would leave the device idle while the
-host commits, plans and launches.
+host commits, plans and launches. A row that joins (a new request, prefilled while the cycle
+was in flight) takes a ghost's place, so a scheduler that keeps its batch full (a request ends,
+the next one arrives) does not restart the chain either.
 
 Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
 the one starting, and the slots its tail computes for the one after. ``reserve`` takes those
@@ -48,15 +52,43 @@ class CycleChain:
         return self.enabled and self.runner.can_chain(len(seqs), depth, self._variant(seqs, depth))
 
     def continues(self, seqs: list[Sequence], depths: list[int]) -> bool:
-        """Whether ``seqs`` are exactly the live rows of the cycle in flight (the others its
-        ghosts, while the rows left need its graph's rows) and ``depths`` (each row's next
+        """Whether ``seqs`` are the live rows of the cycle in flight, in any order (the others
+        its ghosts, while the rows left need its graph's rows) and ``depths`` (each row's next
         depth) are their depths in it."""
         flight = self.flight
         if flight is None or not seqs or flight.depth != max(depths):
             return False
         live = self.live_rows()
-        return (len(seqs) == len(live) and all(a is b for a, b in zip(seqs, live)) and _same_depths(seqs, depths)
-                and row_bucket(len(live)) == row_bucket(len(flight.seqs)))
+        return (len(seqs) == len(live) and {s.seq_id for s in seqs} == {s.seq_id for s in live}
+                and _same_depths(seqs, depths) and row_bucket(len(live)) == row_bucket(len(flight.seqs)))
+
+    def joined(self, seqs: list[Sequence], depths: list[int]) -> tuple[list[Sequence], list[int]] | None:
+        """Where rows new to the chain can join it without a restart: (the chain's rows with
+        them in the places of rows that left, those places), or None. They can where ``seqs``
+        are the chain's live rows at their depths and new rows at its depth (``depths``, each
+        row's next: the new rows' own, which the caller sets), no more new rows than rows that
+        left, the rows then need the chain's graph (``row_bucket``) and make the same kind of
+        cycle (``cycle_variant``).
+        The caller checks that the new rows can chain at all (the device path)."""
+        flight = self.flight
+        if flight is None or not seqs or flight.depth != max(depths):
+            return None
+        depth_of = {s.seq_id: d for s, d in zip(seqs, depths)}
+        live = self.live_rows()
+        if any(depth_of.get(s.seq_id) != s.depth for s in live):
+            return None
+        live_ids, in_chain = {s.seq_id for s in live}, {s.seq_id for s in flight.seqs}
+        new = [s for s in seqs if s.seq_id not in in_chain]
+        places = [r for r, s in enumerate(flight.seqs) if s.seq_id not in live_ids]
+        if (not new or len(new) > len(places) or len(live) + len(new) != len(seqs)
+                or row_bucket(len(seqs)) != row_bucket(len(flight.seqs))):
+            return None
+        rows = list(flight.seqs)
+        for r, s in zip(places, new):
+            rows[r] = s
+        if self._variant(rows, flight.depth) != self._variant(flight.seqs, flight.depth):
+            return None
+        return rows, places[: len(new)]
 
     def live_rows(self) -> list[Sequence]:
         """The rows of the cycle in flight neither released nor finished, in its order."""
@@ -84,16 +116,23 @@ class CycleChain:
         """Launch the first cycle from the host's state (``reserve`` first)."""
         self.flight = self.runner.start_cycle(seqs, backlog, depth, self._variant(seqs, depth))
 
-    def advance(self, seqs: list[Sequence], depths: list[int]) -> tuple[CycleLaunch, bool]:
+    def advance(self, seqs: list[Sequence], depths: list[int], join: tuple[list[Sequence], list[int]] | None = None,
+                backlog: torch.Tensor | None = None) -> tuple[CycleLaunch, bool]:
         """Launch the cycle after the one in flight where the rows keep their depths
         (``depths``, each row's next) and ``reserve`` succeeds, and hand back the one in flight,
-        to commit; True when another cycle now runs on from its outcome."""
+        to commit; True when another cycle now runs on from its outcome. join: ``joined``'s
+        answer, rows new to the chain written into places of rows that left first, from the
+        host's state (``backlog``: their head catch-up's trunk hidden states)."""
         last, following = self.flight, None
-        rows = last.seqs  # the chain's rows: ``seqs``, and its ghosts
+        rows, joining = join if join is not None else (last.seqs, [])  # the chain's rows: ``seqs``, and its ghosts
         if _same_depths(seqs, depths) and self.reserve(seqs, last.depth, rows):
             live = {s.seq_id for s in seqs}
             ghosts = frozenset(r for r, s in enumerate(rows) if s.seq_id not in live)
-            following = self.runner.next_cycle(rows, last.depth, self._variant(rows, last.depth), ghosts=ghosts,
+            variant = self._variant(rows, last.depth)
+            if joining:
+                self.runner.join_cycle(rows, last.depth, variant, joining, backlog)
+                self._released -= {last.seqs[r].seq_id for r in joining}
+            following = self.runner.next_cycle(rows, last.depth, variant, ghosts=ghosts,
                                                freeze=sorted(ghosts - last.ghosts))
         self.flight = following
         return last, following is not None

@@ -208,6 +208,8 @@ class Generator:
         if self.chain.continues(seqs, depths):
             self._chain_step(seqs, result, depths)
             return result
+        if self._join_chain(seqs, depths, result):
+            return result
         self.drain(result)
         for s in seqs:  # the drained cycle may have reached the context's end
             if len(s.tokens) >= self.kv.max_context and not s.finished:
@@ -257,12 +259,11 @@ class Generator:
     def _cycle(self, seqs: list[Sequence], depth: int, result: StepResult) -> None:
         """Draft -> verify -> accept -> commit, for rows of one mode (depth 0: an AR step)."""
         faults = result.failed
-        # argmax drafts stay on the device: the cycle syncs with the host once (not with
-        # penalties, nor on hybrid models: re-feeding accepted tokens to their recurrent state
-        # needs them on the host); sampled rows too, their acceptance chained on the device.
+        # argmax drafts stay on the device (``_device_rows``): the cycle syncs with the host once;
+        # sampled rows too, their acceptance chained on the device.
         # MTP rows' AR steps (depth="auto", adaptive_depth.batch_depth) do not chain: the head's
         # backlog grows by each step's hidden state on the host.
-        device = self.runner.states is None and all(s.counts is None and not s.host_path for s in seqs)
+        device = self._device_rows(seqs)
         chains = depth > 0 or seqs[0].mode != "mtp"
         if device and chains and self.chain.takes(seqs, depth) and self._start_chain(seqs, depth, result):
             return
@@ -350,19 +351,63 @@ class Generator:
         self._chain_step(seqs, result)
         return True
 
-    def _chain_step(self, seqs: list[Sequence], result: StepResult, depths: list[int] | None = None) -> None:
-        """Launch the next cycle on the device, then commit the one in flight. Where the rows
-        cannot take the next cycle's blocks, nothing new starts and this commit is the chain's last.
-        depths: the rows' next depths where the caller has them (``next_depths``)."""
+    def _device_rows(self, seqs: list[Sequence]) -> bool:
+        """Whether these rows' cycles can run wholly on the device (so chain): not with
+        penalties, constraints or logprobs (host work per position), nor on hybrid models
+        (re-feeding accepted tokens to their recurrent state needs them on the host)."""
+        return self.runner.states is None and all(s.counts is None and not s.host_path for s in seqs)
+
+    def _join_chain(self, seqs: list[Sequence], depths: list[int], result: StepResult) -> bool:
+        """Rows new to the batch (prefilled while the chain's cycle was in flight) join the
+        chain in places of rows that left (``CycleChain.joined``), and the chain's step runs:
+        the device does not wait for the host to commit and restart it. False (nothing done)
+        where they cannot."""
+        flight = self.chain.flight
+        if flight is None:
+            return False
+        in_chain = {s.seq_id for s in flight.seqs}
+        new = [(s, d) for s, d in zip(seqs, depths) if s.seq_id not in in_chain]
+        mode = flight.seqs[0].mode
+        if not new or not self._device_rows([s for s, _ in new]) or any(s.mode != mode for s, _ in new):
+            return False
+        if mode == "mtp":  # the new rows' depths (a chain fixes each row's; ``_step`` sets them too)
+            for s, d in new:
+                s.depth = d
+        join = self.chain.joined(seqs, depths)
+        if join is None:
+            return False
+        joining = [join[0][r] for r in join[1]]
+        backlog = None
+        if flight.depth:
+            self._head_pre_feed(joining, flight.depth + 1)
+            backlog = stack_padded([s.hidden_backlog for s in joining])
+        if self._chain_step(seqs, result, depths, join, backlog):
+            self._notify("chain_join", joining)
+            if flight.depth:  # the chain's cycle catches their head up
+                for s in joining:
+                    s.head_len, s.hidden_backlog = s.trunk_len + 1, None
+        return True
+
+    def _chain_step(self, seqs: list[Sequence], result: StepResult, depths: list[int] | None = None,
+                    join: tuple[list[Sequence], list[int]] | None = None, backlog: torch.Tensor | None = None) -> bool:
+        """Launch the next cycle on the device, then commit the one in flight; True when the
+        chain goes on. Where the rows cannot take the next cycle's blocks, nothing new starts and
+        this commit is the chain's last.
+        depths: the rows' next depths where the caller has them (``next_depths``); join, backlog:
+        rows joining the chain (``_join_chain``)."""
         t0 = time.perf_counter()
-        launch, continued = self.chain.advance(seqs, self.next_depths(seqs) if depths is None else depths)
+        launch, continued = self.chain.advance(seqs, self.next_depths(seqs) if depths is None else depths, join,
+                                               backlog)
         here = {s.seq_id for s in seqs}
         keep = [r for r, s in enumerate(launch.seqs) if s.seq_id in here]  # the chain's ghosts aside
+        committed = [launch.seqs[r] for r in keep]  # in the launch's order
         outcome = self._read_launch(launch, keep, result.failed)
         t1 = time.perf_counter()
-        self._commit_launch(launch, seqs, outcome, None if continued else launch.hidden[keep], continued, result)
+        self._commit_launch(launch, committed, outcome, None if continued else launch.hidden[keep], continued,
+                            result)
         if launch.depth:  # MTP stats: the launch and wait, then the commit
-            _add_times(seqs, verify_s=t1 - t0, commit_s=time.perf_counter() - t1)
+            _add_times(committed, verify_s=t1 - t0, commit_s=time.perf_counter() - t1)
+        return continued
 
     def drain(self, result: StepResult | None = None) -> StepResult:
         """Commit the cycle in flight (rows released or ended since it started are skipped),

@@ -384,6 +384,20 @@ class ModelRunner:
             return self.graphs.run_chained(seqs, depth, variant, ghosts)
         return self._run_chained(b, seqs, depth, ghosts)
 
+    @torch.inference_mode()
+    def join_cycle(self, seqs: list[Sequence], depth: int, variant: str, joining: list[int],
+                   backlog: torch.Tensor | None) -> None:
+        """Write the rows at ``joining`` (indices into ``seqs``, a chain's rows: places of rows
+        that left) into the chained cycles' inputs from the host's state, as ``start_cycle``
+        writes every row's (``backlog``: their head catch-up's trunk hidden states, in the
+        same order; None at depth 0); the other rows' inputs stay as the last cycle wrote them.
+        Queued on the stream after the cycle in flight, which reads the inputs it had. The
+        rows' tables must cover ``lookahead`` (``CycleChain.reserve``)."""
+        b = self.cycle_buffers(len(seqs), depth, variant)
+        b.join([seqs[r] for r in joining], joining, backlog)
+        if b.sampling is not None:
+            b.sampling.write(seqs)
+
     def upload_tables(self, rows: int, depth: int, tables: list[list[int]], variant: str = "greedy") -> None:
         """Copy grown block tables into the chained cycles' inputs for these rows (the rest of
         the inputs stay as the last cycle wrote them)."""
@@ -645,6 +659,30 @@ class CycleBuffers:
             for name, view in self.fields.items():
                 view[r].fill_(_padding_value(name, cache.scratch_slot))
             self.tables[r].fill_(cache.scratch_block)
+
+    def join(self, seqs: list[Sequence], rows: list[int], backlog: torch.Tensor | None) -> None:
+        """Rows ``rows`` become ``seqs``' (a chain's joining rows): their fields and whole
+        table rows in two scatters from one asynchronous copy to the device, then their backlog."""
+        fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
+        ints, table_cells, values, table_values = [], [], [], []
+        for name, view in self.fields.items():
+            at, width = view.storage_offset() - self.ints.storage_offset(), view.shape[1]
+            for r, row in zip(rows, fields[name]):
+                ints += range(at + r * width, at + (r + 1) * width)
+                values += row
+        width = self.tables.shape[1]
+        for r, table in zip(rows, tables):
+            table_cells += range(r * width, (r + 1) * width)
+            table_values += table + [self.runner.cache.scratch_block] * (width - len(table))
+        staged = torch.tensor(ints + table_cells + values + table_values, dtype=torch.long)
+        if staged.device != self.ints.device:  # pinned: the copy neither waits for the stream nor is overwritten
+            staged = staged.pin_memory().to(self.ints.device, non_blocking=True)
+        n, m = len(ints), len(table_cells)
+        self.ints.index_copy_(0, staged[:n], staged[n + m: 2 * n + m])
+        self.tables.view(-1).index_copy_(0, staged[n: n + m], staged[2 * n + m:])
+        if backlog is not None:
+            for i, r in enumerate(rows):
+                self.backlog[r, : backlog.shape[1]].copy_(backlog[i])
 
     def values(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """(every field's values for these rows, padding rows included, then the block-table
