@@ -134,12 +134,15 @@ def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree
         (["bench", "--model", "/no/such/dir", "--depths", "0"], "depths"),
         (["tune", "--model", "/no/such/dir", "--depths", ""], "depths"),
         (["bench", "--model", "/no/such/dir", "--depths", "1,9"], "depths"),
+        (["bench", "--model", "/no/such/dir", "--depths", "1,,"], "depths"),  # (an empty entry is no depth)
         (["bench", "--model", "/no/such/dir", "--repeats", "0"], "repeats"),
         (["tune", "--model", "/no/such/dir", "--max-tokens", "0"], "max-tokens"),
         (["bench", "--model", "/no/such/dir", "--json", "/no/such/dir/report.json"], "no such folder"),
         (["generate", "hi", "--model", "/no/such/dir", "--max-tokens", "0"], "max-tokens"),
         (["generate", "hi", "--model", "/no/such/dir", "--top-p", "2"], "top_p"),
         (["generate", "hi", "--model", "/no/such/dir", "--max-depth", "9"], "max_depth"),
+        (["serve", "--model", "/no/such/dir", "--api-key", ""], "api-key: is empty"),  # not "no key"
+        (["serve", "--model", "/no/such/dir", "--served-model-name", " "], "served-model-name: is empty"),
     ]:
         proc = _cli(*args)  # the model path does not exist: these fail on the option, before any load
         lines = [l for l in proc.stderr.splitlines() if l.strip()]

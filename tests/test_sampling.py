@@ -35,7 +35,7 @@ def kept(probs: torch.Tensor) -> list[list[int]]:
         ("temperature", math.inf),
         ("temperature", math.nan),
         ("temperature", "hot"),
-        ("top_p", 0.0),
+        ("top_p", -0.1),
         ("top_p", 1.5),
         ("top_p", math.nan),
         ("top_k", -1),
@@ -57,6 +57,15 @@ def test_validate_rejects_out_of_range_values_naming_the_parameter(field, value)
         SamplingParams(**{field: value}).validate()
     assert error.value.param == field
     assert field in str(error.value)
+
+
+def test_top_p_0_keeps_the_most_probable_token_alone():
+    """OpenAI's top_p range is [0, 1]; 0 means the top token alone, which is top-k 1 (the
+    nucleus of mass 0 would be empty)."""
+    params = SamplingParams(temperature=0.8, top_p=0, top_k=40).validate()
+    assert (params.top_p, params.top_k) == (1.0, 1)
+    probs = logits_to_probs(torch.tensor([[0.5, 2.0, 1.0]]), params)
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
 
 
 def test_validate_rejects_top_k_above_the_vocabulary():

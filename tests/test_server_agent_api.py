@@ -6,6 +6,7 @@ from the same conversation sent through another protocol."""
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -423,6 +424,40 @@ def test_responses_is_stateless(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123", max_output_tokens=2)
     assert err.value.body["param"] == "previous_response_id" and "stateless" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("field, value", [("prompt", {"id": "pmpt_1"}), ("top_logprobs", 3), ("max_tool_calls", 1),
+                                          ("truncation", "auto")])
+def test_responses_refuse_fields_that_would_change_the_output(oai, field, value):
+    """Fields this server does not implement are 400s naming them, not silently dropped;
+    their neutral values pass."""
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: value})
+    assert err.value.body["param"] == field and err.value.body["code"] == "unsupported_value"
+    neutral = {"top_logprobs": 0, "truncation": "disabled"}
+    if field in neutral:
+        assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: neutral[field]})
+
+
+def test_responses_completed_at_and_json_schema_errors_name_the_requests_own_paths(oai):
+    """completed_at (Unix seconds) once completed, null while incomplete; a bad schema or
+    name in text.format is reported where the request holds it (text.format.schema, not the
+    chat route's json_schema.schema)."""
+    done = oai.responses.create(model=MODEL, input="hi", max_output_tokens=200, temperature=0)
+    cut = oai.responses.create(model=MODEL, input="hi", max_output_tokens=1, temperature=0)
+    assert done.status == "completed" and abs(done.completed_at - time.time()) < 60
+    assert cut.status == "incomplete" and cut.completed_at is None
+    for fmt, param in (({"name": "x", "schema": {"type": "objekt"}}, "text.format.schema"),
+                       ({"name": "no spaces", "schema": {"type": "object"}}, "text.format.name"),
+                       ({"schema": {"type": "object"}}, "text.format.name")):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, text={
+                "format": {"type": "json_schema", **fmt}})
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "a" * 65, "schema": {"type": "object"}}})
+    assert err.value.body["param"] == "response_format.json_schema.name"
 
 
 def test_anthropic_names_its_own_fields_honours_seed_and_joins_text_blocks(claude, url):

@@ -132,6 +132,53 @@ def test_max_tokens_and_max_completion_tokens(client):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_legacy_completions_default_to_16_tokens_but_never_past_the_context(client, engine):
+    """OpenAI's (and vLLM's) default max_tokens for /v1/completions is 16; a prompt that leaves
+    less room decodes to the context's end rather than failing on a limit it did not send."""
+    r = client.completions.create(model=MODEL, prompt="The sea", temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    long = [5 + i % 50 for i in range(engine.max_context - 6)]
+    r = client.completions.create(model=MODEL, prompt=long, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+def test_top_p_0_keeps_the_most_probable_token_alone(client, refs):
+    """OpenAI's top_p range is [0, 1]: 0 keeps the top token only, so sampling at any
+    temperature gives the greedy output."""
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=1.3, top_p=0, seed=5)
+    assert r.choices[0].message.content == refs["chat"].text
+
+
+def test_assistant_refusal_parts_are_what_the_model_said(client):
+    """An assistant turn's content parts may be refusals (what the OpenAI SDK hands back when a
+    model refuses); the prompt holds their text as the turn's content."""
+    turns = lambda content: [*CHAT, {"role": "assistant", "content": content}, {"role": "user", "content": "Why?"}]  # noqa: E731
+    parts = client.chat.completions.create(model=MODEL, messages=turns([{"type": "refusal", "refusal": "I can't."}]),
+                                           **GREEDY)
+    plain = client.chat.completions.create(model=MODEL, messages=turns("I can't."), **GREEDY)
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:  # a user turn's refusal part is not a thing
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "refusal", "refusal": "no"}]}], **GREEDY)
+    assert err.value.body["param"] == "messages.0.content"
+
+
+def test_every_response_carries_an_x_request_id(url):
+    """The client's own x-request-id comes back (a proxy's trace id); else a new req_ id, on
+    errors too."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "trace-42"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    ids = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).headers["x-request-id"] for _ in range(2)]
+    missing = httpx.get(f"{url}/v1/nowhere", timeout=30)
+    assert missing.status_code == 404
+    ids.append(missing.headers["x-request-id"])
+    assert all(i.startswith("req_") for i in ids) and len(set(ids)) == 3
+    bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "a b"}, timeout=30)
+    assert bad.headers["x-request-id"].startswith("req_")  # not printable without spaces: replaced
+
+
 def test_seeded_sampling_is_reproducible(client):
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234,
                   presence_penalty=0.3, frequency_penalty=0.2, extra_body={"top_k": 40, "min_p": 0.01})
@@ -156,7 +203,7 @@ def test_per_request_generation_mode_and_depth(client, refs):
 # -- errors ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "must be a finite number >= 0"),
-    (dict(top_p=1.5), "top_p", "(0, 1]"),
+    (dict(top_p=1.5), "top_p", "[0, 1]"),
     (dict(n=0), "n", "greater than or equal to 1"),
     (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
     (dict(extra_body={"top_k": -3}), "top_k", "integer >= 0"),

@@ -68,8 +68,8 @@ def parse_depths(text: str) -> tuple[int | str, ...]:
     from mtplx.errors import InvalidParameter
 
     allowed = f"a comma-separated list of depths from 1 to {MAX_DEPTH} and 'auto'"
-    try:
-        depths = tuple(d.strip() if d.strip() == "auto" else int(d) for d in text.split(",") if d.strip())
+    try:  # (an empty entry, "1,,2", is an error: int("") raises)
+        depths = tuple(d.strip() if d.strip() == "auto" else int(d) for d in text.split(","))
     except ValueError:
         raise InvalidParameter("depths", f"{text!r} is not {allowed}") from None
     if not depths or any(d != "auto" and not 1 <= d <= MAX_DEPTH for d in depths):

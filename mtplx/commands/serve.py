@@ -16,6 +16,7 @@ from pathlib import Path
 from mtplx.batching.state import SchedulerMode
 from mtplx.commands.common import add_model_options
 from mtplx.config import Config
+from mtplx.errors import InvalidParameter
 
 MIB = 1024 * 1024
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py PARSERS, without importing it
@@ -89,6 +90,11 @@ def run(args) -> int:
     from mtplx.server.lifecycle import DrainingServer, listen, uvicorn_config
     from mtplx.server.security import check_exposure
 
+    for flag in ("api_key", "served_model_name"):  # given, but empty: a mistake, not "none"
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise InvalidParameter(flag.replace("_", "-"), "is empty" + (
+                " (leave --api-key out to serve without a key)" if flag == "api_key" else
+                " (leave it out to serve the model's name from its path)"))
     cfg = Config.load(args.config, overrides={k: getattr(args, k) for k in CONFIG_FLAGS})
     settings = scheduler_settings.validate_scheduler_settings(
         cfg.scheduler_mode, generation_mode=cfg.generation_mode, depth=cfg.depth,

@@ -50,6 +50,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        # top_p 0 (OpenAI's range is [0, 1]) keeps the most probable token alone: top-k 1
+        if self.top_p == 0 and not isinstance(self.top_p, bool):
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 1)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -64,8 +70,8 @@ class SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidParameter("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         _check_number("top_p", self.top_p)
-        if not (0 < self.top_p <= 1):
-            raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0 < self.top_p <= 1):  # (0 was made top-k 1)
+            raise InvalidParameter("top_p", f"must be in [0, 1], got {self.top_p}")
         _check_top_k(self.top_k, vocab_size)
         _check_number("min_p", self.min_p)
         if not (0 <= self.min_p <= 1):

@@ -17,7 +17,7 @@ from mtplx.engine.llm_engine import Engine
 from mtplx.server import anthropic, dashboard, openai, responses, telemetry, tools
 from mtplx.server.errors import install_error_handlers
 from mtplx.server.live import RECENT_REQUESTS, ended_entry
-from mtplx.server.metrics import CountRequests, Metrics
+from mtplx.server.metrics import CountRequests, Metrics, RequestId
 from mtplx.server.protocol import DEFAULT_TEMPERATURE
 from mtplx.server.security import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_HEAD_BYTES, BodySizeLimit,
                                    HeadSizeLimit, RequireAPIKey)
@@ -111,5 +111,6 @@ def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, mod
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     app.add_middleware(RequireAPIKey, api_key=api_key)  # before the body is read
     app.add_middleware(HeadSizeLimit, max_bytes=max_head_bytes)
-    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts 401s and 413s too
+    app.add_middleware(CountRequests, metrics=metrics)  # counts 401s and 413s too
+    app.add_middleware(RequestId)  # outermost: every response has an x-request-id
     return app

@@ -13,6 +13,7 @@ when a request ends.
 from __future__ import annotations
 
 import time
+import uuid
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -141,3 +142,26 @@ class CountRequests:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.http_requests.labels(route, str(status)).inc()
+
+
+class RequestId:
+    """ASGI middleware: every response carries an ``x-request-id`` header, as OpenAI's and
+    Anthropic's APIs send one: the client's own (up to 128 printable ASCII characters; a proxy's
+    trace id follows the request through), else a new ``req_`` id."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        rid = given if 0 < len(given) <= 128 and all(32 < c < 127 for c in given) else \
+            f"req_{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

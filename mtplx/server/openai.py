@@ -19,6 +19,10 @@ from mtplx.server.tools import render_prompt
 
 router = APIRouter()
 
+# legacy completions' max_tokens where a request gives none: OpenAI's and vLLM's default (chat's
+# is the context's end)
+COMPLETIONS_MAX_TOKENS = 16
+
 
 # -- routes --------------------------------------------------------------------------------------
 @router.get("/v1/models")
@@ -60,6 +64,7 @@ async def completions(body: CompletionRequest, request: Request):
     server.check_model(body.model)
     prompt = body.single_prompt()
     requests = engine_requests(server, body, prompt, ("max_tokens", body.max_tokens), chat=False, n=body.n,
+                               default_max_tokens=COMPLETIONS_MAX_TOKENS,
                                logprobs=body.logprobs_wanted, prompt_logprobs=body.logprobs if body.echo else None)
     echo = None
     if body.echo:  # the prompt as sent (token ids: decoded, control tokens as their text), before the output
@@ -126,10 +131,12 @@ def template_errors():
 
 def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat: bool, n: int = 1,
                     sampling: dict | None = None, grammar=None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, prompt_field: str | None = None) -> list:
+                    prompt_logprobs: int | None = None, prompt_field: str | None = None,
+                    default_max_tokens: int | None = None) -> list:
     """The validated engine requests of ``n`` completions of ``prompt`` (seeds seed, seed+1, ...;
     the prompt's KV is shared through the prefix cache). ``limit``: (field name, max tokens or
-    None = up to the context); a limit the context cannot hold is a 400 naming the field.
+    None = ``default_max_tokens``, else up to the context); a limit the context cannot hold is a
+    400 naming the field (a default stops at the context's end).
     ``grammar``: the output's grammar (structured.py), None for free text. ``logprobs``: report
     each token's logprob and this many alternatives (None: off); ``prompt_logprobs`` the same
     for the prompt's tokens (completions' echo). A prompt or limit the context cannot hold is
@@ -143,7 +150,7 @@ def engine_requests(server, body, prompt, limit: tuple[str, int | None], *, chat
         base = engine.make_request(
             prompt, chat=chat, mode=body.generation_mode or settings.generation_mode or _mode_default(settings),
             depth=body.depth if body.depth is not None else settings.depth,
-            max_tokens=max_tokens or engine.max_context,
+            max_tokens=max_tokens or default_max_tokens or engine.max_context,
             **(sampling or body.sampling_kwargs(server.default_temperature)))
     room = engine.max_context - len(base.prompt_ids)
     if max_tokens is not None and max_tokens > room:  # (no shorter prompt helps a limit past the whole context)

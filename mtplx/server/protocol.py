@@ -149,15 +149,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-def text_of(content, param: str) -> str:
-    """A message's content as text: a string, or a list of text parts."""
+def text_of(content, param: str, refusals: bool = False) -> str:
+    """A message's content as text: a string, or a list of text parts (and with ``refusals``,
+    an assistant message's, refusal parts ``{"type": "refusal", "refusal": str}``: what the
+    model said)."""
     if isinstance(content, str):
         return content
-    if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
-           for part in content):
-        raise APIError(400, f"{param}: only text parts ({{'type': 'text', 'text': str}}) are supported",
+    kinds = {"text": "text", **({"refusal": "refusal"} if refusals else {})}  # part type -> its text's key
+    if any(not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in kinds
+           or not isinstance(part.get(kinds[part["type"]]), str) for part in content):
+        raise APIError(400, f"{param}: only text parts ({{'type': 'text', 'text': str}}"
+                            + (" and refusal parts" if refusals else "") + ") are supported",
                        param=param, code="unsupported_value")
-    return join_text(part["text"] for part in content)
+    return join_text(part[kinds[part["type"]]] for part in content)
 
 
 def join_text(parts) -> str:
@@ -212,7 +216,7 @@ def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str 
     if content is None and not (role == "assistant" and tool_calls):
         raise bad(f"{where}.content", f"{article(role)} message needs content (a string or text parts), got null")
     message = {"role": "system" if role == "developer" else role,
-               "content": "" if content is None else text_of(content, f"{where}.content")}
+               "content": "" if content is None else text_of(content, f"{where}.content", role == "assistant")}
     if tool_calls:
         if role != "assistant":
             raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")

@@ -35,6 +35,12 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
+# OpenAI's fields this server does not implement, each a 400 unless one of its neutral values
+# (None: not sent); other unknown fields (user, metadata, ...) change nothing and are ignored
+UNSUPPORTED = {"reasoning": (None, {}), "include": (None, []), "background": (None, False),
+               "conversation": (None,), "prompt": (None,), "top_logprobs": (None, 0), "max_tool_calls": (None,),
+               "truncation": (None, "disabled")}
+
 # why a reply is "incomplete" (incomplete_details.reason), by the job's finish reason
 INCOMPLETE = {"length": "max_output_tokens", "cancelled": "cancelled"}
 
@@ -67,9 +73,12 @@ class ResponsesRequest(RequestBody):
         if self.previous_response_id is not None:
             raise _bad("previous_response_id", "this server stores no responses (it is stateless); send the whole "
                                                "conversation in input", "unsupported_value")
-        for name in ("reasoning", "include", "background", "conversation"):
-            if (self.model_extra or {}).get(name) not in (None, [], {}, False):
-                raise _bad(name, "not supported by this server", "unsupported_value")
+        for name, neutral in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if not any(value == n and type(value) is type(n) for n in neutral):
+                raise _bad(name, "not supported by this server" + (
+                    " (a conversation past the context is a 400, not cut)" if name == "truncation" else ""),
+                           "unsupported_value")
 
     def offered_tools(self) -> list[Tool]:
         tools = []
@@ -153,7 +162,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     tools = tools if choice.mode != "none" else []
     prompt, chat = chat_prompt(server.engine, body.chat_messages(), tools)
     grammar = (tool_call_grammar(server.engine, tools, choice, server.tool_parser)
-               or response_format_grammar(server.engine, body.response_format(), "text.format"))
+               or response_format_grammar(server.engine, body.response_format(), "text.format", spec_at="text.format"))
     [engine_request] = engine_requests(server, body, prompt, ("max_output_tokens", body.max_output_tokens),
                                        chat=chat, sampling=body.sampling(server.default_temperature),
                                        grammar=grammar, prompt_field="input")
@@ -185,7 +194,8 @@ class ResponseObject:
                      "total_tokens": result.prompt_tokens + result.completion_tokens,
                      "input_tokens_details": {"cached_tokens": result.stats.get("cached_prompt_tokens", 0)},
                      "output_tokens_details": {"reasoning_tokens": 0}}
-        obj = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+        obj = {"id": self.id, "object": "response", "created_at": self.created,
+               "completed_at": int(time.time()) if status == "completed" else None, "status": status,
                "model": b.model, "output": output, "error": None,
                "incomplete_details": ({"reason": INCOMPLETE[result.finish_reason if result else "length"]}
                                       if status == "incomplete" else None),

@@ -6,10 +6,14 @@ tokenizer; the engine masks every decoded position with them, MTP drafts include
 from __future__ import annotations
 
 import functools
+import re
 
 from mtplx.engine.constraints import Grammar, GrammarCompiler
 from mtplx.server.errors import APIError
 from mtplx.server.tools import HermesParser, Llama3JsonParser, Tool, ToolChoice, check_schema
+
+
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a json_schema response format's name (OpenAI's pattern)
 
 
 @functools.lru_cache(maxsize=4)
@@ -22,9 +26,13 @@ def compiler_for(engine) -> GrammarCompiler:
     return GrammarCompiler(engine.tokenizer.hf, engine.config.vocab_size, sorted(engine.generator.eos_token_ids))
 
 
-def response_format_grammar(engine, raw, param: str = "response_format") -> Grammar | None:
+def response_format_grammar(engine, raw, param: str = "response_format", spec_at: str | None = None) -> Grammar | None:
     """None for text; the grammar of a JSON object (``json_object``) or of JSON valid against
-    the schema (``json_schema``; ``strict`` or not, the output follows the schema)."""
+    the schema (``json_schema``; ``strict`` or not, the output follows the schema). spec_at:
+    where the request holds the json_schema spec, for errors (default ``param``.json_schema;
+    Responses' ``text.format`` holds it flat). The spec's ``name`` is required, as OpenAI's
+    pattern has it: 1-64 letters, digits, _ or -."""
+    spec_at = f"{param}.json_schema" if spec_at is None else spec_at
     if raw is None or raw == {"type": "text"}:
         return None
     if not isinstance(raw, dict):
@@ -36,10 +44,14 @@ def response_format_grammar(engine, raw, param: str = "response_format") -> Gram
     if kind == "json_schema":
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise APIError(400, f"{param}.json_schema: expected {{'name': ..., 'schema': {{...}}, 'strict': ...}}",
-                           param=f"{param}.json_schema", code="invalid_value")
-        schema = check_schema(spec["schema"], f"{param}.json_schema.schema")
-        return compiler_for(engine).json_schema(schema, f"{param}.json_schema.schema")
+            raise APIError(400, f"{spec_at}: expected {{'name': ..., 'schema': {{...}}, 'strict': ...}}",
+                           param=spec_at, code="invalid_value")
+        name = spec.get("name")
+        if not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
+            raise APIError(400, f"{spec_at}.name: required, 1 to 64 letters, digits, underscores or dashes, got "
+                                f"{name!r}", param=f"{spec_at}.name", code="invalid_value")
+        schema = check_schema(spec["schema"], f"{spec_at}.schema")
+        return compiler_for(engine).json_schema(schema, f"{spec_at}.schema")
     raise APIError(400, f"{param}.type: must be text, json_object or json_schema, got {kind!r}",
                    param=f"{param}.type", code="invalid_value")
 
