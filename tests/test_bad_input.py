@@ -143,6 +143,7 @@ def test_bench_and_tune_refuse_bad_options_before_loading_and_depth_limits_agree
         (["generate", "hi", "--model", "/no/such/dir", "--max-depth", "9"], "max_depth"),
         (["serve", "--model", "/no/such/dir", "--api-key", ""], "api-key: is empty"),  # not "no key"
         (["serve", "--model", "/no/such/dir", "--served-model-name", " "], "served-model-name: is empty"),
+        (["serve", "--model", "/no/such/dir", "--allowed-origin", "localhost:3000"], "is not an origin"),
     ]:
         proc = _cli(*args)  # the model path does not exist: these fail on the option, before any load
         lines = [l for l in proc.stderr.splitlines() if l.strip()]

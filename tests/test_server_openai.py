@@ -450,6 +450,31 @@ def test_api_key_is_required_when_set(engine):
         assert httpx.get(f"{base}/health").status_code == 200  # health checks need no key
 
 
+def test_allowed_origins_get_cors_answers_before_the_key_check(engine):
+    """--allowed-origin: a browser page of that origin may call the API. Its preflight (no key:
+    a browser never sends one there) is answered; its request, with the key, gets the origin
+    back and may read x-request-id. Another origin gets no CORS grant, and without the option
+    no origin does."""
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    with running_server(create_app(engine, model_id=MODEL, api_key="s3cret", allowed_origins=[page])) as base:
+        r = httpx.options(f"{base}/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.post(f"{base}/v1/chat/completions", json=body,
+                       headers={"Origin": page, "Authorization": "Bearer s3cret"}, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        assert httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Origin": page}).status_code == 401
+        other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
+        assert "access-control-allow-origin" not in other.headers
+    with running_server(create_app(engine, model_id=MODEL)) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Origin": page}, timeout=30)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_an_oversized_body_is_413(engine):
     with running_server(create_app(engine, model_id=MODEL, max_body_bytes=2000)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from mtplx.config import Config
 from mtplx.errors import InvalidParameter
 
 MIB = 1024 * 1024
+ORIGIN = re.compile(r"https?://[^/\s:]+(:[0-9]{1,5})?")  # what a browser sends as Origin
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py PARSERS, without importing it
 # The --max-body-mb and --shutdown-grace-s defaults are security.DEFAULT_MAX_BODY_BYTES and
 # lifecycle.DEFAULT_SHUTDOWN_GRACE_S, written out: building the parser must not import the server.
@@ -53,6 +55,9 @@ def add_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (or 'X-API-Key: KEY') on every route but /health "
                         "and /metrics")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the path)")
+    p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port], or * for any) whose pages may call the API from a "
+                        "browser (CORS; repeatable; default: none)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="request bodies over this many MiB get 413 (default 16)")
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=10.0, metavar="S",
@@ -90,6 +95,10 @@ def run(args) -> int:
     from mtplx.server.lifecycle import DrainingServer, listen, uvicorn_config
     from mtplx.server.security import check_exposure
 
+    for origin in args.allowed_origin or ():
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise InvalidParameter("allowed-origin", f"{origin!r} is not an origin: scheme://host[:port] "
+                                                     "(e.g. http://localhost:3000, no path), or *")
     for flag in ("api_key", "served_model_name"):  # given, but empty: a mistake, not "none"
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise InvalidParameter(flag.replace("_", "-"), "is empty" + (
@@ -115,7 +124,7 @@ def run(args) -> int:
         model_id = args.served_model_name or served_name(cfg.model)
         app = create_app(engine, settings, model_id=model_id, api_key=cfg.api_key,
                          max_body_bytes=int(args.max_body_mb * MIB), tool_call_parser=args.tool_call_parser,
-                         body_timeout_s=args.body_timeout_s)
+                         body_timeout_s=args.body_timeout_s, allowed_origins=args.allowed_origin)
         print(f"mtplx serve: {model_id} at http://{_url_host(cfg.host)}:{cfg.port}/v1 (scheduler "
               f"{settings.mode.value}, policy {settings.policy_label}, MTP head: {'yes' if engine.has_mtp else 'no'}); "
               f"dashboard at http://{_url_host(cfg.host)}:{cfg.port}/dashboard", file=sys.stderr)

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from mtplx.batching.job import Job, JobResult
 from mtplx.batching.scheduler import Scheduler
@@ -75,13 +76,15 @@ class ServerState:
 def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, model_id: str = "mtplx",
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, gate=None,
                tool_call_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               max_head_bytes: int = MAX_HEAD_BYTES) -> FastAPI:
+               max_head_bytes: int = MAX_HEAD_BYTES, allowed_origins: list[str] | None = None) -> FastAPI:
     """An app serving ``engine`` under ``settings`` (default: serial). ``api_key``: required on
     every route but /health and /metrics (security.py). ``gate``: the hyper admission gate to
     use in hyper mode (default: a fresh ``HyperAdmissionGate``). ``tool_call_parser``: a
     ``tools.PARSERS`` name (default: chosen from the chat template). ``body_timeout_s``: the
     longest wait for the next piece of a request body before a 408. ``max_head_bytes``: the
-    largest request head (request line and headers) served; larger ones get 431."""
+    largest request head (request line and headers) served; larger ones get 431.
+    ``allowed_origins``: web origins whose pages may call the API from a browser (CORS; "*" for
+    any): their preflights are answered before the API key check (a browser sends no key there)."""
     scheduler = Scheduler(engine, settings or SchedulerSettings(), gate=gate)
     metrics = Metrics(scheduler)
     temperature = float(engine.loaded.generation_defaults.get("temperature", DEFAULT_TEMPERATURE))
@@ -112,5 +115,8 @@ def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, mod
     app.add_middleware(RequireAPIKey, api_key=api_key)  # before the body is read
     app.add_middleware(HeadSizeLimit, max_bytes=max_head_bytes)
     app.add_middleware(CountRequests, metrics=metrics)  # counts 401s and 413s too
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["x-request-id"], max_age=600)
     app.add_middleware(RequestId)  # outermost: every response has an x-request-id
     return app
