@@ -286,6 +286,29 @@ def test_anthropic_tool_use_history_renders_as_the_openai_one(claude, oai):
     assert m.usage.input_tokens == counted.input_tokens
 
 
+def test_anthropic_refuses_histories_its_api_refuses(claude):
+    """A tool_result for a tool_use the turn before did not make, a tool_use left unanswered by
+    the next turn, an empty text block or an empty turn are 400s naming where (Anthropic's API
+    refuses each; rendered, they made a prompt of calls and results that do not pair). A last
+    assistant turn that calls a tool, and an empty last assistant turn, stay allowed."""
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                              "input": {"city": "Oslo"}}]}
+    result = lambda i: {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "-3 C"}]}  # noqa: E731
+    both = {"role": "user", "content": result("toolu_1")["content"] + result("toolu_9")["content"]}
+    for messages, param in (([*CHAT, call, result("toolu_9")], "messages.2.content"),  # toolu_1 unanswered
+                            ([*CHAT, call, both], "messages.2.content.1.tool_use_id"),
+                            ([*CHAT, call, *CHAT], "messages.2.content"),
+                            ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
+                            ([{"role": "user", "content": ""}, *CHAT], "messages.0.content"),
+                            ([result("toolu_1")], "messages.0.content.0.tool_use_id")):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude.messages.create(model=MODEL, max_tokens=2, messages=messages, tools=[tool])
+        assert err.value.body["error"]["message"].startswith(param + ":"), (param, err.value.body)
+    for messages in ([*CHAT, call, result("toolu_1")], [*CHAT, {"role": "assistant", "content": ""}]):
+        assert claude.messages.count_tokens(model=MODEL, messages=messages, tools=[tool]).input_tokens > 0
+
+
 def test_anthropic_forced_tool_use_streams_in_order(claude, url):
     tool = {"name": "get_city", "input_schema": CITY["function"]["parameters"]}
     m = claude.messages.create(model=MODEL, max_tokens=120, messages=CHAT, tools=[tool],

@@ -85,8 +85,41 @@ class PromptFields(RequestBody):
         if self.system:
             out.append({"role": "system", "content": _text(self.system, "system")})
         for i, m in enumerate(self.messages):
+            _check_turn(self.messages, i)
             out += _convert(m, f"messages.{i}")
         return out
+
+
+def _check_turn(messages: list[AnthropicMessage], i: int) -> None:
+    """What Anthropic's API refuses in a history, as it does: a turn with no content (but the
+    last assistant turn, a prefill), an empty text block, a tool_result whose tool_use_id no
+    tool_use of the assistant turn before it has, and a tool_use that the next turn leaves
+    unanswered."""
+    m, where = messages[i], f"messages.{i}"
+    last = i == len(messages) - 1
+    if not m.content and not (last and m.role == "assistant"):
+        raise _bad(f"{where}.content", "must not be empty (only the last assistant turn, a prefill, may be)")
+    blocks = m.content if isinstance(m.content, list) else []
+    for j, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get("type") == "text" and block.get("text") == "":
+            raise _bad(f"{where}.content.{j}.text", "a text block must not be empty")
+    if m.role == "user":
+        asked = set(_tool_use_ids(messages[i - 1])) if i else set()
+        for j, block in enumerate(blocks):
+            if isinstance(block, dict) and block.get("type") == "tool_result" and block.get("tool_use_id") not in asked:
+                raise _bad(f"{where}.content.{j}.tool_use_id", f"{block.get('tool_use_id')!r} answers no tool_use "
+                                                                "block of the assistant turn before it")
+    elif (ids := _tool_use_ids(m)) and not last:
+        answered = {b.get("tool_use_id") for b in messages[i + 1].content if isinstance(b, dict)} \
+            if isinstance(messages[i + 1].content, list) else set()
+        if missing := [t for t in ids if t not in answered]:
+            raise _bad(f"messages.{i + 1}.content", f"tool_use ids without a tool_result block here: "
+                                                    f"{', '.join(map(str, missing))}")
+
+
+def _tool_use_ids(m: AnthropicMessage) -> list:
+    return [b.get("id") for b in m.content if isinstance(b, dict) and b.get("type") == "tool_use"] \
+        if m.role == "assistant" and isinstance(m.content, list) else []
 
 
 def _text(content, param: str) -> str:
