@@ -160,7 +160,7 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
                              draft_policy, 7)
         if per_stream > 1:  # requests end apart, so new ones join a running batch
             for i, r in enumerate(reqs):
-                r.max_tokens = max_tokens // 2 + (i * 29) % (max_tokens + 1)
+                r.max_tokens = max(1, max_tokens // 2 + (i * 29) % (max_tokens + 1))
         return reqs
 
     def run():  # ``width`` clients in a closed loop

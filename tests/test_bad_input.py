@@ -204,8 +204,12 @@ def test_the_model_commands_read_the_config_file_under_their_flags(tmp_path, mon
 def test_generate_reads_the_prompt_from_stdin_and_inspect_refuses_a_truncated_gguf(default_gguf, tmp_path):
     args = [sys.executable, "-m", "mtplx.cli", "generate", "--model", str(default_gguf), "--max-tokens", "6",
             "--json"]
-    piped = subprocess.run([*args, "-"], input="Name a color.", capture_output=True, text=True, timeout=300)
-    given = subprocess.run([*args, "Name a color."], capture_output=True, text=True, timeout=300)
+    runs = [subprocess.Popen([*args, prompt], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for prompt in ("-", "Name a color.")]  # side by side: two cores
+    (piped_out, piped_err), (given_out, _) = [p.communicate(text, timeout=300) for p, text in
+                                              zip(runs, ("Name a color.", ""))]
+    piped = subprocess.CompletedProcess(args, runs[0].returncode, piped_out, piped_err)
+    given = subprocess.CompletedProcess(args, runs[1].returncode, given_out, "")
     assert piped.returncode == 0 and json.loads(piped.stdout)["token_ids"] == json.loads(given.stdout)["token_ids"]
     assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(given.stdout)["prompt_tokens"]
     cut = tmp_path / "cut.gguf"

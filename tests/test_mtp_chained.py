@@ -203,24 +203,45 @@ def test_rows_that_leave_a_chain_run_on_as_ghosts(depth):
     engine.runner.blocks.check_invariants()
 
 
+def record_drafts(engine) -> dict[int, list[tuple[int, ...]]]:
+    """Every committed cycle's drafts, by seq_id, in order (what the generator's one commit sees)."""
+    drafts, inner = {}, engine.generator._commit
+
+    def commit(seqs, outcome, *args, **kwargs):
+        for r, s in enumerate(seqs):
+            drafts.setdefault(s.seq_id, []).append(tuple(outcome.row(r)[0]))
+        return inner(seqs, outcome, *args, **kwargs)
+
+    engine.generator._commit = commit
+    return drafts
+
+
 JOIN_PROMPTS = [[2 + i, 40 - i, 7, 11 + 2 * i] + [i] * (i % 3) for i in range(14)]
 
 
-@pytest.mark.parametrize("depth, draft_policy", [(0, "greedy"), (2, "greedy"), (3, "mirror")])
-def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_policy):
+@pytest.mark.parametrize("depth, draft_policy, head", [(0, "greedy", "repeat"), (2, "greedy", "repeat"),
+                                                       (3, "mirror", "repeat"), (2, "greedy", "random")])
+def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_policy, head):
     """A scheduler that keeps its batch full: as each row ends it is released and a new request
     is admitted and prefilled with the chain's cycle in flight, then stepped with the others
     (last in the scheduler's order, not in the chain's). The new rows (greedy and seeded
     sampled, of the chain's kind of cycle) take the leavers' places without a restart, and
-    every row decodes exactly what it decodes alone, unchained."""
+    every row decodes exactly what it decodes alone, unchained, with the same drafts accepted
+    (the random head's drafts depend on every input of its catch-up, which the repeat head's
+    do not)."""
     engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
-    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    if head == "repeat":
+        engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
     mode = dict(mode="mtp", depth=depth, draft_policy=draft_policy) if depth else dict(mode="ar")
     kwargs = [dict(max_tokens=8 + 3 * (i % 5), **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(len(JOIN_PROMPTS))]
-    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(JOIN_PROMPTS, kwargs)]
+    drafts = record_drafts(engine)
+    results = [engine.generate(p, **kw) for p, kw in zip(JOIN_PROMPTS, kwargs)]
+    alone, alone_drafts = [r.token_ids for r in results], [drafts[i] for i in sorted(drafts)]
+    drafts.clear()
     engine.generator.chain.enabled = True
     events = []
-    engine.generator.observers.append(lambda event, s: events.append((event, s.seq_id)))
+    steps = [0]
+    engine.generator.observers.append(lambda event, s: events.append((event, s.seq_id, steps[0])))
     waiting = list(zip(JOIN_PROMPTS, kwargs))
     seqs = [start(engine, p, **kw) for p, kw in waiting[:4]]
     waiting = waiting[4:]
@@ -228,6 +249,7 @@ def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_p
     with torch.inference_mode():
         while live:
             engine.step(live)
+            steps[0] += 1
             for s in [s for s in live if s.finished]:
                 engine.generator.release(s)
                 live.remove(s)
@@ -236,8 +258,12 @@ def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_p
                     live.append(seqs[-1])
                     waiting = waiting[1:]
     assert [s.generated for s in seqs] == alone
-    joins = {i for e, i in events if e == "chain_join"}
-    assert len(joins) >= 6, events  # most new rows joined a running chain
+    assert [drafts[s.seq_id] for s in seqs] == alone_drafts
+    assert depth == 0 or sum(s.stats.accepted_tokens for s in seqs) > 0
+    joins = {i for e, i, _ in events if e == "chain_join"}
+    assert len(joins) == len(JOIN_PROMPTS) - 4, events  # every new row joined a running chain
+    # chains of 4 rows, then (no request left) 2 and 1: a join never restarted one
+    assert len({step for e, _, step in events if e == "chain_start"}) == 3, events
     assert engine.runner.blocks.num_used_blocks == 0
     engine.runner.blocks.check_invariants()
 
@@ -263,6 +289,40 @@ def test_a_fault_hook_sees_no_forward_of_a_ghost():
     assert ghosts and late == []
     for s in seqs:
         engine.generator.release(s)
+
+
+def test_a_joining_row_whose_forward_fails_leaves_the_chain_as_it_was():
+    """A fault in the launch a row joins: the step raises, the scheduler drops its rows, and the
+    chain forgets its cycle in flight, and the released row whose place the join took stays
+    released (a chain that forgot its id before the launch kept the cycle and committed into
+    that row at the next step)."""
+    engine = chained_engine()
+    gen = engine.generator
+    gen.chain.enabled = True
+    seqs = [start(engine, [2 + i, 40, 7, 11], mode="ar", max_tokens=40) for i in range(4)]
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.step(seqs)
+        gen.release(seqs[0])  # cancelled: a ghost from the next launch
+        live = seqs[1:]
+        engine.step(live)
+        joining = start(engine, [6, 36, 7, 19], mode="ar", max_tokens=40)
+        gen.inject_faults(lambda point, s: (_ for _ in ()).throw(RuntimeError("boom"))
+                          if point == "forward" and s is joining else None)
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.step(live + [joining])
+        gen.inject_faults(None)
+        for s in live + [joining]:
+            gen.release(s)
+        assert gen.chain.flight is None
+        later = start(engine, [7, 35, 7, 21], mode="ar", max_tokens=40)
+        before = len(seqs[0].tokens)
+        result = engine.step([later])
+        assert [s.seq_id for s in result.advanced] == [later.seq_id] and not result.failed
+        assert len(seqs[0].tokens) == before
+        gen.release(later)
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
 
 
 def test_an_ar_step_commits_the_cycle_in_flight_first():

@@ -131,9 +131,9 @@ class CycleChain:
             variant = self._variant(rows, last.depth)
             if joining:
                 self.runner.join_cycle(rows, last.depth, variant, joining, backlog)
-                self._released -= {last.seqs[r].seq_id for r in joining}
             following = self.runner.next_cycle(rows, last.depth, variant, ghosts=ghosts,
                                                freeze=sorted(ghosts - last.ghosts))
+            self._released -= {last.seqs[r].seq_id for r in joining}  # (once launched: a fault keeps the old rows)
         self.flight = following
         return last, following is not None
 

@@ -69,7 +69,8 @@ class Generator:
         self.live: dict[int, Sequence] = {}  # admitted and not yet released, by seq_id
         self._sampler: tuple[tuple[int, ...], SamplerBatch] | None = None  # the last batch's, by seq_ids
         # observer(event, seq): "commit" after a row's tokens are appended, "chain_start" when a
-        # chain starts over a row; for benchmarks and tests (instrumentation, not a new path)
+        # chain starts over a row, "chain_join" when a row joins a running chain; for benchmarks
+        # and tests (instrumentation, not a new path)
         self.observers: list[Callable[[str, Sequence], None]] = []
         self._mates: dict[int, list[Sequence]] = {}  # seq_id -> the rows of its last committed cycle
 
@@ -194,9 +195,9 @@ class Generator:
     # -- the step ---------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> StepResult:
         """One cycle for each row (all of one mode: MTP rows at their depths, or AR rows).
-        A chained cycle in flight over exactly these rows goes on (with its ghosts: rows that
-        left, while the graph bucket holds, ``chain.py``); over other rows it is committed
-        first (its rows are in ``advanced`` too)."""
+        A chained cycle in flight over these rows goes on (with its ghosts: rows that left,
+        while the graph bucket holds; new rows take ghosts' places, ``chain.py``); over other
+        rows it is committed first (its rows are in ``advanced`` too)."""
         result = self._step(seqs)
         self.runner.warn_on_kv_overflow()
         return result
@@ -370,12 +371,12 @@ class Generator:
         mode = flight.seqs[0].mode
         if not new or not self._device_rows([s for s, _ in new]) or any(s.mode != mode for s, _ in new):
             return False
-        if mode == "mtp":  # the new rows' depths (a chain fixes each row's; ``_step`` sets them too)
-            for s, d in new:
-                s.depth = d
         join = self.chain.joined(seqs, depths)
         if join is None:
             return False
+        if mode == "mtp":  # the new rows' depths (a chain fixes each row's)
+            for s, d in new:
+                s.depth = d
         joining = [join[0][r] for r in join[1]]
         backlog = None
         if flight.depth:
