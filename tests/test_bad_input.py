@@ -21,7 +21,7 @@ def engine():
 @pytest.mark.parametrize("kwargs,param", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=-0.5), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(top_k=10_000), "top_k"),
