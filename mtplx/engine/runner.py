@@ -16,7 +16,7 @@ from mtplx.cache.attention import AttentionMetadata
 from mtplx.cache.block_manager import HYBRID_PREFIX_CACHE_REASON, BlockManager
 from mtplx.cache.kv_cache import PagedKVCache
 from mtplx.engine.sequence import Sequence
-from mtplx.engine.sampling import SamplerTensors, SamplingParams, copy_to, draft_params, process_logits
+from mtplx.engine.sampling import SamplerTensors, SamplingParams, draft_params, process_logits
 from mtplx.kernels import cpu as cpu_kernels, cycle as cycle_kernels, noise, sampling as sampling_kernels
 from mtplx.engine.speculative import greedy_outcome, rejection_outcome
 from mtplx.cache.state_cache import RecurrentStateCache
@@ -524,7 +524,8 @@ class CycleSampling:
         self.sampler.write(params)
         if self.mirror:
             self.draft_sampler.write([draft_params(p) for p in params])
-            copy_to(self.mirror_rows, [[m] for m in mirrors] + [[False]] * (self.mirror_rows.shape[0] - len(mirrors)))
+            rows = [[m] for m in mirrors] + [[False]] * (self.mirror_rows.shape[0] - len(mirrors))
+            self.mirror_rows.copy_(torch.tensor(rows), non_blocking=True)
             torch.logical_not(self.mirror_rows, out=self.onehot_rows)
 
     def draw(self, seqs: list[Sequence | None]) -> None:
@@ -673,9 +674,8 @@ class CycleBuffers:
         for r, table in zip(rows, tables):
             table_cells += range(r * width, (r + 1) * width)
             table_values += table + [self.runner.cache.scratch_block] * (width - len(table))
-        staged = torch.empty(len(ints) + len(table_cells) + len(values) + len(table_values), dtype=torch.long,
-                             device=self.ints.device)
-        copy_to(staged, ints + table_cells + values + table_values)
+        staged = torch.tensor(ints + table_cells + values + table_values, dtype=torch.long)
+        staged = staged.to(self.ints.device, non_blocking=True)  # (pageable: staged by the copy at once)
         n, m = len(ints), len(table_cells)
         self.ints.index_copy_(0, staged[:n], staged[n + m: 2 * n + m])
         self.tables.view(-1).index_copy_(0, staged[n: n + m], staged[2 * n + m:])

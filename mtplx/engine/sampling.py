@@ -284,15 +284,7 @@ class SamplerTensors:
         rows = [(p.greedy, p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
         rows += [(True, 1.0, 0, 1.0, 0.0)] * pad
         for i, target in enumerate((self.greedy, self.temperature, self.top_k, self.top_p, self.min_p)):
-            copy_to(target, [[r[i]] for r in rows])
-
-
-def copy_to(target: torch.Tensor, values: list) -> None:
-    """``values`` into ``target`` without waiting for its stream: on CUDA through pinned memory
-    (the caching host allocator keeps the block until the copy is done; a copy from pageable
-    memory may wait for the stream's queued work), elsewhere directly."""
-    source = torch.tensor(values, dtype=target.dtype)
-    target.copy_(source.pin_memory() if target.is_cuda else source, non_blocking=True)
+            target.copy_(torch.tensor([[r[i]] for r in rows], dtype=target.dtype), non_blocking=True)
 
 
 def process_logits(logits: torch.Tensor, s: SamplerTensors, top_k: bool = True, top_p: bool = True,
