@@ -678,3 +678,25 @@ def test_greedy_verify_is_greedy_outcome_over_the_argmax(k, capped):
             drafts[r, r] = (drafts[r, r] + 1) % vocab
     depths = torch.randint(0, k + 1, (rows, 1), generator=g) if capped else None
     assert torch.equal(cpu_kernels.greedy_verify(logits, drafts, depths), greedy_outcome(target, drafts, depths))
+
+
+def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
+    """cpp_extension.load takes its build directory's lock even to find the module built, and
+    waits without end while the file exists: a server stopped mid-start left one, and every
+    mtplx process after it hung silently. An old lock is removed (with a warning); a fresh one
+    is waited for until its holder lets it go."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with caplog.at_level("WARNING", logger="mtplx"):
+        cpu_kernels.clear_stale_lock(lock)
+    assert not lock.exists() and "removing" in caplog.text
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # its holder finishes
+    t0 = time.perf_counter()
+    cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
+    assert 0.25 < time.perf_counter() - t0 < 5 and not lock.exists()

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +43,9 @@ ENV_SWITCH = "MTPLX_CPU_KERNELS"  # "0": PyTorch's ops instead
 ACTIVATIONS_SWITCH = "MTPLX_CPU_ACTIVATIONS"  # "float32" / "int16" / "int8" for every quantized layer
 WIDTH_SWITCH = "MTPLX_CPU_VECTOR_WIDTH"  # "256": the AVX2 products on an AVX-512 CPU (A/B runs)
 FLOAT16_MAX = 65504.0
+# A build directory's lock older than this was left by a killed process (a build takes about a
+# minute here; a check of a built module, well under a second)
+STALE_LOCK_S = 600.0
 
 
 def cpu_supported() -> bool:
@@ -65,6 +69,8 @@ def extension():
     from torch.utils import cpp_extension
 
     try:
+        if (build_directory := getattr(cpp_extension, "_get_build_directory", None)) is not None:
+            clear_stale_lock(Path(build_directory("mtplx_cpu", verbose=False)) / "lock")
         module = cpp_extension.load(
             name="mtplx_cpu", sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
@@ -77,6 +83,28 @@ def extension():
     if width:
         module.quant_isa(int(width))
     return module
+
+
+def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Wait while another process holds the build directory's lock (``cpp_extension.load`` takes
+    it even to find the module built), saying so once; remove it where it is older than
+    ``stale_s``: a process killed while it held the lock (a server stopped mid-start) leaves it
+    behind, and PyTorch's own wait for it has no end."""
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("removing %s, a lock %.0f s old: a process that built or checked the CPU kernels was "
+                        "stopped while it held it", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            log.info("waiting for another process's build of the CPU kernels (%s)", lock)
+            said = True
+        time.sleep(poll_s)
 
 
 def vector_width(force: int = 0) -> int:
