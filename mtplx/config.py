@@ -103,6 +103,15 @@ def _text(v):
     return v
 
 
+def _key(v):
+    """An API key: unset where empty (an empty variable), refused where blank (no client could
+    send it: every request would get 401)."""
+    v = _text(v)
+    if v is not None and not v.strip():
+        raise ValueError
+    return v
+
+
 def _required_text(v):
     if _text(v) is None:
         raise ValueError
@@ -136,7 +145,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "none, int8, int4, fp8 (the MTP head's linear weights) or auto (none: the head's own dtype)"),
     Key("tensor_parallel", _int(1, 64, optional=False),
         "an integer from 1 to 64: processes (one per GPU) the model is split across"),
-    Key("api_key", _text, "a string clients send as 'Authorization: Bearer KEY'", secret=True),
+    Key("api_key", _key, "a string clients send as 'Authorization: Bearer KEY' (not blank)", secret=True),
 )}
 
 

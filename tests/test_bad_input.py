@@ -261,3 +261,16 @@ def test_malformed_prompts_and_stops_are_invalid_parameters_naming_the_field(def
         with pytest.raises(InvalidParameter) as err:
             engine.generate(prompt, max_tokens=2, **kwargs)
         assert err.value.param == param, (prompt, kwargs)
+
+
+@pytest.mark.parametrize("origin, ok", [
+    ("http://localhost:3000", True), ("https://a.example", True), ("http://[::1]:3000", True),
+    ("http://127.0.0.1:8080", True), ("http://*.example.com", False), ("https://example.com:443", False),
+    ("http://user@a.example", False), ("http://localhost:99999", False), ("http://localhost:0", False),
+    ("http://a.example/", False), ("localhost:3000", False), ("http://A.example", False), ("ftp://a.example", False)])
+def test_allowed_origins_are_origins_as_a_browser_sends_them(origin, ok):
+    """CORS compares the Origin header literally: an origin that no browser sends (a wildcard
+    host, a default port, a user, a path, capitals) would never match, so serve refuses it."""
+    from mtplx.commands.serve import is_origin
+
+    assert is_origin(origin) is ok

@@ -296,8 +296,12 @@ def test_anthropic_refuses_histories_its_api_refuses(claude):
                                               "input": {"city": "Oslo"}}]}
     result = lambda i: {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "-3 C"}]}  # noqa: E731
     both = {"role": "user", "content": result("toolu_1")["content"] + result("toolu_9")["content"]}
-    for messages, param in (([*CHAT, call, result("toolu_9")], "messages.2.content"),  # toolu_1 unanswered
+    late = {"role": "user", "content": [{"type": "text", "text": "so?"}, *result("toolu_1")["content"]]}
+    for messages, param in (([*CHAT, call, result("toolu_9")], "messages.2.content.0.tool_use_id"),  # a typo
                             ([*CHAT, call, both], "messages.2.content.1.tool_use_id"),
+                            ([*CHAT, call, late], "messages.2.content.1"),  # results come first
+                            ([*CHAT, call, {"role": "user", "content": "and?"}], "messages.2.content"),
+                            ([{"role": "user", "content": [{"type": "text", "text": "  "}]}], "messages.0.content.0.text"),
                             ([*CHAT, call, *CHAT], "messages.2.content"),
                             ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
                             ([{"role": "user", "content": ""}, *CHAT], "messages.0.content"),
@@ -458,6 +462,10 @@ def test_responses_refuse_fields_that_would_change_the_output(oai, field, value)
         oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: value})
     assert err.value.body["param"] == field and err.value.body["code"] == "unsupported_value"
     neutral = {"top_logprobs": 0, "truncation": "disabled"}
+    for bad in ({"top_logprobs": 21}, {"truncation": "bogus"}):  # out of range: invalid, not unsupported
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body=bad)
+        assert err.value.body["code"] == "invalid_value" and err.value.body["param"] in bad
     if field in neutral:
         assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: neutral[field]})
 
@@ -477,10 +485,11 @@ def test_responses_completed_at_and_json_schema_errors_name_the_requests_own_pat
             oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, text={
                 "format": {"type": "json_schema", **fmt}})
         assert err.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, response_format={
-            "type": "json_schema", "json_schema": {"name": "a" * 65, "schema": {"type": "object"}}})
-    assert err.value.body["param"] == "response_format.json_schema.name"
+    for spec, param in (({"name": "a" * 65}, "name"), ({"name": "a", "strict": "yes"}, "strict")):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, response_format={
+                "type": "json_schema", "json_schema": {**spec, "schema": {"type": "object"}}})
+        assert err.value.body["param"] == f"response_format.json_schema.{param}"
 
 
 def test_anthropic_names_its_own_fields_honours_seed_and_joins_text_blocks(claude, url):

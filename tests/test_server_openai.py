@@ -175,8 +175,10 @@ def test_every_response_carries_an_x_request_id(url):
     assert missing.status_code == 404
     ids.append(missing.headers["x-request-id"])
     assert all(i.startswith("req_") for i in ids) and len(set(ids)) == 3
-    bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "a b"}, timeout=30)
-    assert bad.headers["x-request-id"].startswith("req_")  # not printable without spaces: replaced
+    spaced = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "a b"}, timeout=30)
+    assert spaced.headers["x-request-id"] == spaced.headers["request-id"] == "a b"  # (Anthropic's SDK reads request-id)
+    bad = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "a\tb"}, timeout=30)
+    assert bad.headers["x-request-id"].startswith("req_")  # a tab is not printable: replaced
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
+from urllib.parse import urlsplit
 from pathlib import Path
 
 from mtplx.batching.state import SchedulerMode
@@ -20,7 +20,6 @@ from mtplx.config import Config
 from mtplx.errors import InvalidParameter
 
 MIB = 1024 * 1024
-ORIGIN = re.compile(r"https?://[^/\s:]+(:[0-9]{1,5})?")  # what a browser sends as Origin
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")  # server/tools.py PARSERS, without importing it
 # The --max-body-mb and --shutdown-grace-s defaults are security.DEFAULT_MAX_BODY_BYTES and
 # lifecycle.DEFAULT_SHUTDOWN_GRACE_S, written out: building the parser must not import the server.
@@ -73,6 +72,22 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def is_origin(text: str) -> bool:
+    """Whether ``text`` is an origin exactly as a browser sends it in ``Origin`` (CORS matches
+    it literally): http or https, a host (an IPv6 one in brackets), a port only where it is not
+    the scheme's default, nothing else."""
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:  # a port out of range or not a number
+        return False
+    host = parts.hostname or ""
+    return (parts.scheme in ("http", "https") and bool(host) and "*" not in host and "@" not in parts.netloc
+            and not (parts.path or parts.query or parts.fragment or text.endswith(("?", "#")))
+            and port != 0 and port != {"http": 80, "https": 443}[parts.scheme]
+            and text == f"{parts.scheme}://{parts.netloc}" and parts.netloc == parts.netloc.lower())
+
+
 def _positive_float(text: str) -> float:
     value = _non_negative_float(text)
     if value == 0:
@@ -96,9 +111,10 @@ def run(args) -> int:
     from mtplx.server.security import check_exposure
 
     for origin in args.allowed_origin or ():
-        if origin != "*" and not ORIGIN.fullmatch(origin):
-            raise InvalidParameter("allowed-origin", f"{origin!r} is not an origin: scheme://host[:port] "
-                                                     "(e.g. http://localhost:3000, no path), or *")
+        if origin != "*" and not is_origin(origin):
+            raise InvalidParameter("allowed-origin", f"{origin!r} is not an origin as a browser sends it: "
+                                                     "http(s)://host[:port] (e.g. http://localhost:3000; no path, "
+                                                     "no user, no wildcard, no default port), or *")
     for flag in ("api_key", "served_model_name"):  # given, but empty: a mistake, not "none"
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise InvalidParameter(flag.replace("_", "-"), "is empty" + (

@@ -234,7 +234,8 @@ class Engine:
             raise InvalidParameter("prompt", "the prompt is empty")
         if len(ids) >= self.max_context:
             raise ContextLengthExceeded(
-                "prompt", f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
+                "prompt", f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens, "
+                          "and at least one must be left for the output")
         return ids
 
     def make_request(self, prompt, *, mode: str | None = None, depth: int | str | None = None, max_tokens: int = 256,

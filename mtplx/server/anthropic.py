@@ -83,6 +83,9 @@ class PromptFields(RequestBody):
     def chat_messages(self) -> list[dict]:
         out = []
         if self.system:
+            if isinstance(self.system, list) and any(isinstance(b, dict) and isinstance(b.get("text"), str)
+                                                     and not b["text"].strip() for b in self.system):
+                raise _bad("system", "a text block must contain non-whitespace text")
             out.append({"role": "system", "content": _text(self.system, "system")})
         for i, m in enumerate(self.messages):
             _check_turn(self.messages, i)
@@ -92,29 +95,43 @@ class PromptFields(RequestBody):
 
 def _check_turn(messages: list[AnthropicMessage], i: int) -> None:
     """What Anthropic's API refuses in a history, as it does: a turn with no content (but the
-    last assistant turn, a prefill), an empty text block, a tool_result whose tool_use_id no
-    tool_use of the assistant turn before it has, and a tool_use that the next turn leaves
-    unanswered."""
+    last assistant turn, a prefill), a text block of whitespace alone, two tool_use blocks of
+    one id, a tool_result whose tool_use_id no tool_use of the assistant turn before it has, a
+    tool_result after other blocks, and a tool_use that the next turn leaves unanswered."""
     m, where = messages[i], f"messages.{i}"
     last = i == len(messages) - 1
     if not m.content and not (last and m.role == "assistant"):
         raise _bad(f"{where}.content", "must not be empty (only the last assistant turn, a prefill, may be)")
     blocks = m.content if isinstance(m.content, list) else []
+    if isinstance(m.content, str) and m.content and not m.content.strip() and not last:
+        raise _bad(f"{where}.content", "must contain non-whitespace text")
     for j, block in enumerate(blocks):
-        if isinstance(block, dict) and block.get("type") == "text" and block.get("text") == "":
-            raise _bad(f"{where}.content.{j}.text", "a text block must not be empty")
+        if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str) \
+                and not block["text"].strip():
+            raise _bad(f"{where}.content.{j}.text", "a text block must contain non-whitespace text")
     if m.role == "user":
-        asked = set(_tool_use_ids(messages[i - 1])) if i else set()
-        for j, block in enumerate(blocks):
-            if isinstance(block, dict) and block.get("type") == "tool_result" and block.get("tool_use_id") not in asked:
+        asked = _tool_use_ids(messages[i - 1]) if i else []
+        kinds = [b.get("type") if isinstance(b, dict) else None for b in blocks]
+        answered = []
+        for j, (block, kind) in enumerate(zip(blocks, kinds)):
+            if kind != "tool_result":
+                continue
+            if any(k != "tool_result" for k in kinds[:j]):
+                raise _bad(f"{where}.content.{j}", "tool_result blocks must come first in the turn, before any "
+                                                   "other block")
+            if block.get("tool_use_id") not in asked:
                 raise _bad(f"{where}.content.{j}.tool_use_id", f"{block.get('tool_use_id')!r} answers no tool_use "
                                                                 "block of the assistant turn before it")
-    elif (ids := _tool_use_ids(m)) and not last:
-        answered = {b.get("tool_use_id") for b in messages[i + 1].content if isinstance(b, dict)} \
-            if isinstance(messages[i + 1].content, list) else set()
-        if missing := [t for t in ids if t not in answered]:
-            raise _bad(f"messages.{i + 1}.content", f"tool_use ids without a tool_result block here: "
-                                                    f"{', '.join(map(str, missing))}")
+            answered.append(block["tool_use_id"])
+        if missing := [t for t in asked if t not in answered]:
+            raise _bad(f"{where}.content", f"tool_use ids without a tool_result block here: "
+                                           f"{', '.join(map(str, missing))}")
+    elif ids := _tool_use_ids(m):
+        if len(set(ids)) < len(ids):
+            raise _bad(f"{where}.content", "tool_use ids must be unique within a turn")
+        if not last and messages[i + 1].role != "user":
+            raise _bad(f"messages.{i + 1}", "tool_use blocks must be answered by tool_result blocks in the user "
+                                            "turn after them")
 
 
 def _tool_use_ids(m: AnthropicMessage) -> list:

@@ -145,9 +145,10 @@ class CountRequests:
 
 
 class RequestId:
-    """ASGI middleware: every response carries an ``x-request-id`` header, as OpenAI's and
-    Anthropic's APIs send one: the client's own (up to 128 printable ASCII characters; a proxy's
-    trace id follows the request through), else a new ``req_`` id."""
+    """ASGI middleware: every response carries a request id, as OpenAI's API sends it
+    (``x-request-id``) and as Anthropic's does (``request-id``, which the anthropic SDK reads):
+    the client's own ``x-request-id`` (up to 128 printable ASCII characters; a proxy's trace id
+    follows the request through), else a new ``req_`` id."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -156,12 +157,13 @@ class RequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
-        rid = given if 0 < len(given) <= 128 and all(32 < c < 127 for c in given) else \
+        rid = given if 0 < len(given) <= 128 and all(32 <= c < 127 for c in given) else \
             f"req_{uuid.uuid4().hex}".encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid)]}
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid),
+                                                  (b"request-id", rid)]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)

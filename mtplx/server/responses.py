@@ -73,8 +73,14 @@ class ResponsesRequest(RequestBody):
         if self.previous_response_id is not None:
             raise _bad("previous_response_id", "this server stores no responses (it is stateless); send the whole "
                                                "conversation in input", "unsupported_value")
+        extra = self.model_extra or {}
+        top = extra.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise _bad("top_logprobs", f"must be an integer from 0 to 20, got {top!r}")
+        if extra.get("truncation") not in (None, "auto", "disabled"):
+            raise _bad("truncation", f"must be 'auto' or 'disabled', got {extra['truncation']!r}")
         for name, neutral in UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
+            value = extra.get(name)
             if not any(value == n and type(value) is type(n) for n in neutral):
                 raise _bad(name, "not supported by this server" + (
                     " (a conversation past the context is a 400, not cut)" if name == "truncation" else ""),

@@ -50,6 +50,9 @@ def response_format_grammar(engine, raw, param: str = "response_format", spec_at
         if not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
             raise APIError(400, f"{spec_at}.name: required, 1 to 64 letters, digits, underscores or dashes, got "
                                 f"{name!r}", param=f"{spec_at}.name", code="invalid_value")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise APIError(400, f"{spec_at}.strict: expected a boolean, got {spec['strict']!r}",
+                           param=f"{spec_at}.strict", code="invalid_value")
         schema = check_schema(spec["schema"], f"{spec_at}.schema")
         return compiler_for(engine).json_schema(schema, f"{spec_at}.schema")
     raise APIError(400, f"{param}.type: must be text, json_object or json_schema, got {kind!r}",
