@@ -286,6 +286,23 @@ def test_anthropic_tool_use_history_renders_as_the_openai_one(claude, oai):
     assert m.usage.input_tokens == counted.input_tokens
 
 
+def test_chat_refuses_tool_turns_openai_refuses(oai):
+    """A tool message that answers no tool call of the assistant message before it, and tool
+    calls that the next messages leave unanswered, are 400s naming where (as OpenAI's API); a
+    last assistant message's calls and a whole exchange pass."""
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    answer = lambda i: {"role": "tool", "tool_call_id": i, "content": "-3 C"}  # noqa: E731
+    for messages, param in (([*CHAT, answer("call_1")], "messages.1.tool_call_id"),
+                            ([*CHAT, call, answer("call_9")], "messages.2.tool_call_id"),
+                            ([*CHAT, call, *CHAT], "messages.2")):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=1)
+        assert err.value.body["param"] == param
+    for messages in ([*CHAT, call], [*CHAT, call, answer("call_1"), *CHAT]):
+        assert oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=1)
+
+
 def test_anthropic_refuses_histories_its_api_refuses(claude):
     """A tool_result for a tool_use the turn before did not make, a tool_use left unanswered by
     the next turn, an empty text block or an empty turn are 400s naming where (Anthropic's API

@@ -199,8 +199,29 @@ class ChatCompletionRequest(GenerationFields):
     def chat_messages(self) -> list[dict]:
         """Messages as {"role", "content": str} plus "tool_calls" (assistant) and "tool_call_id"
         (tool); "developer" is a system message. A 400 names the first message that is wrong."""
-        return [chat_message(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages.{i}")
-                for i, m in enumerate(self.messages)]
+        messages = [chat_message(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages.{i}")
+                    for i, m in enumerate(self.messages)]
+        check_tool_turns(messages)
+        return messages
+
+
+def check_tool_turns(messages: list[dict]) -> None:
+    """As OpenAI's API: a tool message answers a tool call of the assistant message its run of
+    tool messages follows, and an assistant message's tool calls (but the last message's) are
+    each answered by the tool messages right after it."""
+    asked: list[str] = []  # the open assistant message's call ids
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in asked:
+                raise APIError(400, f"messages.{i}.tool_call_id: {m['tool_call_id']!r} answers no tool call of the "
+                                    "assistant message before it", param=f"messages.{i}.tool_call_id",
+                               code="invalid_value")
+            asked.remove(m["tool_call_id"])
+            continue
+        if asked:
+            raise APIError(400, f"messages.{i}: the assistant message's tool calls {', '.join(asked)} need tool "
+                                "messages answering them first", param=f"messages.{i}", code="invalid_value")
+        asked = [c.id for c in m.get("tool_calls", ())]
 
 
 def article(word: str) -> str:
