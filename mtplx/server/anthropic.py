@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field
 
 from mtplx.batching.job import Delta, JobResult
 from mtplx.errors import InvalidParameter
-from mtplx.server.errors import APIError, anthropic_type
+from mtplx.server.errors import APIError, anthropic_type, bad_param
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
 from mtplx.server.protocol import RequestBody, article, chat_message, join_text, sse
 from mtplx.server.structured import tool_call_grammar
@@ -28,10 +28,6 @@ from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, chec
                                 split_tool_calls)
 
 router = APIRouter()
-
-
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
 class AnthropicMessage(RequestBody):
@@ -57,9 +53,9 @@ class PromptFields(RequestBody):
         tools = []
         for i, t in enumerate(self.tools or ()):
             if "input_schema" not in t and t.get("type") in (None, "custom"):
-                raise _bad(f"tools.{i}.input_schema", "a custom tool needs an input_schema (a JSON Schema object)")
+                raise bad_param(f"tools.{i}.input_schema", "a custom tool needs an input_schema (a JSON Schema object)")
             if "input_schema" not in t:
-                raise _bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
+                raise bad_param(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
                                          f"server tool type {t.get('type')!r} is not")
             tools.append(make_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
                                    "input_schema"))
@@ -73,19 +69,18 @@ class PromptFields(RequestBody):
         kind = raw.get("type")
         mode = {"auto": "auto", "none": "none", "any": "required", "tool": "function"}.get(kind)
         if mode is None:
-            raise _bad("tool_choice.type", f"must be one of auto, any, tool, none, got {kind!r}")
+            raise bad_param("tool_choice.type", f"must be one of auto, any, tool, none, got {kind!r}")
         if mode != "none" and not tools:
-            raise _bad("tool_choice", f"{kind!r} needs tools, and the request offers none")
+            raise bad_param("tool_choice", f"{kind!r} needs tools, and the request offers none")
         if mode == "function" and raw.get("name") not in {t.name for t in tools}:
-            raise _bad("tool_choice.name", f"{raw.get('name')!r} is not among the offered tools")
+            raise bad_param("tool_choice.name", f"{raw.get('name')!r} is not among the offered tools")
         return ToolChoice(mode, raw.get("name"))
 
     def chat_messages(self) -> list[dict]:
         out = []
         if self.system:
-            if isinstance(self.system, list) and any(isinstance(b, dict) and isinstance(b.get("text"), str)
-                                                     and not b["text"].strip() for b in self.system):
-                raise _bad("system", "a text block must contain non-whitespace text")
+            if isinstance(self.system, list) and any(_blank_text(b) for b in self.system):
+                raise bad_param("system", "a text block must contain non-whitespace text")
             out.append({"role": "system", "content": _text(self.system, "system")})
         for i, m in enumerate(self.messages):
             _check_turn(self.messages, i)
@@ -101,14 +96,13 @@ def _check_turn(messages: list[AnthropicMessage], i: int) -> None:
     m, where = messages[i], f"messages.{i}"
     last = i == len(messages) - 1
     if not m.content and not (last and m.role == "assistant"):
-        raise _bad(f"{where}.content", "must not be empty (only the last assistant turn, a prefill, may be)")
+        raise bad_param(f"{where}.content", "must not be empty (only the last assistant turn, a prefill, may be)")
     blocks = m.content if isinstance(m.content, list) else []
     if isinstance(m.content, str) and m.content and not m.content.strip() and not last:
-        raise _bad(f"{where}.content", "must contain non-whitespace text")
+        raise bad_param(f"{where}.content", "must contain non-whitespace text")
     for j, block in enumerate(blocks):
-        if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str) \
-                and not block["text"].strip():
-            raise _bad(f"{where}.content.{j}.text", "a text block must contain non-whitespace text")
+        if _blank_text(block):
+            raise bad_param(f"{where}.content.{j}.text", "a text block must contain non-whitespace text")
     if m.role == "user":
         asked = _tool_use_ids(messages[i - 1]) if i else []
         kinds = [b.get("type") if isinstance(b, dict) else None for b in blocks]
@@ -117,21 +111,27 @@ def _check_turn(messages: list[AnthropicMessage], i: int) -> None:
             if kind != "tool_result":
                 continue
             if any(k != "tool_result" for k in kinds[:j]):
-                raise _bad(f"{where}.content.{j}", "tool_result blocks must come first in the turn, before any "
+                raise bad_param(f"{where}.content.{j}", "tool_result blocks must come first in the turn, before any "
                                                    "other block")
             if block.get("tool_use_id") not in asked:
-                raise _bad(f"{where}.content.{j}.tool_use_id", f"{block.get('tool_use_id')!r} answers no tool_use "
+                raise bad_param(f"{where}.content.{j}.tool_use_id", f"{block.get('tool_use_id')!r} answers no tool_use "
                                                                 "block of the assistant turn before it")
             answered.append(block["tool_use_id"])
         if missing := [t for t in asked if t not in answered]:
-            raise _bad(f"{where}.content", f"tool_use ids without a tool_result block here: "
+            raise bad_param(f"{where}.content", f"tool_use ids without a tool_result block here: "
                                            f"{', '.join(map(str, missing))}")
     elif ids := _tool_use_ids(m):
         if len(set(ids)) < len(ids):
-            raise _bad(f"{where}.content", "tool_use ids must be unique within a turn")
+            raise bad_param(f"{where}.content", "tool_use ids must be unique within a turn")
         if not last and messages[i + 1].role != "user":
-            raise _bad(f"messages.{i + 1}", "tool_use blocks must be answered by tool_result blocks in the user "
+            raise bad_param(f"messages.{i + 1}", "tool_use blocks must be answered by tool_result blocks in the user "
                                             "turn after them")
+
+
+def _blank_text(block) -> bool:
+    """Whether ``block`` is a text block of whitespace alone (Anthropic's API refuses one)."""
+    return isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str) \
+        and not block["text"].strip()
 
 
 def _tool_use_ids(m: AnthropicMessage) -> list:
@@ -143,7 +143,7 @@ def _text(content, param: str) -> str:
     if isinstance(content, str):
         return content
     if not all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content):
-        raise _bad(param, "only text blocks ({\"type\": \"text\", \"text\": str}) are supported here")
+        raise bad_param(param, "only text blocks ({\"type\": \"text\", \"text\": str}) are supported here")
     return join_text(b["text"] for b in content)
 
 
@@ -162,7 +162,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
             text.append(block["text"])
         elif kind == "tool_use" and m.role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
-                raise _bad(at, "a tool_use block needs a name and an input object")
+                raise bad_param(at, "a tool_use block needs a name and an input object")
             calls.append(ToolCall(block["name"], json.dumps(block["input"]), id=str(block.get("id") or "")))
         elif kind == "tool_result" and m.role == "user":
             if text:
@@ -174,7 +174,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
                 result = f"Error: {result}"
             out.append(chat_message("tool", result, None, str(block.get("tool_use_id") or ""), at))
         else:
-            raise _bad(at, f"block type {kind!r} is not supported in {article(m.role)} message (text, tool_use in "
+            raise bad_param(at, f"block type {kind!r} is not supported in {article(m.role)} message (text, tool_use in "
                            "assistant messages, tool_result in user messages)")
     if m.role == "assistant":
         out.append({"role": "assistant", "content": join_text(text), **({"tool_calls": calls} if calls else {})})
@@ -199,9 +199,9 @@ class MessagesRequest(PromptFields):
     def check_supported(self) -> None:
         extra = self.model_extra or {}
         if extra.get("thinking") not in (None, {"type": "disabled"}):
-            raise _bad("thinking", "extended thinking is not supported")
+            raise bad_param("thinking", "extended thinking is not supported")
         if isinstance(extra.get("output_config"), dict) and extra["output_config"].get("format") is not None:
-            raise _bad("output_config.format", "structured output is not supported yet")
+            raise bad_param("output_config.format", "structured output is not supported yet")
 
     def sampling(self, default_temperature: float) -> dict:
         return dict(temperature=default_temperature if self.temperature is None else self.temperature,

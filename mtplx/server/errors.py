@@ -51,6 +51,11 @@ class APIError(Exception):
                             self.status, headers=self.headers)
 
 
+def bad_param(param: str, message: str, code: str = "invalid_value") -> APIError:
+    """A 400 naming ``param``: its message starts with the parameter's path."""
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None, path: str = "",
                status: int = 400) -> dict:
     """OpenAI's ``{"error": {message, type, param, code}}``, or on an Anthropic route (``path``)

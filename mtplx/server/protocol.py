@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtplx.batching.job import JobResult
-from mtplx.server.errors import APIError, error_body
+from mtplx.server.errors import APIError, bad_param, error_body
 from mtplx.server.tools import (ROLES, ToolCall, ToolCallStream, ToolChoice, parse_tool_choice, parse_tools,
                                 split_tool_calls)
 
@@ -86,7 +86,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
-def _neutral(value, neutral: tuple) -> bool:
+def is_neutral(value, neutral: tuple) -> bool:
     """Whether ``value`` is one of the neutral values, of the same type (true is not 1)."""
     return any(value == n and type(value) is type(n) for n in neutral)
 
@@ -120,7 +120,7 @@ class GenerationFields(RequestBody):
     def check_supported(self) -> None:
         """400 for features this server does not offer, instead of silently ignoring them."""
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and not _neutral(value, UNSUPPORTED_FIELDS[name]):
+            if name in UNSUPPORTED_FIELDS and not is_neutral(value, UNSUPPORTED_FIELDS[name]):
                 raise APIError(400, f"{name}: not supported by this server (ignoring it would change the output)",
                                param=name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:
@@ -213,14 +213,13 @@ def check_tool_turns(messages: list[dict]) -> None:
     for i, m in enumerate(messages):
         if m["role"] == "tool":
             if m["tool_call_id"] not in asked:
-                raise APIError(400, f"messages.{i}.tool_call_id: {m['tool_call_id']!r} answers no tool call of the "
-                                    "assistant message before it", param=f"messages.{i}.tool_call_id",
-                               code="invalid_value")
+                raise bad_param(f"messages.{i}.tool_call_id", f"{m['tool_call_id']!r} answers no tool call of the "
+                                                              "assistant message before it")
             asked.remove(m["tool_call_id"])
             continue
         if asked:
-            raise APIError(400, f"messages.{i}: the assistant message's tool calls {', '.join(asked)} need tool "
-                                "messages answering them first", param=f"messages.{i}", code="invalid_value")
+            raise bad_param(f"messages.{i}", f"the assistant message's tool calls {', '.join(asked)} need tool "
+                                             "messages answering them first")
         asked = [c.id for c in m.get("tool_calls", ())]
 
 
@@ -231,20 +230,17 @@ def article(word: str) -> str:
 
 
 def chat_message(role: str, content, tool_calls: list | None, tool_call_id: str | None, where: str) -> dict:
-    def bad(param: str, message: str) -> APIError:
-        return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
-
     if content is None and not (role == "assistant" and tool_calls):
-        raise bad(f"{where}.content", f"{article(role)} message needs content (a string or text parts), got null")
+        raise bad_param(f"{where}.content", f"{article(role)} message needs content (a string or text parts), got null")
     message = {"role": "system" if role == "developer" else role,
                "content": "" if content is None else text_of(content, f"{where}.content", role == "assistant")}
     if tool_calls:
         if role != "assistant":
-            raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
+            raise bad_param(f"{where}.tool_calls", "only assistant messages carry tool calls")
         message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(tool_calls)]
     if role == "tool":
         if not tool_call_id:
-            raise bad(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
+            raise bad_param(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
         message["tool_call_id"] = tool_call_id
     return message
 

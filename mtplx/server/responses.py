@@ -21,18 +21,15 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
 from mtplx.batching.job import Delta, JobResult
-from mtplx.server.errors import APIError
+from mtplx.server.errors import APIError, bad_param
 from mtplx.server.openai import chat_prompt, engine_requests, respond_with
-from mtplx.server.protocol import MAX_TEMPERATURE, RequestBody, chat_message, join_text, sse
+from mtplx.server.protocol import (MAX_TEMPERATURE, MAX_TOP_LOGPROBS, RequestBody, chat_message, is_neutral,
+                                   join_text, sse)
 from mtplx.server.structured import response_format_grammar, tool_call_grammar
 from mtplx.server.tools import (Tool, ToolCall, ToolCallStream, ToolChoice, check_unique_names, make_tool,
                                 parse_tool_choice, split_tool_calls)
 
 router = APIRouter()
-
-
-def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
 # OpenAI's fields this server does not implement, each a 400 unless one of its neutral values
@@ -71,18 +68,17 @@ class ResponsesRequest(RequestBody):
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
-            raise _bad("previous_response_id", "this server stores no responses (it is stateless); send the whole "
+            raise bad_param("previous_response_id", "this server stores no responses (it is stateless); send the whole "
                                                "conversation in input", "unsupported_value")
         extra = self.model_extra or {}
         top = extra.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-            raise _bad("top_logprobs", f"must be an integer from 0 to 20, got {top!r}")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise bad_param("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
         if extra.get("truncation") not in (None, "auto", "disabled"):
-            raise _bad("truncation", f"must be 'auto' or 'disabled', got {extra['truncation']!r}")
+            raise bad_param("truncation", f"must be 'auto' or 'disabled', got {extra['truncation']!r}")
         for name, neutral in UNSUPPORTED.items():
-            value = extra.get(name)
-            if not any(value == n and type(value) is type(n) for n in neutral):
-                raise _bad(name, "not supported by this server" + (
+            if not is_neutral(extra.get(name), neutral):
+                raise bad_param(name, "not supported by this server" + (
                     " (a conversation past the context is a 400, not cut)" if name == "truncation" else ""),
                            "unsupported_value")
 
@@ -90,7 +86,7 @@ class ResponsesRequest(RequestBody):
         tools = []
         for i, t in enumerate(self.tools or ()):
             if t.get("type") != "function":
-                raise _bad(f"tools.{i}.type", f"only function tools are supported, got {t.get('type')!r}")
+                raise bad_param(f"tools.{i}.type", f"only function tools are supported, got {t.get('type')!r}")
             tools.append(make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools.{i}"))
         check_unique_names(tools, "tools")
         return tools
@@ -116,7 +112,7 @@ class ResponsesRequest(RequestBody):
         for i, item in enumerate(self.input):
             _add_item(out, item, f"input.{i}")
         if not out:  # (a chat template refuses an empty conversation)
-            raise _bad("input", "holds no item and there are no instructions: give at least one message")
+            raise bad_param("input", "holds no item and there are no instructions: give at least one message")
         return out
 
     def sampling(self, default_temperature: float) -> dict:
@@ -129,17 +125,17 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
-            raise _bad(f"{where}.role", f"must be one of user, system, developer, assistant, got {role!r}")
+            raise bad_param(f"{where}.role", f"must be one of user, system, developer, assistant, got {role!r}")
         content = item.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                        and isinstance(p.get("text"), str) for p in content):
-                raise _bad(f"{where}.content", "only text parts (input_text, output_text) are supported")
+                raise bad_param(f"{where}.content", "only text parts (input_text, output_text) are supported")
             content = join_text(p["text"] for p in content)
         out.append(chat_message(role, content, None, None, where))
     elif kind == "function_call":
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-            raise _bad(where, "a function_call item needs call_id, name and arguments (strings)")
+            raise bad_param(where, "a function_call item needs call_id, name and arguments (strings)")
         call = ToolCall(item["name"], item["arguments"], id=item["call_id"])
         if out and out[-1]["role"] == "assistant":
             out[-1].setdefault("tool_calls", []).append(call)
@@ -148,13 +144,13 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
     elif kind == "function_call_output":
         output = item.get("output")
         if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-            raise _bad(where, "a function_call_output item needs call_id and output (strings)")
+            raise bad_param(where, "a function_call_output item needs call_id and output (strings)")
         calls = {c.id for m in out for c in m.get("tool_calls", ())}
         if item["call_id"] not in calls:  # (as OpenAI: an output answers a call the input holds)
-            raise _bad(f"{where}.call_id", f"no function_call item before it has call_id {item['call_id']!r}")
+            raise bad_param(f"{where}.call_id", f"no function_call item before it has call_id {item['call_id']!r}")
         out.append(chat_message("tool", output, None, item["call_id"], where))
     else:
-        raise _bad(f"{where}.type", f"item type {kind!r} is not supported (message, function_call, "
+        raise bad_param(f"{where}.type", f"item type {kind!r} is not supported (message, function_call, "
                                     "function_call_output)")
 
 

@@ -9,7 +9,7 @@ import functools
 import re
 
 from mtplx.engine.constraints import Grammar, GrammarCompiler
-from mtplx.server.errors import APIError
+from mtplx.server.errors import APIError, bad_param
 from mtplx.server.tools import HermesParser, Llama3JsonParser, Tool, ToolChoice, check_schema
 
 
@@ -36,27 +36,22 @@ def response_format_grammar(engine, raw, param: str = "response_format", spec_at
     if raw is None or raw == {"type": "text"}:
         return None
     if not isinstance(raw, dict):
-        raise APIError(400, f"{param}: must be an object such as {{\"type\": \"json_object\"}}, got {raw!r}",
-                       param=param, code="invalid_value")
+        raise bad_param(param, f"must be an object such as {{\"type\": \"json_object\"}}, got {raw!r}")
     kind = raw.get("type")
     if kind == "json_object":
         return compiler_for(engine).json_schema({"type": "object"}, param)
     if kind == "json_schema":
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise APIError(400, f"{spec_at}: expected {{'name': ..., 'schema': {{...}}, 'strict': ...}}",
-                           param=spec_at, code="invalid_value")
+            raise bad_param(spec_at, "expected {'name': ..., 'schema': {...}, 'strict': ...}")
         name = spec.get("name")
         if not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
-            raise APIError(400, f"{spec_at}.name: required, 1 to 64 letters, digits, underscores or dashes, got "
-                                f"{name!r}", param=f"{spec_at}.name", code="invalid_value")
+            raise bad_param(f"{spec_at}.name", f"required, 1 to 64 letters, digits, underscores or dashes, got {name!r}")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise APIError(400, f"{spec_at}.strict: expected a boolean, got {spec['strict']!r}",
-                           param=f"{spec_at}.strict", code="invalid_value")
+            raise bad_param(f"{spec_at}.strict", f"expected a boolean, got {spec['strict']!r}")
         schema = check_schema(spec["schema"], f"{spec_at}.schema")
         return compiler_for(engine).json_schema(schema, f"{spec_at}.schema")
-    raise APIError(400, f"{param}.type: must be text, json_object or json_schema, got {kind!r}",
-                   param=f"{param}.type", code="invalid_value")
+    raise bad_param(f"{param}.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 
 def tool_call_grammar(engine, tools: list[Tool], choice: ToolChoice, parser, param: str = "tool_choice",

@@ -21,14 +21,10 @@ from dataclasses import dataclass, field
 
 import jsonschema
 
-from mtplx.server.errors import APIError
+from mtplx.server.errors import bad_param
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
 # -- the request's tools ---------------------------------------------------------------------
@@ -46,12 +42,12 @@ class Tool:
 def check_schema(schema, param: str) -> dict:
     """``schema`` if it is a valid JSON Schema object (draft 2020-12), else a 400 naming ``param``."""
     if not isinstance(schema, dict):
-        raise _bad(param, f"must be a JSON Schema object, got {type(schema).__name__}")
+        raise bad_param(param, f"must be a JSON Schema object, got {type(schema).__name__}")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise _bad(param, f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+        raise bad_param(param, f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
     return schema
 
 
@@ -59,9 +55,9 @@ def make_tool(name, description, parameters, param: str, schema_field: str = "pa
     """A tool from a request's entry ``param`` (``tools.0``); ``schema_field``: what the protocol
     calls its schema (Anthropic's ``input_schema``), for the errors."""
     if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise _bad(f"{param}.name", f"must be 1-64 characters of a-z, A-Z, 0-9, '_', '.', '-', got {name!r}")
+        raise bad_param(f"{param}.name", f"must be 1-64 characters of a-z, A-Z, 0-9, '_', '.', '-', got {name!r}")
     if description is not None and not isinstance(description, str):
-        raise _bad(f"{param}.description", "must be a string")
+        raise bad_param(f"{param}.description", "must be a string")
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters
     return Tool(name, description or "", check_schema(parameters, f"{param}.{schema_field}"))
 
@@ -71,12 +67,12 @@ def parse_tools(raw, param: str = "tools") -> list[Tool]:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise _bad(param, "must be a list of tools")
+        raise bad_param(param, "must be a list of tools")
     tools = []
     for i, item in enumerate(raw):
         where = f"{param}.{i}"
         if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
-            raise _bad(where, 'each tool must be {"type": "function", "function": {"name", "parameters", ...}}')
+            raise bad_param(where, 'each tool must be {"type": "function", "function": {"name", "parameters", ...}}')
         fn = item["function"]
         tools.append(make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function"))
     check_unique_names(tools, param)
@@ -87,7 +83,7 @@ def check_unique_names(tools: list[Tool], param: str) -> None:
     names = [t.name for t in tools]
     for name in names:
         if names.count(name) > 1:
-            raise _bad(param, f"two tools are named {name!r}")
+            raise bad_param(param, f"two tools are named {name!r}")
 
 
 @dataclass(frozen=True)
@@ -111,11 +107,11 @@ def parse_tool_choice(raw, tools: list[Tool], param: str = "tool_choice") -> Too
     elif isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("function"), dict):
         choice = ToolChoice("function", raw["function"].get("name"))
     else:
-        raise _bad(param, 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+        raise bad_param(param, 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
     if choice.mode != "none" and not tools:
-        raise _bad(param, f"{choice.mode!r} needs tools, and the request offers none")
+        raise bad_param(param, f"{choice.mode!r} needs tools, and the request offers none")
     if choice.mode == "function" and choice.name not in {t.name for t in tools}:
-        raise _bad(param, f"names {choice.name!r}, which is not among the offered tools")
+        raise bad_param(param, f"names {choice.name!r}, which is not among the offered tools")
     return choice
 
 
