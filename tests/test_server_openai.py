@@ -335,8 +335,10 @@ def test_unknown_model_and_route_are_404_in_the_openai_shape(client, url):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     assert err.value.body["code"] == "model_not_found" and "'tiny'" in err.value.body["message"]
+    assert err.value.body["type"] == "invalid_request_error"  # as OpenAI's API answers
     r = httpx.post(f"{url}/v1/nothing", json={})
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

@@ -16,7 +16,7 @@ log = logging.getLogger("mtplx.server")
 
 RETRY_AFTER_S = 1  # what a client told "queue full" should wait before retrying
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           431: "invalid_request_error", 503: "server_error"}
 
