@@ -268,61 +268,6 @@ def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_p
     engine.runner.blocks.check_invariants()
 
 
-@pytest.mark.parametrize("depth", [0, 2])
-def test_a_new_rows_first_token_stays_on_the_device_until_the_cycle_it_joins_is_read(depth):
-    """A row prefilled while a chained cycle is in flight keeps its first token on the device
-    (no host sync); the join writes it into the chain's inputs and the host reads it with the
-    first outcome of the cycle it joined. A row that stops at that token (max_tokens 1) ends
-    there; rows whose join is not taken (more than the places) read theirs before the chain
-    restarts; a row released before it steps leaves nothing behind. Every row decodes what it
-    decodes alone, unchained."""
-    engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
-    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
-    mode = dict(mode="mtp", depth=depth) if depth else dict(mode="ar")
-    kwargs = [dict(max_tokens=1 if i == 4 else 14, **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(9)]
-    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(JOIN_PROMPTS, kwargs)]
-    gen = engine.generator
-    gen.chain.enabled = True
-    events = []
-    gen.observers.append(lambda event, s: events.append((event, s.seq_id)))
-    seqs = [start(engine, p, **kw) for p, kw in zip(JOIN_PROMPTS[:4], kwargs)]
-    assert all(s.first_token is None for s in seqs)  # nothing in flight: read at once
-    new = lambda i: start(engine, JOIN_PROMPTS[i], **kwargs[i])  # noqa: E731
-    with torch.inference_mode():
-        engine.step(seqs)
-        engine.step(seqs)
-        gen.release(seqs[0])  # cancelled: its place is free
-        seqs.append(new(4))
-        row = seqs[4]
-        assert row.first_token is not None and row.tokens == JOIN_PROMPTS[4] and row.length == len(row.tokens) + 1
-        engine.step(seqs[1:5])  # joins; commits the cycle before it
-        assert ("chain_join", row.seq_id) in events and row.first_token is not None
-        result = engine.step(seqs[1:5])  # commits the cycle it joined: its token is read, and it stops
-        assert row.first_token is None and row in result.advanced and row.finish_reason == "length"
-        assert row.generated == alone[4] and row.stats.ttft_s > 0
-        gen.release(row)
-        gen.release(seqs[1])
-        cancelled = new(8)
-        assert cancelled.first_token is not None
-        gen.release(cancelled)
-        seqs += [new(5), new(6), new(7)]  # three rows, two places: the chain restarts
-        live = seqs[2:4] + seqs[5:]
-        assert all(s.first_token is not None for s in seqs[5:])
-        while live:
-            engine.step(live)
-            assert all(s.first_token is None for s in seqs[5:])
-            for s in [s for s in live if s.finished]:
-                gen.release(s)
-                live.remove(s)
-    assert not any(e == "chain_join" for e, i in events if i in {s.seq_id for s in seqs[5:]})
-    for i in (2, 3, 4, 5, 6, 7):
-        assert seqs[i].generated == alone[i], i
-    for i in (0, 1):
-        assert seqs[i].generated == alone[i][: len(seqs[i].generated)]
-    assert engine.runner.blocks.num_used_blocks == 0
-    engine.runner.blocks.check_invariants()
-
-
 def test_a_fault_hook_sees_no_forward_of_a_ghost():
     """A chain's ghost is a request that is over: fault drills' "forward" point is called for
     the live rows of a chained cycle only (a hook on a finished request failed the others)."""

@@ -42,7 +42,7 @@ from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step, torch_argmax
 from mtplx.engine.sampling import SamplerBatch, apply_penalties
-from mtplx.engine.sequence import Sequence, UnreadTokens
+from mtplx.engine.sequence import Sequence
 from mtplx.engine.speculative import CycleOutcome, greedy_outcome, sampled_outcome
 from mtplx.engine.stats import DecodeStats
 
@@ -185,38 +185,12 @@ class Generator:
         if not done:
             return
         last = torch.stack([hidden[r, len(rows[r]) - 1] for r in done])
-        finishing, logits = [seqs[r] for r in done], self.runner.logits(last)
-        if self._defers_first(finishing):
-            unread = UnreadTokens(self._draw_rows(finishing, logits))
-            for i, seq in enumerate(finishing):
-                seq.first_token = unread, i
-            return
-        for seq, token in zip(finishing, self._sample_rows(finishing, logits)):
-            self._take_first(seq, token)
-
-    def _defers_first(self, seqs: list[Sequence]) -> bool:
-        """Whether new rows' first tokens stay on the device, unread, for the rows to join the
-        chained cycle in flight (``_join_chain`` writes them into its inputs): the host reads them
-        with that cycle's outcome instead of waiting for the prefill, so the device does not idle
-        between the prefill and the join. Rows the chain could take: its mode, the device path."""
-        flight = self.chain.flight
-        return (flight is not None and self.fault_hook is None and self._device_rows(seqs)
-                and all(s.mode == flight.seqs[0].mode for s in seqs))
-
-    def _read_first(self, seqs: list[Sequence]) -> None:
-        """Read and commit the first token of each row whose token is unread (``_defers_first``):
-        before any path but a join reads the host's state."""
-        for seq in seqs:
-            if seq.first_token is not None:
-                unread, i = seq.first_token
-                seq.first_token = None
-                self._take_first(seq, unread.read(i))
-
-    def _take_first(self, seq: Sequence, token: int) -> None:
+        tokens = self._sample_rows([seqs[r] for r in done], self.runner.logits(last))
         now = time.perf_counter()
-        seq.stats.ttft_s = now - seq.t_start
-        seq.t_first = now
-        self._append(seq, [token])
+        for r, token in zip(done, tokens):
+            seqs[r].stats.ttft_s = now - seqs[r].t_start
+            seqs[r].t_first = now
+            self._append(seqs[r], [token])
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> StepResult:
@@ -237,7 +211,6 @@ class Generator:
             return result
         if self._join_chain(seqs, depths, result):
             return result
-        self._read_first(seqs)
         self.drain(result)
         for s in seqs:  # the drained cycle may have reached the context's end
             if len(s.tokens) >= self.kv.max_context and not s.finished:
@@ -265,7 +238,7 @@ class Generator:
     def _room(self, seq: Sequence) -> int:
         """The deepest cycle that keeps the row within the context: it commits up to depth + 1
         tokens, so a row 1 token short of the end drafts none (an AR step) and ends where AR does."""
-        return max(0, self.kv.max_context - seq.length - 1)
+        return max(0, self.kv.max_context - len(seq.tokens) - 1)
 
     def _mtp_depths(self, seqs: list[Sequence]) -> list[int]:
         if all(s.depth_plan is None for s in seqs):
@@ -341,11 +314,6 @@ class Generator:
             if seq.seq_id in result.failed or token is None:
                 continue
             try:
-                if seq.first_token is not None:  # a row that joined the chain: its first cycle verified it
-                    self._read_first([seq])
-                    if seq.finished:
-                        result.advanced.append(seq)
-                        continue
                 if seq.mode == "mtp" and not drafted:
                     seq.stats.ar_steps += 1
                     seq.hidden_backlog = _cat(seq.hidden_backlog, hidden[r, :1])
@@ -686,8 +654,8 @@ class Generator:
         """One token per row from logits [rows, V], each with its own sampler and noise stream;
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
         recorded there (its token is None); without, the exception propagates."""
-        if self.fault_hook is None and all(s.counts is None and not s.host_path for s in seqs):
-            return self._draw_rows(seqs, logits).tolist()  # the step's one host sync
+        if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
+            return torch_argmax(logits).tolist()  # the step's one host sync
         sampler = self._sampler_for(seqs)
         logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
@@ -709,14 +677,6 @@ class Generator:
             probs = probs[rows]
         tokens = iter(sampler.draw(probs, rows).tolist())  # one sync
         return [None if r in failed else next(tokens) for r in range(len(seqs))]
-
-    def _draw_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """``_sample_rows`` without a host sync, for rows without penalties or host work and no
-        fault hook: their tokens [rows] on the device."""
-        if all(s.params.greedy for s in seqs):
-            return torch_argmax(logits)
-        sampler = self._sampler_for(seqs)
-        return sampler.draw(sampler.probs(logits), list(range(len(seqs))))
 
     # -- commit --------------------------------------------------------------------------
     def _append(self, seq: Sequence, new_tokens: list[int]) -> None:

@@ -311,16 +311,14 @@ class ModelRunner:
         tables = []
         width = width if depth else 0
         for seq in seqs:
-            # an unread first token (a row joining a chain) is a placeholder, written on the device (CycleBuffers.join)
-            tokens = seq.tokens if seq.first_token is None else seq.tokens + [0]
-            catch_up = tokens[seq.head_len: seq.trunk_len + 1] if depth else []  # depth 0: an AR step
+            catch_up = seq.tokens[seq.head_len: seq.trunk_len + 1] if depth else []  # depth 0: an AR step
             _, pos, slots = self.row_layout(seq, seq.head_len, len(catch_up), width) if depth else (None, [], [])
             steps = [self.row_layout(seq, *draft_step(seq, j), 1)[1:] for j in range(depth - 1)]
             own = min(seq.depth, depth)  # an MTP row stepped AR (depth 0) verifies one token
             table, verify_pos, verify_slots = self.row_layout(seq, seq.trunk_len, 1 + own, depth + 1)
             row = {"catch_up_ids": pad_row(catch_up, width), "catch_up_pos": pos, "catch_up_slots": slots,
                    "last": [max(len(catch_up) - 1, 0)], "draft_pos": [p[0] for p, _ in steps],
-                   "draft_slots": [sl[0] for _, sl in steps], "primary": [tokens[seq.trunk_len]],
+                   "draft_slots": [sl[0] for _, sl in steps], "primary": [seq.tokens[seq.trunk_len]],
                    "verify_pos": verify_pos, "verify_slots": verify_slots, "depths": [own]}
             for name in CYCLE_FIELDS:
                 fields[name].append(row[name])
@@ -664,35 +662,23 @@ class CycleBuffers:
 
     def join(self, seqs: list[Sequence], rows: list[int], backlog: torch.Tensor | None) -> None:
         """Rows ``rows`` become ``seqs``' (a chain's joining rows): their fields and whole
-        table rows in two scatters from one asynchronous copy to the device, then their backlog.
-        A row's first token still unread on the device (``Sequence.first_token``) is scattered
-        from there into its primary and its catch-up's last pair."""
+        table rows in two scatters from one asynchronous copy to the device, then their backlog."""
         fields, tables = self.runner.cycle_layout(seqs, self.depth + 1, self.depth)
         ints, table_cells, values, table_values = [], [], [], []
-        at = {name: view.storage_offset() - self.ints.storage_offset() for name, view in self.fields.items()}
         for name, view in self.fields.items():
-            width = view.shape[1]
+            at, width = view.storage_offset() - self.ints.storage_offset(), view.shape[1]
             for r, row in zip(rows, fields[name]):
-                ints += range(at[name] + r * width, at[name] + (r + 1) * width)
+                ints += range(at + r * width, at + (r + 1) * width)
                 values += row
         width = self.tables.shape[1]
         for r, table in zip(rows, tables):
             table_cells += range(r * width, (r + 1) * width)
             table_values += table + [self.runner.cache.scratch_block] * (width - len(table))
-        unread = [(i, s.first_token) for i, s in enumerate(seqs) if s.first_token is not None]
-        first_cells = []  # each unread token's cells: its primary, then its catch-up's last id
-        for i, _ in unread:
-            first_cells.append(at["primary"] + rows[i])
-            if self.depth:
-                first_cells.append(at["catch_up_ids"] + rows[i] * (self.depth + 1) + fields["last"][i][0])
-        staged = torch.tensor(ints + table_cells + values + table_values + first_cells, dtype=torch.long)
+        staged = torch.tensor(ints + table_cells + values + table_values, dtype=torch.long)
         staged = staged.to(self.ints.device, non_blocking=True)  # (pageable: staged by the copy at once)
         n, m = len(ints), len(table_cells)
         self.ints.index_copy_(0, staged[:n], staged[n + m: 2 * n + m])
-        self.tables.view(-1).index_copy_(0, staged[n: n + m], staged[2 * n + m: 2 * (n + m)])
-        if unread:
-            tokens = torch.cat([t.device[j: j + 1] for _, (t, j) in unread])
-            self.ints.index_copy_(0, staged[2 * (n + m):], tokens.repeat_interleave(2 if self.depth else 1))
+        self.tables.view(-1).index_copy_(0, staged[n: n + m], staged[2 * n + m:])
         if backlog is not None:
             for i, r in enumerate(rows):
                 self.backlog[r, : backlog.shape[1]].copy_(backlog[i])

@@ -15,26 +15,6 @@ from mtplx.engine.stats import DecodeStats
 _ids = itertools.count()
 
 
-class UnreadTokens:
-    """Tokens sampled on the device whose values the host reads later: a copy to pinned memory
-    is queued behind the sampling, so a read after any later sync does not wait (a new row's first
-    token, written into the chained cycle it joins before the host knows it: generator.py)."""
-
-    def __init__(self, tokens: torch.Tensor):
-        self.device = tokens  # [n] long
-        self.host, self._copied = tokens, None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def read(self, i: int) -> int:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return int(self.host[i])
-
-
 @dataclass
 class Sequence:
     """Committed tokens and how far the trunk and the MTP head have cached them.
@@ -68,7 +48,6 @@ class Sequence:
     pending_logprobs: torch.Tensor | None = None  # this step's candidate rows [n, V]
     prompt_logprobs: list | None = None  # per prompt token after the first, as ``logprobs``; None: not asked
     prompt_top_logprobs: int = 0
-    first_token: tuple[UnreadTokens, int] | None = None  # the first token, sampled on the device, not yet read (its index there)
     finish_reason: str | None = None
     cancelled: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -78,11 +57,6 @@ class Sequence:
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
-
-    @property
-    def length(self) -> int:
-        """The sequence's length, an unread first token (``first_token``) counted."""
-        return len(self.tokens) + (self.first_token is not None)
 
     @property
     def num_generated(self) -> int:
