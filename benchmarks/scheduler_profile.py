@@ -5,7 +5,7 @@ time) means the host, not the GPU, sets the pace.
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--per-stream 3] [--cprofile] [--graph-time]
+        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ class StepCounter:
             self.event = event
 
     def __enter__(self):
+        self.last_end = None  # (a counter entered again, a later round: the time between runs is no step's)
+
         def step(seqs):
             t0 = time.perf_counter()
             self.event = None
@@ -148,28 +151,49 @@ class GraphTimer:
                 "gpu_graph_us_per_step": graph / steps}
 
 
-def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, cprofile: bool = False,
-        draft_policy: str = "auto", graph_time: bool = False, per_stream: int = 1) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+class Config:
+    """One mode at one width and regime: its requests (the same list every run; with
+    ``per_stream`` > 1 their lengths vary, so rows end apart and new ones join a running batch)
+    and its plain runs, added up over rounds."""
 
-    gen_mode = "mtp" if mode == "mtp_batch" else "ar"
+    def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
+                 per_stream: int):
+        self.engine, self.mode, self.width = engine, mode, width
+        self.args = (sampling, depth, max_tokens, draft_policy, per_stream)
+        self.counter = StepCounter(engine)
+        self.elapsed, self.tokens, self.rounds = 0.0, 0, []  # rounds: each plain run's tok/s
 
-    def requests():
-        reqs = chat_requests(engine, HELD_OUT_CHAT, width * per_stream, gen_mode, depth, max_tokens, sampling,
-                             draft_policy, 7)
-        if per_stream > 1:  # requests end apart, so new ones join a running batch
+    def requests(self) -> list:
+        sampling, depth, max_tokens, draft_policy, per_stream = self.args
+        gen_mode = "mtp" if self.mode == "mtp_batch" else "ar"
+        reqs = chat_requests(self.engine, HELD_OUT_CHAT, self.width * per_stream, gen_mode, depth, max_tokens,
+                             sampling, draft_policy, 7)
+        if per_stream > 1:
             for i, r in enumerate(reqs):
                 r.max_tokens = max(1, max_tokens // 2 + (i * 29) % (max_tokens + 1))
         return reqs
 
-    def run():  # ``width`` clients in a closed loop
-        return run_clients(engine, mode, requests(), width)
+    def run(self):  # ``width`` clients in a closed loop
+        return run_clients(self.engine, self.mode, self.requests(), self.width)
 
-    run()  # warm-up
-    with StepCounter(engine) as plain:
-        elapsed, results = run()
-    tokens = sum(r.completion_tokens for r in results)
+    def plain(self) -> None:
+        """One run counted: its wall time, tokens and steps (by kind)."""
+        with self.counter:
+            elapsed, results = self.run()
+        tokens = sum(r.completion_tokens for r in results)
+        self.elapsed += elapsed
+        self.tokens += tokens
+        self.rounds.append(tokens / elapsed)
+
+
+def one(config: Config, cprofile: bool = False, graph_time: bool = False) -> dict:
+    """The plain runs' figures (over every round), then one run under the CUDA profiler (and
+    cProfile, CUDA events where asked)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, mode, width, run, plain = config.engine, config.mode, config.width, config.run, config.counter
+    elapsed, tokens = config.elapsed, config.tokens
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with StepCounter(engine) as profiled, profile(activities=[activity]) as prof:
         run()
@@ -178,12 +202,13 @@ def one(engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, c
     rows = kernel_rows(prof, profiled.calls, name_chars=80)
     kernel_us = sum(r[2] for r in rows)
     wall_us = elapsed * 1e6 / plain.calls
-    extra = {"host_profile": host_profile(engine, mode, requests(), width, plain.calls)} if cprofile else {}
+    extra = {"host_profile": host_profile(engine, mode, config.requests(), width, plain.calls)} if cprofile else {}
     if graph_time and engine.runner.graphs is not None:
         with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
             run()
         extra["graph_time"] = timer.per_step(timed.calls)
-    return {**extra, "tok_s": tokens / elapsed, "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
+    return {**extra, "tok_s": tokens / elapsed, "rounds_tok_s": [round(t, 1) for t in config.rounds],
+            "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
             "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
             "steps_by_kind": plain.breakdown(),
             "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
@@ -205,6 +230,9 @@ def main() -> None:
     ap.add_argument("--per-stream", type=int, default=1,
                     help="requests per client, in a closed loop; over 1, their lengths vary from half to 1.5x "
                          "--max-tokens (rows leave and join a running batch)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="plain runs of each mode, mtp_batch and ar_batch alternating; tok/s over all of them, "
+                         "and the median of the rounds' ratios")
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
@@ -223,12 +251,26 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
               "max_tokens": args.max_tokens, "per_stream": args.per_stream, "runs": {}}
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    report["rounds"] = args.rounds
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
-            for mode in ("mtp_batch", "ar_batch"):
-                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(engine, mode, width, REGIMES[regime], depth,
-                                                                     args.max_tokens, args.cprofile, args.draft_policy,
-                                                                     args.graph_time, args.per_stream)
+            configs = {mode: Config(engine, mode, width, REGIMES[regime], depth, args.max_tokens, args.draft_policy,
+                                    args.per_stream) for mode in ("mtp_batch", "ar_batch")}
+            for config in configs.values():
+                config.run()  # warm-up
+            for _ in range(args.rounds):
+                for config in configs.values():
+                    config.plain()
+            ratios = [m / a for m, a in zip(configs["mtp_batch"].rounds, configs["ar_batch"].rounds)]
+            report["runs"][f"{regime}/x{width}"] = {"mtp_over_ar": configs["mtp_batch"].tokens
+                                                    / configs["mtp_batch"].elapsed
+                                                    / (configs["ar_batch"].tokens / configs["ar_batch"].elapsed),
+                                                    "median_round_ratio": statistics.median(ratios),
+                                                    "round_ratios": [round(x, 3) for x in ratios]}
+            for mode, config in configs.items():
+                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
@@ -243,6 +285,9 @@ def main() -> None:
                     for f in r.get("host_profile", {}).get(order, [])[:25]:
                         print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum "
                               f"{f['calls_per_step']:6.1f}x  {f['function']}")
+            pair = report["runs"][f"{regime}/x{width}"]
+            print(f"{regime} x{width}: mtp_batch / ar_batch {pair['mtp_over_ar']:.3f} over {args.rounds} rounds "
+                  f"(median round {pair['median_round_ratio']:.3f}: {pair['round_ratios']})", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 
