@@ -474,6 +474,10 @@ def test_allowed_origins_get_cors_answers_before_the_key_check(engine):
         assert httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Origin": page}).status_code == 401
         other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
         assert "access-control-allow-origin" not in other.headers
+        assert other.status_code == 400 and other.json()["error"]["type"] == "invalid_request_error"
+        assert "Disallowed CORS origin" in other.json()["error"]["message"]  # JSON, in the route's shape
+        other = httpx.options(f"{base}/v1/messages", headers={**preflight, "Origin": "http://evil.test"})
+        assert other.status_code == 400 and other.json()["type"] == "error"
     with running_server(create_app(engine, model_id=MODEL)) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Origin": page}, timeout=30)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 
 from mtplx.batching.job import Job, JobResult
 from mtplx.batching.scheduler import Scheduler
@@ -21,7 +20,7 @@ from mtplx.server.live import RECENT_REQUESTS, ended_entry
 from mtplx.server.metrics import CountRequests, Metrics, RequestId
 from mtplx.server.protocol import DEFAULT_TEMPERATURE
 from mtplx.server.security import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_HEAD_BYTES, BodySizeLimit,
-                                   HeadSizeLimit, RequireAPIKey)
+                                   CORS, HeadSizeLimit, RequireAPIKey)
 
 
 @dataclass
@@ -116,7 +115,7 @@ def create_app(engine: Engine, settings: SchedulerSettings | None = None, *, mod
     app.add_middleware(HeadSizeLimit, max_bytes=max_head_bytes)
     app.add_middleware(CountRequests, metrics=metrics)  # counts 401s and 413s too
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+        app.add_middleware(CORS, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["x-request-id"], max_age=600)
     app.add_middleware(RequestId)  # outermost: every response has an x-request-id
     return app

@@ -13,7 +13,10 @@ import hmac
 import ipaddress
 import json
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtplx.errors import MtplxError
@@ -91,6 +94,29 @@ class RequireAPIKey:
         await send_error(send, 401, error_body(message, "invalid_request_error", None, "invalid_api_key",
                                                scope["path"], 401),
                          [(b"www-authenticate", b"Bearer")])
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS middleware (``serve --allowed-origin``), with a refused preflight (an
+    origin, method or header not allowed) answered in the route's error shape, as JSON, rather
+    than Starlette's plain-text 400. Allowed preflights and CORS headers on responses are
+    Starlette's."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            headers = Headers(scope=scope)
+            if "origin" in headers and "access-control-request-method" in headers:
+                response = self.preflight_response(request_headers=headers)
+                if response.status_code != 200:
+                    kept = {k: v for k, v in response.headers.items() if k.startswith("access-control-")
+                            or k == "vary"}
+                    message = (f"{response.body.decode()}: this server answers browser pages of its allowed origins "
+                               "only (mtplx serve --allowed-origin)")
+                    response = JSONResponse(error_body(message, "invalid_request_error", path=scope["path"]),
+                                            response.status_code, headers=kept)
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 class HeadSizeLimit:
