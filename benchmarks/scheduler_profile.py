@@ -5,7 +5,7 @@ time) means the host, not the GPU, sets the pace.
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time]
+        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time] [--trace DIR]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -186,9 +186,11 @@ class Config:
         self.rounds.append(tokens / elapsed)
 
 
-def one(config: Config, cprofile: bool = False, graph_time: bool = False) -> dict:
+def one(config: Config, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None) -> dict:
     """The plain runs' figures (over every round), then one run under the CUDA profiler (and
-    cProfile, CUDA events where asked)."""
+    cProfile, CUDA events where asked); ``trace``: where that run's kernel timeline goes, as a
+    Chrome trace (chrome://tracing, ui.perfetto.dev): the device's idle gaps between steps. The
+    model thread's own ops are not on it (the profiler records the thread that started it)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,6 +201,8 @@ def one(config: Config, cprofile: bool = False, graph_time: bool = False) -> dic
         run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     rows = kernel_rows(prof, profiled.calls, name_chars=80)
     kernel_us = sum(r[2] for r in rows)
     wall_us = elapsed * 1e6 / plain.calls
@@ -234,6 +238,8 @@ def main() -> None:
                     help="plain runs of each mode, mtp_batch and ar_batch alternating; tok/s over all of them, "
                          "and the median of the rounds' ratios")
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
+    ap.add_argument("--trace", default=None,
+                    help="a folder: each configuration's profiled run as a Chrome trace there (REGIME_MODE_xWIDTH.json)")
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
     ap.add_argument("--out", required=True)
@@ -253,6 +259,8 @@ def main() -> None:
               "max_tokens": args.max_tokens, "per_stream": args.per_stream, "runs": {}}
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     report["rounds"] = args.rounds
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
@@ -270,7 +278,8 @@ def main() -> None:
                                                     "median_round_ratio": statistics.median(ratios),
                                                     "round_ratios": [round(x, 3) for x in ratios]}
             for mode, config in configs.items():
-                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time)
+                trace = Path(args.trace) / f"{regime}_{mode}_x{width}.json" if args.trace else None
+                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
