@@ -1,7 +1,8 @@
 """Where a batched cycle's time goes (issue 15): mtp_batch against ar_batch at several widths,
-each run once plainly (wall time, steps, tokens) and once under the CUDA profiler (kernel time
-per step, launches per step, the costliest kernels). A low busy share (kernel time over wall
-time) means the host, not the GPU, sets the pace.
+each run plainly ``--rounds`` times, the two modes alternating (wall time, steps, tokens; the
+pair's entry "REGIME/xWIDTH" holds the ratio over all rounds and the median round's), then once
+under the CUDA profiler (kernel time per step, launches per step, the costliest kernels). A low
+busy share (kernel time over wall time) means the host, not the GPU, sets the pace.
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
@@ -70,7 +71,9 @@ class StepCounter:
         self.engine.generator.observers.remove(self.observe)
 
     def breakdown(self) -> dict:
-        """Per kind of step: how many, and the mean wall us from the step before's end to its end."""
+        """Per kind of step: how many, and the mean wall us from the step before's end to its end
+        (each run's first step has no step before: the kinds count one step a run fewer than
+        ``calls``)."""
         return {kind: {"steps": n, "wall_us_per_step": round(s * 1e6 / n, 1) if n else None}
                 for kind, (n, s) in self.kinds.items()}
 
@@ -151,26 +154,26 @@ class GraphTimer:
                 "gpu_graph_us_per_step": graph / steps}
 
 
-class Config:
-    """One mode at one width and regime: its requests (the same list every run; with
+class ModeRuns:
+    """One mode's runs at one width and regime: its requests (the same list every run; with
     ``per_stream`` > 1 their lengths vary, so rows end apart and new ones join a running batch)
     and its plain runs, added up over rounds."""
 
     def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
                  per_stream: int):
         self.engine, self.mode, self.width = engine, mode, width
-        self.args = (sampling, depth, max_tokens, draft_policy, per_stream)
+        self.sampling, self.depth, self.max_tokens = sampling, depth, max_tokens
+        self.draft_policy, self.per_stream = draft_policy, per_stream
         self.counter = StepCounter(engine)
         self.elapsed, self.tokens, self.rounds = 0.0, 0, []  # rounds: each plain run's tok/s
 
     def requests(self) -> list:
-        sampling, depth, max_tokens, draft_policy, per_stream = self.args
-        gen_mode = "mtp" if self.mode == "mtp_batch" else "ar"
-        reqs = chat_requests(self.engine, HELD_OUT_CHAT, self.width * per_stream, gen_mode, depth, max_tokens,
-                             sampling, draft_policy, 7)
-        if per_stream > 1:
+        reqs = chat_requests(self.engine, HELD_OUT_CHAT, self.width * self.per_stream,
+                             "mtp" if self.mode == "mtp_batch" else "ar", self.depth, self.max_tokens, self.sampling,
+                             self.draft_policy, 7)
+        if self.per_stream > 1:
             for i, r in enumerate(reqs):
-                r.max_tokens = max(1, max_tokens // 2 + (i * 29) % (max_tokens + 1))
+                r.max_tokens = max(1, self.max_tokens // 2 + (i * 29) % (self.max_tokens + 1))
         return reqs
 
     def run(self):  # ``width`` clients in a closed loop
@@ -186,7 +189,7 @@ class Config:
         self.rounds.append(tokens / elapsed)
 
 
-def one(config: Config, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None) -> dict:
+def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None) -> dict:
     """The plain runs' figures (over every round), then one run under the CUDA profiler (and
     cProfile, CUDA events where asked); ``trace``: where that run's kernel timeline goes, as a
     Chrome trace (chrome://tracing, ui.perfetto.dev): the device's idle gaps between steps. The
@@ -206,7 +209,8 @@ def one(config: Config, cprofile: bool = False, graph_time: bool = False, trace:
     rows = kernel_rows(prof, profiled.calls, name_chars=80)
     kernel_us = sum(r[2] for r in rows)
     wall_us = elapsed * 1e6 / plain.calls
-    extra = {"host_profile": host_profile(engine, mode, config.requests(), width, plain.calls)} if cprofile else {}
+    per_run = plain.calls / len(config.rounds)  # the one profiled run's steps, as a plain run's
+    extra = {"host_profile": host_profile(engine, mode, config.requests(), width, per_run)} if cprofile else {}
     if graph_time and engine.runner.graphs is not None:
         with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
             run()
@@ -246,6 +250,8 @@ def main() -> None:
     args = ap.parse_args()
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
         raise SystemExit(f"unknown regimes {unknown}; known: {', '.join(REGIMES)}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
 
     import torch
 
@@ -256,20 +262,17 @@ def main() -> None:
     depth = parse_depth(args.depth)
     gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
-              "max_tokens": args.max_tokens, "per_stream": args.per_stream, "runs": {}}
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
+              "max_tokens": args.max_tokens, "per_stream": args.per_stream, "rounds": args.rounds, "runs": {}}
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
-    report["rounds"] = args.rounds
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
-            configs = {mode: Config(engine, mode, width, REGIMES[regime], depth, args.max_tokens, args.draft_policy,
-                                    args.per_stream) for mode in ("mtp_batch", "ar_batch")}
+            configs = {mode: ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
+                                      args.draft_policy, args.per_stream) for mode in ("mtp_batch", "ar_batch")}
             for config in configs.values():
                 config.run()  # warm-up
-            for _ in range(args.rounds):
-                for config in configs.values():
+            for r in range(args.rounds):  # ABBA: neither mode always runs right after the other
+                for config in list(configs.values())[:: 1 if r % 2 == 0 else -1]:
                     config.plain()
             ratios = [m / a for m, a in zip(configs["mtp_batch"].rounds, configs["ar_batch"].rounds)]
             report["runs"][f"{regime}/x{width}"] = {"mtp_over_ar": configs["mtp_batch"].tokens

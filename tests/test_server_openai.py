@@ -475,7 +475,8 @@ def test_allowed_origins_get_cors_answers_before_the_key_check(engine):
         other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
         assert "access-control-allow-origin" not in other.headers
         assert other.status_code == 400 and other.json()["error"]["type"] == "invalid_request_error"
-        assert "Disallowed CORS origin" in other.json()["error"]["message"]  # JSON, in the route's shape
+        assert other.json()["error"]["code"] == "cors_not_allowed"  # JSON, in the route's shape, naming the origin
+        assert "Disallowed CORS origin: 'http://evil.test' is not an allowed origin" in other.json()["error"]["message"]
         other = httpx.options(f"{base}/v1/messages", headers={**preflight, "Origin": "http://evil.test"})
         assert other.status_code == 400 and other.json()["type"] == "error"
     with running_server(create_app(engine, model_id=MODEL)) as base:

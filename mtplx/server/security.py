@@ -1,4 +1,5 @@
-"""The API key check, the request body size limit, and the rule for exposed hosts.
+"""The API key check, the request head and body size limits, CORS for allowed origins, and the
+rule for exposed hosts.
 
 With a key set, every route needs it except ``OPEN_PATHS`` (deny by default: a route added
 later is protected without anyone remembering to). The key is checked before the body is
@@ -99,8 +100,8 @@ class RequireAPIKey:
 class CORS(CORSMiddleware):
     """Starlette's CORS middleware (``serve --allowed-origin``), with a refused preflight (an
     origin, method or header not allowed) answered in the route's error shape, as JSON, rather
-    than Starlette's plain-text 400. Allowed preflights and CORS headers on responses are
-    Starlette's."""
+    than Starlette's plain-text 400; a refused origin is named, with the option that admits it.
+    Allowed preflights and CORS headers on responses are Starlette's."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "OPTIONS":
@@ -108,15 +109,20 @@ class CORS(CORSMiddleware):
             if "origin" in headers and "access-control-request-method" in headers:
                 response = self.preflight_response(request_headers=headers)
                 if response.status_code != 200:
-                    kept = {k: v for k, v in response.headers.items() if k.startswith("access-control-")
-                            or k == "vary"}
-                    message = (f"{response.body.decode()}: this server answers browser pages of its allowed origins "
-                               "only (mtplx serve --allowed-origin)")
-                    response = JSONResponse(error_body(message, "invalid_request_error", path=scope["path"]),
-                                            response.status_code, headers=kept)
+                    response = self._refused(response, headers["origin"], scope["path"])
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def _refused(self, response, origin: str, path: str) -> JSONResponse:
+        """Starlette's refusal ("Disallowed CORS origin, method"), in the route's error shape
+        and with its CORS headers."""
+        message = response.body.decode()
+        if not self.is_allowed_origin(origin):
+            message += f": {origin!r} is not an allowed origin of this server (mtplx serve --allowed-origin)"
+        kept = {k: v for k, v in response.headers.items() if k.startswith("access-control-") or k == "vary"}
+        return JSONResponse(error_body(message, "invalid_request_error", None, "cors_not_allowed", path,
+                                       response.status_code), response.status_code, headers=kept)
 
 
 class HeadSizeLimit:
