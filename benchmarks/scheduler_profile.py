@@ -243,7 +243,8 @@ def main() -> None:
                          "and the median of the rounds' ratios")
     ap.add_argument("--cprofile", action="store_true", help="also profile the model-owner thread's Python")
     ap.add_argument("--trace", default=None,
-                    help="a folder: each configuration's profiled run as a Chrome trace there (REGIME_MODE_xWIDTH.json)")
+                    help="a folder: each configuration's profiled run as a Chrome trace there "
+                         "(REGIME_MODE_xWIDTH.json)")
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
     ap.add_argument("--out", required=True)

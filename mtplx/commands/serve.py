@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from urllib.parse import urlsplit
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mtplx.batching.state import SchedulerMode
 from mtplx.commands.common import add_model_options

@@ -56,7 +56,7 @@ class PromptFields(RequestBody):
                 raise bad_param(f"tools.{i}.input_schema", "a custom tool needs an input_schema (a JSON Schema object)")
             if "input_schema" not in t:
                 raise bad_param(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported; "
-                                         f"server tool type {t.get('type')!r} is not")
+                                              f"server tool type {t.get('type')!r} is not")
             tools.append(make_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}",
                                    "input_schema"))
         check_unique_names(tools, "tools")
@@ -112,20 +112,20 @@ def _check_turn(messages: list[AnthropicMessage], i: int) -> None:
                 continue
             if any(k != "tool_result" for k in kinds[:j]):
                 raise bad_param(f"{where}.content.{j}", "tool_result blocks must come first in the turn, before any "
-                                                   "other block")
+                                                        "other block")
             if block.get("tool_use_id") not in asked:
                 raise bad_param(f"{where}.content.{j}.tool_use_id", f"{block.get('tool_use_id')!r} answers no tool_use "
-                                                                "block of the assistant turn before it")
+                                                                    "block of the assistant turn before it")
             answered.append(block["tool_use_id"])
         if missing := [t for t in asked if t not in answered]:
             raise bad_param(f"{where}.content", f"tool_use ids without a tool_result block here: "
-                                           f"{', '.join(map(str, missing))}")
+                                                f"{', '.join(map(str, missing))}")
     elif ids := _tool_use_ids(m):
         if len(set(ids)) < len(ids):
             raise bad_param(f"{where}.content", "tool_use ids must be unique within a turn")
         if not last and messages[i + 1].role != "user":
             raise bad_param(f"messages.{i + 1}", "tool_use blocks must be answered by tool_result blocks in the user "
-                                            "turn after them")
+                                                 "turn after them")
 
 
 def _blank_text(block) -> bool:
@@ -175,7 +175,7 @@ def _convert(m: AnthropicMessage, where: str) -> list[dict]:
             out.append(chat_message("tool", result, None, str(block.get("tool_use_id") or ""), at))
         else:
             raise bad_param(at, f"block type {kind!r} is not supported in {article(m.role)} message (text, tool_use in "
-                           "assistant messages, tool_result in user messages)")
+                                "assistant messages, tool_result in user messages)")
     if m.role == "assistant":
         out.append({"role": "assistant", "content": join_text(text), **({"tool_calls": calls} if calls else {})})
     elif text:

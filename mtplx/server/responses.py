@@ -69,7 +69,7 @@ class ResponsesRequest(RequestBody):
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
             raise bad_param("previous_response_id", "this server stores no responses (it is stateless); send the whole "
-                                               "conversation in input", "unsupported_value")
+                                                    "conversation in input", "unsupported_value")
         extra = self.model_extra or {}
         top = extra.get("top_logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
@@ -80,7 +80,7 @@ class ResponsesRequest(RequestBody):
             if not is_neutral(extra.get(name), neutral):
                 raise bad_param(name, "not supported by this server" + (
                     " (a conversation past the context is a 400, not cut)" if name == "truncation" else ""),
-                           "unsupported_value")
+                                "unsupported_value")
 
     def offered_tools(self) -> list[Tool]:
         tools = []
@@ -151,7 +151,7 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
         out.append(chat_message("tool", output, None, item["call_id"], where))
     else:
         raise bad_param(f"{where}.type", f"item type {kind!r} is not supported (message, function_call, "
-                                    "function_call_output)")
+                                         "function_call_output)")
 
 
 @router.post("/v1/responses")

@@ -46,7 +46,8 @@ def response_format_grammar(engine, raw, param: str = "response_format", spec_at
             raise bad_param(spec_at, "expected {'name': ..., 'schema': {...}, 'strict': ...}")
         name = spec.get("name")
         if not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
-            raise bad_param(f"{spec_at}.name", f"required, 1 to 64 letters, digits, underscores or dashes, got {name!r}")
+            raise bad_param(f"{spec_at}.name",
+                            f"required, 1 to 64 letters, digits, underscores or dashes, got {name!r}")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
             raise bad_param(f"{spec_at}.strict", f"expected a boolean, got {spec['strict']!r}")
         schema = check_schema(spec["schema"], f"{spec_at}.schema")

@@ -47,7 +47,8 @@ def check_schema(schema, param: str) -> dict:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise bad_param(param, f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+        raise bad_param(param, f"not a valid JSON Schema: {exc.message}"
+                        + (f" (at {where})" if where else "")) from None
     return schema
 
 
