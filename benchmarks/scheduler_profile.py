@@ -6,7 +6,7 @@ busy share (kernel time over wall time) means the host, not the GPU, sets the pa
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time] [--trace DIR]
+        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time] [--trace DIR] [--split]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -14,6 +14,7 @@ Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -34,12 +35,16 @@ class StepCounter:
     where rows joined a running chain, and steps that continued one (``Generator.observers``'
     "chain_start" and "chain_join")."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, split: bool = False):
         self.engine, self.inner = engine, engine.step
         self.calls, self.seconds = 0, 0.0
         self.event = None  # the current step's chain event: "chain_start" over "chain_join"
         self.kinds = {"chain_start": [0, 0.0], "chain_join": [0, 0.0], "continued": [0, 0.0]}  # -> [steps, wall s]
         self.last_end: float | None = None
+        # split: host seconds in SPLIT's functions, per kind of step (the work since the step before's end)
+        self.split, self.pending = ({kind: collections.Counter() for kind in self.kinds} if split else None,
+                                    collections.Counter())
+        self.wrapped: list = []
 
     def observe(self, event, seq) -> None:
         if event == "chain_start" or (event == "chain_join" and self.event is None):
@@ -61,21 +66,60 @@ class StepCounter:
                     kind = self.kinds[self.event or "continued"]
                     kind[0] += 1
                     kind[1] += end - self.last_end
+                    if self.split is not None:
+                        self.split[self.event or "continued"].update(self.pending)
+                self.pending.clear()
                 self.last_end = end
         self.engine.step = step
         self.engine.generator.observers.append(self.observe)
+        if self.split is not None:
+            for owner, name, label in split_functions():
+                self._time(owner, name, label)
         return self
+
+    def _time(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.pending[label] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+        self.wrapped.append((owner, name, inner))
 
     def __exit__(self, *exc):
         self.engine.step = self.inner
         self.engine.generator.observers.remove(self.observe)
+        for owner, name, inner in reversed(self.wrapped):
+            setattr(owner, name, inner)
+        self.wrapped.clear()
 
     def breakdown(self) -> dict:
         """Per kind of step: how many, and the mean wall us from the step before's end to its end
         (each run's first step has no step before: the kinds count one step a run fewer than
         ``calls``)."""
-        return {kind: {"steps": n, "wall_us_per_step": round(s * 1e6 / n, 1) if n else None}
-                for kind, (n, s) in self.kinds.items()}
+        out = {kind: {"steps": n, "wall_us_per_step": round(s * 1e6 / n, 1) if n else None}
+               for kind, (n, s) in self.kinds.items()}
+        for kind, spent in (self.split or {}).items():
+            n = self.kinds[kind][0]
+            out[kind]["host_us_in"] = {label: round(t * 1e6 / n, 1) for label, t in spent.most_common()} if n else {}
+        return out
+
+
+def split_functions() -> list[tuple]:
+    """What ``--split`` times on the host (nested ones count in both): a new row's prefill (its
+    trunk forward and first token, which waits for the device), the head's catch-up of its
+    prompt, the chain's launch of the next cycle, the wait for the cycle in flight and its
+    commit, and an unchained cycle's start."""
+    from mtplx.engine.chain import CycleChain
+    from mtplx.engine.generator import Generator
+
+    return [(Generator, "prefill", "prefill"), (Generator, "_sample_rows", "sample (prefill's first token, AR)"),
+            (Generator, "_head_pre_feed", "head pre-feed"), (CycleChain, "advance", "chain advance (launch)"),
+            (Generator, "_read_launch", "read launch (wait)"), (Generator, "_commit_launch", "commit"),
+            (Generator, "drain", "drain"), (Generator, "_start_chain", "start chain")]
 
 
 def host_profile(engine, mode: str, requests: list, clients: int, steps: int, lines: int = 30) -> list[dict]:
@@ -160,11 +204,11 @@ class ModeRuns:
     and its plain runs, added up over rounds."""
 
     def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
-                 per_stream: int):
+                 per_stream: int, split: bool = False):
         self.engine, self.mode, self.width = engine, mode, width
         self.sampling, self.depth, self.max_tokens = sampling, depth, max_tokens
         self.draft_policy, self.per_stream = draft_policy, per_stream
-        self.counter = StepCounter(engine)
+        self.counter = StepCounter(engine, split)
         self.elapsed, self.tokens, self.rounds = 0.0, 0, []  # rounds: each plain run's tok/s
 
     def requests(self) -> list:
@@ -247,6 +291,9 @@ def main() -> None:
                          "(REGIME_MODE_xWIDTH.json)")
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
+    ap.add_argument("--split", action="store_true",
+                    help="in the plain runs, host time per kind of step in a new row's prefill, the head's "
+                         "pre-feed, the chain's launch, the wait and the commit (split_functions)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
@@ -269,7 +316,8 @@ def main() -> None:
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
             configs = {mode: ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
-                                      args.draft_policy, args.per_stream) for mode in ("mtp_batch", "ar_batch")}
+                                      args.draft_policy, args.per_stream, args.split)
+                       for mode in ("mtp_batch", "ar_batch")}
             for config in configs.values():
                 config.run()  # warm-up
             for r in range(args.rounds):  # ABBA: neither mode always runs right after the other
@@ -292,6 +340,9 @@ def main() -> None:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
                 print("    steps: " + ", ".join(f"{k} {v['steps']} at {v['wall_us_per_step']} us"
                                             for k, v in r["steps_by_kind"].items()))
+                for k, v in r["steps_by_kind"].items():
+                    if v.get("host_us_in"):
+                        print(f"      {k}: " + ", ".join(f"{f} {us}" for f, us in v["host_us_in"].items()))
                 if "graph_time" in r:
                     print("    GPU per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["graph_time"].items()))
                 for order in ("by_own", "by_cumulative"):
