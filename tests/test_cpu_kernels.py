@@ -700,3 +700,39 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_waited_
     t0 = time.perf_counter()
     cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
     assert 0.25 < time.perf_counter() - t0 < 5 and not lock.exists()
+
+
+def test_a_lock_with_no_build_running_in_its_directory_is_removed_without_waiting_out_the_age(tmp_path, caplog):
+    """A lock past ``idle_s`` goes at once where no process works in its directory (ninja and
+    the compiler run there during a build), and stays while one does: a server killed mid-build
+    held the next start for the whole ``STALE_LOCK_S`` (10 minutes) before."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    assert cpu_kernels.building_in(tmp_path) is False
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], cwd=tmp_path)
+    try:
+        deadline = time.time() + 5
+        while not cpu_kernels.building_in(tmp_path) and time.time() < deadline:
+            time.sleep(0.02)
+        assert cpu_kernels.building_in(tmp_path) is True
+        t0 = time.perf_counter()
+        with caplog.at_level("WARNING", logger="mtplx"):
+            cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
+        waited = time.perf_counter() - t0
+    finally:
+        builder.kill()
+        builder.wait()
+    assert 0.3 < waited < 5 and not lock.exists() and "no build running" in caplog.text
+    lock.touch()  # a fresh lock (a module check): waited for however idle its directory
+    os.utime(lock, (time.time() - 5, time.time() - 5))
+    import threading
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.perf_counter()
+    cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
+    assert 0.25 < time.perf_counter() - t0 < 5

@@ -46,6 +46,8 @@ FLOAT16_MAX = 65504.0
 # A build directory's lock older than this was left by a killed process (a build takes about a
 # minute here; a check of a built module, well under a second)
 STALE_LOCK_S = 600.0
+# ... and one older than this with no build running in its directory (``building_in``)
+IDLE_LOCK_S = 10.0
 
 
 def cpu_supported() -> bool:
@@ -85,26 +87,51 @@ def extension():
     return module
 
 
-def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5,
+                     idle_s: float = IDLE_LOCK_S) -> None:
     """Wait while another process holds the build directory's lock (``cpp_extension.load`` takes
     it even to find the module built), saying so once; remove it where it is older than
-    ``stale_s``: a process killed while it held the lock (a server stopped mid-start) leaves it
-    behind, and PyTorch's own wait for it has no end."""
+    ``stale_s``, or older than ``idle_s`` with no build running in its directory
+    (``building_in``): a process killed while it held the lock (a server stopped mid-start)
+    leaves it behind, and PyTorch's own wait for it has no end. Without the second rule the next
+    start waited out the whole ``stale_s``, silent but for one line."""
     said = False
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return
-        if age > stale_s:
-            log.warning("removing %s, a lock %.0f s old: a process that built or checked the CPU kernels was "
-                        "stopped while it held it", lock, age)
+        if age > stale_s or (age > idle_s and building_in(lock.parent) is False):
+            log.warning("removing %s, a lock %.0f s old with no build running: a process that built or checked "
+                        "the CPU kernels was stopped while it held it", lock, age)
             lock.unlink(missing_ok=True)
             return
         if not said:
             log.info("waiting for another process's build of the CPU kernels (%s)", lock)
             said = True
         time.sleep(poll_s)
+
+
+def building_in(directory: Path) -> bool | None:
+    """Whether a process works in ``directory`` (cpp_extension runs ninja there, and ninja the
+    compiler: a build in progress has one; the lock's other holders, a check of a built module,
+    hold it well under a second), from each process's /proc entry; None where no entry can be
+    read (not Linux)."""
+    target = os.path.realpath(directory)
+    readable = False
+    try:
+        entries = [e for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            cwd = os.readlink(os.path.join(entry.path, "cwd"))
+        except OSError:  # gone, or another user's
+            continue
+        readable = True
+        if cwd == target:
+            return True
+    return False if readable else None
 
 
 def vector_width(force: int = 0) -> int:
