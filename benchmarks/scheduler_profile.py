@@ -112,14 +112,17 @@ def split_functions() -> list[tuple]:
     """What ``--split`` times on the host (nested ones count in both): a new row's prefill (its
     trunk forward and first token, which waits for the device), the head's catch-up of its
     prompt, the chain's launch of the next cycle, the wait for the cycle in flight and its
-    commit, and an unchained cycle's start."""
+    commit, an unchained cycle's start, and the rows' next depths with depth="auto" rows'
+    running estimates (their bookkeeping)."""
+    from mtplx.engine.adaptive_depth import DepthPlan
     from mtplx.engine.chain import CycleChain
     from mtplx.engine.generator import Generator
 
     return [(Generator, "prefill", "prefill"), (Generator, "_sample_rows", "sample (prefill's first token, AR)"),
             (Generator, "_head_pre_feed", "head pre-feed"), (CycleChain, "advance", "chain advance (launch)"),
             (Generator, "_read_launch", "read launch (wait)"), (Generator, "_commit_launch", "commit"),
-            (Generator, "drain", "drain"), (Generator, "_start_chain", "start chain")]
+            (Generator, "drain", "drain"), (Generator, "_start_chain", "start chain"),
+            (Generator, "next_depths", "next depths"), (DepthPlan, "observe", "auto rows' estimates (observe)")]
 
 
 def host_profile(engine, mode: str, requests: list, clients: int, steps: int, lines: int = 30) -> list[dict]:
