@@ -6,7 +6,7 @@ busy share (kernel time over wall time) means the host, not the GPU, sets the pa
 
     PYTHONPATH=. python benchmarks/scheduler_profile.py --model GGUF --head DIR --out FILE.json
         [--widths 4,8] [--regimes t0.7] [--max-tokens 128] [--depth 1] [--draft-policy auto]
-        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time] [--trace DIR] [--split]
+        [--per-stream 3] [--rounds 5] [--cprofile] [--graph-time] [--trace DIR] [--split] [--chain]
 
 Requests are the held-out chat prompts of ``sampled_decoding.py``, run past EOS.
 """
@@ -297,6 +297,9 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="in the plain runs, host time per kind of step in a new row's prefill, the head's "
                          "pre-feed, the chain's launch, the wait and the commit (split_functions)")
+    ap.add_argument("--chain", action="store_true",
+                    help="chain cycles where the engine would not (the CPU: eagerly, op by op): the chain's "
+                         "starts, joins and continued steps, and --split's host times, without a GPU")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
@@ -310,10 +313,13 @@ def main() -> None:
     from mtplx.commands.common import parse_depth
 
     engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
+    if args.chain:
+        engine.generator.chain.enabled = True
     depth = parse_depth(args.depth)
     gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
-              "max_tokens": args.max_tokens, "per_stream": args.per_stream, "rounds": args.rounds, "runs": {}}
+              "max_tokens": args.max_tokens, "per_stream": args.per_stream, "rounds": args.rounds,
+              "chained": engine.generator.chain.enabled, "runs": {}}
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
     for regime in args.regimes.split(","):
