@@ -2,6 +2,11 @@
 their use in a model: the same logits as with the kernels off, and no cross-row effects."""
 
 import math
+import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -685,10 +690,6 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_waited_
     waits without end while the file exists: a server stopped mid-start left one, and every
     mtplx process after it hung silently. An old lock is removed (with a warning); a fresh one
     is waited for until its holder lets it go."""
-    import os
-    import threading
-    import time
-
     lock = tmp_path / "lock"
     lock.touch()
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
@@ -702,37 +703,67 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_and_a_live_one_waited_
     assert 0.25 < time.perf_counter() - t0 < 5 and not lock.exists()
 
 
-def test_a_lock_with_no_build_running_in_its_directory_is_removed_without_waiting_out_the_age(tmp_path, caplog):
-    """A lock past ``idle_s`` goes at once where no process works in its directory (ninja and
-    the compiler run there during a build), and stays while one does: a server killed mid-build
-    held the next start for the whole ``STALE_LOCK_S`` (10 minutes) before."""
-    import os
-    import subprocess
-    import sys
-    import time
-
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="building_in reads /proc")
+def test_a_left_lock_goes_once_no_build_runs_where_no_other_mtplx_process_loads(tmp_path, caplog):
+    """With the build guard held (no other mtplx process is loading the module), a lock past
+    ``idle_s`` goes at once where no process works in its directory, and stays while one does
+    (a killed holder's ninja still compiling): a server killed mid-build held the next start
+    for the whole ``STALE_LOCK_S`` (10 minutes) before. Without the guard only the age counts.
+    The directory is matched as a file: through a symlink too."""
     lock = tmp_path / "lock"
     lock.touch()
     os.utime(lock, (time.time() - 60, time.time() - 60))
+    threading.Timer(0.3, lock.unlink).start()  # its holder, which this process cannot see, finishes
+    t0 = time.perf_counter()
+    cpu_kernels.clear_stale_lock(lock, poll_s=0.05, alone=False, idle_s=0)
+    assert time.perf_counter() - t0 > 0.25  # not alone: only the age counts, and 60 s is under stale_s
+    lock.touch()
+    os.utime(lock, (time.time() - 60, time.time() - 60))
     assert cpu_kernels.building_in(tmp_path) is False
+    alias = tmp_path.parent / (tmp_path.name + "_alias")
+    alias.symlink_to(tmp_path)
     builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], cwd=tmp_path)
     try:
         deadline = time.time() + 5
         while not cpu_kernels.building_in(tmp_path) and time.time() < deadline:
             time.sleep(0.02)
-        assert cpu_kernels.building_in(tmp_path) is True
+        assert cpu_kernels.building_in(tmp_path) is True and cpu_kernels.building_in(alias) is True
         t0 = time.perf_counter()
         with caplog.at_level("WARNING", logger="mtplx"):
-            cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
+            cpu_kernels.clear_stale_lock(lock, poll_s=0.05, alone=True)
         waited = time.perf_counter() - t0
     finally:
         builder.kill()
         builder.wait()
-    assert 0.3 < waited < 5 and not lock.exists() and "no build running" in caplog.text
-    lock.touch()  # a fresh lock (a module check): waited for however idle its directory
+    assert 0.3 < waited < 5 and not lock.exists() and "none building" in caplog.text
+    lock.touch()  # a fresh lock: waited for, alone or not
     os.utime(lock, (time.time() - 5, time.time() - 5))
-    import threading
     threading.Timer(0.3, lock.unlink).start()
     t0 = time.perf_counter()
-    cpu_kernels.clear_stale_lock(lock, poll_s=0.05)
+    cpu_kernels.clear_stale_lock(lock, poll_s=0.05, alone=True)
     assert 0.25 < time.perf_counter() - t0 < 5
+
+
+def test_the_build_guard_lets_one_mtplx_process_in_at_a_time_and_its_death_lets_the_next_in(tmp_path):
+    """build_guard is an flock on a file in the build directory: a second process waits while
+    the first holds it, and gets it as soon as the first dies (the kernel drops its lock)."""
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(tmp_path / cpu_kernels.GUARD_FILE)!r}, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        threading.Timer(0.5, holder.kill).start()  # dies holding it
+        t0 = time.perf_counter()
+        with cpu_kernels.build_guard(tmp_path) as alone:
+            waited = time.perf_counter() - t0
+            assert alone
+    finally:
+        holder.kill()
+        holder.wait()
+    assert 0.4 < waited < 10
+    with cpu_kernels.build_guard(None) as alone:
+        assert not alone

@@ -27,6 +27,7 @@ gives it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -35,6 +36,11 @@ import time
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no build_guard
+    fcntl = None
 
 log = logging.getLogger("mtplx")
 
@@ -46,8 +52,10 @@ FLOAT16_MAX = 65504.0
 # A build directory's lock older than this was left by a killed process (a build takes about a
 # minute here; a check of a built module, well under a second)
 STALE_LOCK_S = 600.0
-# ... and one older than this with no build running in its directory (``building_in``)
+# ... and, where no other mtplx process is loading the module (``build_guard``), one older than
+# this with no build running in its directory (``building_in``)
 IDLE_LOCK_S = 10.0
+GUARD_FILE = "mtplx.flock"  # build_guard's file in the build directory
 
 
 def cpu_supported() -> bool:
@@ -71,11 +79,14 @@ def extension():
     from torch.utils import cpp_extension
 
     try:
-        if (build_directory := getattr(cpp_extension, "_get_build_directory", None)) is not None:
-            clear_stale_lock(Path(build_directory("mtplx_cpu", verbose=False)) / "lock")
-        module = cpp_extension.load(
-            name="mtplx_cpu", sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
+        build_directory = getattr(cpp_extension, "_get_build_directory", None)
+        directory = Path(build_directory("mtplx_cpu", verbose=False)) if build_directory is not None else None
+        with build_guard(directory) as alone:
+            if directory is not None:
+                clear_stale_lock(directory / "lock", alone=alone)
+            module = cpp_extension.load(
+                name="mtplx_cpu", sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # no working toolchain: fall back
         log.warning("the CPU kernels could not be built (%s); using PyTorch's ops", exc)
         return None
@@ -87,23 +98,54 @@ def extension():
     return module
 
 
-def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5,
+@contextlib.contextmanager
+def build_guard(directory: Path | None):
+    """Take turns with other mtplx processes over the build directory: an exclusive ``flock`` on
+    ``directory / GUARD_FILE`` for as long as this process checks and loads the module (the
+    kernel drops it when its holder dies, whoever and wherever the holder is). Yields whether it
+    is held: then no other mtplx process is loading the module, and a PyTorch lock found there
+    was left behind (``clear_stale_lock``). False where it cannot be taken (no ``fcntl``, a
+    directory that cannot hold the file)."""
+    fd = None
+    if directory is not None and fcntl is not None:
+        try:
+            fd = os.open(directory / GUARD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process's build of the CPU kernels (%s)", directory)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)  # (releases the flock)
+
+
+def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5, alone: bool = False,
                      idle_s: float = IDLE_LOCK_S) -> None:
     """Wait while another process holds the build directory's lock (``cpp_extension.load`` takes
-    it even to find the module built), saying so once; remove it where it is older than
-    ``stale_s``, or older than ``idle_s`` with no build running in its directory
-    (``building_in``): a process killed while it held the lock (a server stopped mid-start)
-    leaves it behind, and PyTorch's own wait for it has no end. Without the second rule the next
-    start waited out the whole ``stale_s``, silent but for one line."""
+    it even to find the module built), saying so once; remove it where it was left behind: a
+    process killed while it held it (a server stopped mid-start) leaves it, and PyTorch's own
+    wait for it has no end. Left behind: older than ``stale_s``; or, where this process holds
+    the directory's ``build_guard`` (``alone``: no other mtplx process is loading the module),
+    older than ``idle_s`` with no process building there (``building_in``: a killed holder's
+    ninja may still be compiling, and is waited for). Before the guard every such lock held the
+    next start for the whole ``stale_s``, 10 minutes."""
     said = False
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return
-        if age > stale_s or (age > idle_s and building_in(lock.parent) is False):
-            log.warning("removing %s, a lock %.0f s old with no build running: a process that built or checked "
-                        "the CPU kernels was stopped while it held it", lock, age)
+        if age > stale_s or (alone and age > idle_s and building_in(lock.parent) is not True):
+            why = f"over {stale_s:.0f} s old" if age > stale_s else "no other mtplx process loading, none building"
+            log.warning("removing %s, a lock %.0f s old (%s): a process that built or checked the CPU kernels was "
+                        "stopped while it held it", lock, age, why)
             lock.unlink(missing_ok=True)
             return
         if not said:
@@ -113,25 +155,25 @@ def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 
 
 
 def building_in(directory: Path) -> bool | None:
-    """Whether a process works in ``directory`` (cpp_extension runs ninja there, and ninja the
-    compiler: a build in progress has one; the lock's other holders, a check of a built module,
-    hold it well under a second), from each process's /proc entry; None where no entry can be
-    read (not Linux)."""
-    target = os.path.realpath(directory)
-    readable = False
+    """Whether a process this one can see works in ``directory`` (cpp_extension runs ninja
+    there, and ninja the compiler), by each process's /proc cwd, compared as a file (device and
+    inode: any path to it, bind mounts included); None where /proc cannot be read (not Linux).
+    Other users' processes and other hosts' cannot be seen."""
     try:
-        entries = [e for e in os.scandir("/proc") if e.name.isdigit()]
+        target = os.stat(directory)
+        entries = [e.path for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
         return None
+    seen = False
     for entry in entries:
         try:
-            cwd = os.readlink(os.path.join(entry.path, "cwd"))
+            cwd = os.stat(os.path.join(entry, "cwd"))
         except OSError:  # gone, or another user's
             continue
-        readable = True
-        if cwd == target:
+        seen = True
+        if (cwd.st_dev, cwd.st_ino) == (target.st_dev, target.st_ino):
             return True
-    return False if readable else None
+    return False if seen else None
 
 
 def vector_width(force: int = 0) -> int:
