@@ -36,15 +36,15 @@ class StepCounter:
     "chain_start" and "chain_join")."""
 
     def __init__(self, engine, split: bool = False):
-        self.engine, self.inner = engine, engine.step
+        self.engine, self.inner = engine, None
         self.calls, self.seconds = 0, 0.0
         self.event = None  # the current step's chain event: "chain_start" over "chain_join"
         self.kinds = {"chain_start": [0, 0.0], "chain_join": [0, 0.0], "continued": [0, 0.0]}  # -> [steps, wall s]
         self.last_end: float | None = None
-        # split: host seconds in SPLIT's functions, per kind of step (the work since the step before's end)
-        self.split, self.pending = ({kind: collections.Counter() for kind in self.kinds} if split else None,
-                                    collections.Counter())
-        self.wrapped: list = []
+        # split: host seconds in ``split_functions``, per kind of step (the work since the step before's end)
+        self.split = {kind: collections.Counter() for kind in self.kinds} if split else None
+        self.pending = collections.Counter()
+        self.wrapped: list = []  # (owner, name, what its class dict held, or None)
 
     def observe(self, event, seq) -> None:
         if event == "chain_start" or (event == "chain_join" and self.event is None):
@@ -52,6 +52,7 @@ class StepCounter:
 
     def __enter__(self):
         self.last_end = None  # (a counter entered again, a later round: the time between runs is no step's)
+        self.inner = self.engine.step
 
         def step(seqs):
             t0 = time.perf_counter()
@@ -72,13 +73,16 @@ class StepCounter:
                 self.last_end = end
         self.engine.step = step
         self.engine.generator.observers.append(self.observe)
-        if self.split is not None:
-            for owner, name, label in split_functions():
+        try:
+            for owner, name, label in split_functions() if self.split is not None else ():
                 self._time(owner, name, label)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def _time(self, owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
+        inner = getattr(owner, name)  # (the function itself: each is a plain method of its own class)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -86,14 +90,17 @@ class StepCounter:
                 return inner(*a, **k)
             finally:
                 self.pending[label] += time.perf_counter() - t0
+        self.wrapped.append((owner, name, vars(owner).get(name)))
         setattr(owner, name, timed)
-        self.wrapped.append((owner, name, inner))
 
     def __exit__(self, *exc):
         self.engine.step = self.inner
         self.engine.generator.observers.remove(self.observe)
-        for owner, name, inner in reversed(self.wrapped):
-            setattr(owner, name, inner)
+        for owner, name, held in reversed(self.wrapped):  # each class as it was
+            if held is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, held)
         self.wrapped.clear()
 
     def breakdown(self) -> dict:
@@ -207,11 +214,11 @@ class ModeRuns:
     and its plain runs, added up over rounds."""
 
     def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
-                 per_stream: int, split: bool = False):
+                 per_stream: int):
         self.engine, self.mode, self.width = engine, mode, width
         self.sampling, self.depth, self.max_tokens = sampling, depth, max_tokens
         self.draft_policy, self.per_stream = draft_policy, per_stream
-        self.counter = StepCounter(engine, split)
+        self.counter = StepCounter(engine)
         self.elapsed, self.tokens, self.rounds = 0.0, 0, []  # rounds: each plain run's tok/s
 
     def requests(self) -> list:
@@ -236,7 +243,8 @@ class ModeRuns:
         self.rounds.append(tokens / elapsed)
 
 
-def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None) -> dict:
+def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None,
+        split: bool = False) -> dict:
     """The plain runs' figures (over every round), then one run under the CUDA profiler (and
     cProfile, CUDA events where asked); ``trace``: where that run's kernel timeline goes, as a
     Chrome trace (chrome://tracing, ui.perfetto.dev): the device's idle gaps between steps. The
@@ -258,6 +266,10 @@ def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trac
     wall_us = elapsed * 1e6 / plain.calls
     per_run = plain.calls / len(config.rounds)  # the one profiled run's steps, as a plain run's
     extra = {"host_profile": host_profile(engine, mode, config.requests(), width, per_run)} if cprofile else {}
+    if split:  # a run of its own: the timers' cost (about 0.4 us a call) stays out of the plain runs' figures
+        with StepCounter(engine, split=True) as timed:
+            run()
+        extra["split_steps_by_kind"] = timed.breakdown()
     if graph_time and engine.runner.graphs is not None:
         with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
             run()
@@ -295,8 +307,9 @@ def main() -> None:
     ap.add_argument("--graph-time", action="store_true",
                     help="also time each chained cycle's graph and noise draws on the GPU (CUDA events)")
     ap.add_argument("--split", action="store_true",
-                    help="in the plain runs, host time per kind of step in a new row's prefill, the head's "
-                         "pre-feed, the chain's launch, the wait and the commit (split_functions)")
+                    help="one more run, with host time per kind of step in a new row's prefill, the head's "
+                         "pre-feed, the chain's launch, the wait, the commit and auto's bookkeeping "
+                         "(split_functions)")
     ap.add_argument("--chain", action="store_true",
                     help="chain cycles where the engine would not (the CPU: eagerly, op by op): the chain's "
                          "starts, joins and continued steps, and --split's host times, without a GPU")
@@ -325,8 +338,7 @@ def main() -> None:
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
             configs = {mode: ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
-                                      args.draft_policy, args.per_stream, args.split)
-                       for mode in ("mtp_batch", "ar_batch")}
+                                      args.draft_policy, args.per_stream) for mode in ("mtp_batch", "ar_batch")}
             for config in configs.values():
                 config.run()  # warm-up
             for r in range(args.rounds):  # ABBA: neither mode always runs right after the other
@@ -340,7 +352,7 @@ def main() -> None:
                                                     "round_ratios": [round(x, 3) for x in ratios]}
             for mode, config in configs.items():
                 trace = Path(args.trace) / f"{regime}_{mode}_x{width}.json" if args.trace else None
-                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace)
+                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace, args.split)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
@@ -349,9 +361,9 @@ def main() -> None:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
                 print("    steps: " + ", ".join(f"{k} {v['steps']} at {v['wall_us_per_step']} us"
                                             for k, v in r["steps_by_kind"].items()))
-                for k, v in r["steps_by_kind"].items():
-                    if v.get("host_us_in"):
-                        print(f"      {k}: " + ", ".join(f"{f} {us}" for f, us in v["host_us_in"].items()))
+                for k, v in r.get("split_steps_by_kind", {}).items():
+                    print(f"    split run, {k} ({v['steps']} at {v['wall_us_per_step']} us): "
+                          + ", ".join(f"{f} {us}" for f, us in v["host_us_in"].items()))
                 if "graph_time" in r:
                     print("    GPU per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["graph_time"].items()))
                 for order in ("by_own", "by_cumulative"):
