@@ -744,11 +744,12 @@ def test_a_left_lock_goes_once_no_build_runs_where_no_other_mtplx_process_loads(
     assert 0.25 < time.perf_counter() - t0 < 5
 
 
+@pytest.mark.skipif(cpu_kernels.fcntl is None, reason="build_guard needs fcntl (POSIX)")
 def test_the_build_guard_lets_one_mtplx_process_in_at_a_time_and_its_death_lets_the_next_in(tmp_path):
     """build_guard is an flock on a file in the build directory: a second process waits while
     the first holds it, and gets it as soon as the first dies (the kernel drops its lock)."""
     holder = subprocess.Popen([sys.executable, "-c", f"""
-import fcntl, os, sys, time
+import fcntl, os, time
 fd = os.open({str(tmp_path / cpu_kernels.GUARD_FILE)!r}, os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("held", flush=True)
