@@ -352,7 +352,8 @@ def main() -> None:
                                                     "round_ratios": [round(x, 3) for x in ratios]}
             for mode, config in configs.items():
                 trace = Path(args.trace) / f"{regime}_{mode}_x{width}.json" if args.trace else None
-                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace, args.split)
+                r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace,
+                                                                      args.split)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
                       f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
                       f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
