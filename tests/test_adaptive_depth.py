@@ -81,6 +81,35 @@ def test_a_batch_drafts_at_the_depth_that_pays_for_all_its_rows():
     assert depth([keen] + dull, incumbent=1, floor=3) == 3
 
 
+def test_a_batch_of_mixed_rows_scores_each_depth_as_the_sum_over_its_rows():
+    """``batch_depth`` sums the rows of one cost table and deepest depth before pricing them:
+    it picks what the score of its definition picks, each row's expected tokens at the depth
+    over that row's own cost at it, across rows of different tables, deepest depths, widths,
+    floors and incumbents."""
+    import random
+
+    def by_definition(plans, expected, incumbent, floor, width):
+        score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor), width) for p, e in zip(plans, expected))
+                 for d in range(1, max(p.max_depth for p in plans) + 1)}
+        best = max(score, key=score.get)
+        return incumbent if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS) else best
+
+    rng = random.Random(7)
+    tables = [DepthCosts.default(m) for m in ("cuda", "cpu", "cpu-avx2")] + [DepthCosts.default_sampled("cuda")]
+    for _ in range(3000):
+        plans = []
+        for _ in range(rng.randint(1, 8)):
+            top = rng.choice((1, 2, 3, 3, 4))
+            p = DepthPlan(top, rng.choice(tables), tuple(rng.uniform(0.1, 0.9) for _ in range(top)))
+            for _ in range(rng.randint(0, 6)):
+                p.observe(rng.randint(1, top), rng.randint(0, top))
+            plans.append(p)
+        expected = [p.expected_at(in_flight=rng.random() < 0.5) for p in plans]
+        incumbent, floor, width = rng.choice((None, 1, 2, 3)), rng.choice((0, 0, 2)), rng.randint(1, 9)
+        assert batch_depth(plans, expected, incumbent, floor, width) == by_definition(plans, expected, incumbent,
+                                                                                      floor, width)
+
+
 def test_hysteresis_keeps_the_depth_on_a_small_gain():
     costs = DepthCosts((1.0, 1.0), 0.1)
 

@@ -323,6 +323,7 @@ class DepthPlan:
         self.steady_prior = tuple(steady_prior or prior)
         self.tested = [0] * max_depth  # every committed cycle's outcome by position (steady_tokens)
         self.passed = [0] * max_depth
+        self._steady: tuple[float, ...] | None = None  # steady_tokens as of the last commit
 
     @property
     def first_depth(self) -> int:
@@ -335,6 +336,7 @@ class DepthPlan:
             self.alpha[j] += self.rate * (float(j < accepted) - self.alpha[j])
             self.tested[j] += 1
             self.passed[j] += j < accepted
+        self._steady = None
         scale = self.alpha[0] / max(self.prior[0], 1e-3)
         for j in range(drafted, self.max_depth):  # untested: follow the first position's rate
             target = min(0.98, self.prior[j] * scale)
@@ -358,8 +360,11 @@ class DepthPlan:
         from ``EVIDENCE_PRIOR`` cycles at ``steady_prior`` (the head's recorded acceptance at the
         row's temperature): whether drafting pays at all, where the running estimate (``alpha``,
         about its last 6-7 cycles) says which depth."""
-        return _tokens_by_depth([(self.passed[j] + EVIDENCE_PRIOR * self.steady_prior[min(j, len(self.steady_prior) - 1)])
-                                 / (self.tested[j] + EVIDENCE_PRIOR) for j in range(self.max_depth)])
+        if self._steady is None:
+            prior = self.steady_prior
+            self._steady = _tokens_by_depth([(self.passed[j] + EVIDENCE_PRIOR * prior[min(j, len(prior) - 1)])
+                                             / (self.tested[j] + EVIDENCE_PRIOR) for j in range(self.max_depth)])
+        return self._steady
 
 
 def _tokens_by_depth(alpha) -> tuple[float, ...]:
@@ -382,8 +387,14 @@ def batch_depth(plans: list[DepthPlan], expected: list[tuple[float, ...]], incum
     drafts, 0 (an AR step) where that depth promises fewer tokens than one a row under the
     rows' steady estimates, by ``AR_MARGIN`` (and the incumbent 0 stays unless it promises
     ``AR_MARGIN`` more)."""
-    deepest = max(p.max_depth for p in plans)
-    score = {d: sum(e[min(d, p.max_depth) - 1] / p.costs.of(max(d, floor), width) for p, e in zip(plans, expected))
+    # rows of one cost table and deepest depth (as a rule, all of them) are summed before pricing:
+    # the host prices a batch's depths once a cycle, between the chain's launches
+    groups: dict[tuple[int, int], list[tuple[float, ...]]] = {}
+    for p, e in zip(plans, expected):
+        groups.setdefault((id(p.costs), p.max_depth), [p.costs]).append(e)
+    priced = [(g[0], [sum(col) for col in zip(*g[1:])]) for g in groups.values()]
+    deepest = max(len(sums) for _, sums in priced)
+    score = {d: sum(sums[min(d, len(sums)) - 1] / costs.of(max(d, floor), width) for costs, sums in priced)
              for d in range(1, deepest + 1)}
     best = max(score, key=score.get)
     if incumbent in score and score[best] <= score[incumbent] * (1 + HYSTERESIS):

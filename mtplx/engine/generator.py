@@ -247,9 +247,11 @@ class Generator:
         flight_mates = self.chain.live_rows() if flying else ()
         here = {s.seq_id for s in seqs}
         gone: dict[int, Sequence] = {}
+        if not here.isdisjoint(flying):  # the rows in flight share their mates: weighed once
+            gone.update((m.seq_id, m) for m in flight_mates if m.seq_id not in here)
         for s in seqs:
-            mates = flight_mates if s.seq_id in flying else self._mates.get(s.seq_id, ())
-            gone.update((m.seq_id, m) for m in mates if m.seq_id not in here)
+            if s.seq_id not in flying:
+                gone.update((m.seq_id, m) for m in self._mates.get(s.seq_id, ()) if m.seq_id not in here)
         rows = seqs + list(gone.values())
         auto = [s for s in rows if s.depth_plan is not None]
         floor = max((s.depth for s in rows if s.depth_plan is None), default=0)
