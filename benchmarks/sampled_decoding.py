@@ -6,7 +6,7 @@ through mtp_batch vs serial, with sampling.
     PYTHONPATH=. python benchmarks/sampled_decoding.py --model GGUF [--head DIR] --out FILE.json
         [--device cuda] [--max-tokens 256] [--prompts 12] [--no-scheduler | --scheduler-only]
         [--scheduler-rounds N] [--repeats N] [--regimes greedy,t0.7,t1.0] [--scheduler-depths 1,2,3,auto]
-        [--ignore-eos] [--head-quantize int8]
+        [--ignore-eos] [--head-quantize int8] [--scheduler-widths 1,4,8] [--scheduler-varied-lengths]
 
 The prompts (``HELD_OUT_CHAT``) were written for this benchmark: none is a bench prompt
 (``mtplx bench``, ``mtplx tune``), a forge training prompt or one of forge's held-out prompts
@@ -73,14 +73,20 @@ def decoding(engine, prompts, max_tokens: int, depths, regimes: list[str], repea
 
 
 def chat_requests(engine, prompts, n: int, mode: str | None, depth, max_tokens: int, sampling: dict,
-                  draft_policy: str = "auto", seed0: int = 0) -> list:
+                  draft_policy: str = "auto", seed0: int = 0, varied: bool = False) -> list:
     """n chat requests over ``prompts`` in turn, each run to ``max_tokens`` past EOS (the
-    scheduler runs' requests); in a seeded regime request i gets seed ``seed0 + i``."""
+    scheduler runs' requests); in a seeded regime request i gets seed ``seed0 + i``. varied:
+    request i runs to ``varied_length(i, max_tokens)`` instead, so that rows end apart."""
     return [engine.make_request([{"role": "user", "content": prompts[i % len(prompts)]}], chat=True, mode=mode,
-                                depth=depth if mode == "mtp" else None, max_tokens=max_tokens, ignore_eos=True,
-                                draft_policy=draft_policy,
+                                depth=depth if mode == "mtp" else None, ignore_eos=True, draft_policy=draft_policy,
+                                max_tokens=varied_length(i, max_tokens) if varied else max_tokens,
                                 **{**sampling, **({"seed": seed0 + i} if "seed" in sampling else {})})
             for i in range(n)]
+
+
+def varied_length(i: int, max_tokens: int) -> int:
+    """Request i's length in a run of varied lengths: from half to 1.5x ``max_tokens``, spread."""
+    return max(1, max_tokens // 2 + (i * 29) % (max_tokens + 1))
 
 
 class Tally:
@@ -161,7 +167,7 @@ def scheduler(engine, prompts, max_tokens: int, depth, regimes: list[str], round
 
 def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: list[str], rounds: int = 1,
                      draft_policy: str = "auto", requests_per_run: int = 0, variants: dict | None = None,
-                     widths: tuple[int, ...] = (1, 4, 8), per_stream: bool = False) -> dict:
+                     widths: tuple[int, ...] = (1, 4, 8), per_stream: bool = False, varied: bool = False) -> dict:
     """mtp_batch at each of ``depths`` and ar_batch at 1, 4 and 8 streams (``widths``), the configurations
     alternating within each round: which depth pays at which width. With ``requests_per_run``
     (n > 0), each run is n requests over every prompt in turn, decoded by that many clients in a
@@ -196,7 +202,7 @@ def scheduler_depths(engine, prompts, max_tokens: int, depths: list, regimes: li
 
         def requests(n: int, depth, seed0: int = 0) -> list:
             return chat_requests(engine, prompts, n, "ar" if depth is None else "mtp", depth, max_tokens, sampling,
-                                 draft_policy, seed0)
+                                 draft_policy, seed0, varied)
 
         configs = [("ar_batch", None)] + [("mtp_batch", d) for d in depths]
         for mode, depth in configs:
@@ -252,6 +258,11 @@ def main() -> None:
     ap.add_argument("--scheduler-requests", type=int, default=0,
                     help="--scheduler-depths: each run decodes this many requests (every prompt in turn) "
                          "through as many closed-loop clients as streams (0: one request a stream, sent at once)")
+    ap.add_argument("--scheduler-widths", default="1,4,8", help="--scheduler-depths: the streams of its runs")
+    ap.add_argument("--scheduler-varied-lengths", action="store_true",
+                    help="--scheduler-depths: request i runs to half to 1.5x --max-tokens (varied_length), so "
+                         "that rows end apart and new ones join a running batch, as under real traffic; else "
+                         "every request runs to --max-tokens")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -284,7 +295,9 @@ def main() -> None:
         depths = [parse_depth(d.strip()) for d in args.scheduler_depths.split(",")]
         report["scheduler_depths"] = scheduler_depths(engine, report["prompts"], args.max_tokens, depths, regimes,
                                                       args.scheduler_rounds, args.scheduler_draft_policy,
-                                                      args.scheduler_requests)
+                                                      args.scheduler_requests,
+                                                      widths=tuple(int(w) for w in args.scheduler_widths.split(",")),
+                                                      varied=args.scheduler_varied_lengths)
     elif not args.no_scheduler:
         report["scheduler"] = scheduler(engine, report["prompts"], args.max_tokens, parse_depth(args.scheduler_depth),
                                         regimes, args.scheduler_rounds, args.scheduler_draft_policy)

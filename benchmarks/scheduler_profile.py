@@ -224,10 +224,7 @@ class ModeRuns:
     def requests(self) -> list:
         reqs = chat_requests(self.engine, HELD_OUT_CHAT, self.width * self.per_stream,
                              "mtp" if self.mode == "mtp_batch" else "ar", self.depth, self.max_tokens, self.sampling,
-                             self.draft_policy, 7)
-        if self.per_stream > 1:
-            for i, r in enumerate(reqs):
-                r.max_tokens = max(1, self.max_tokens // 2 + (i * 29) % (self.max_tokens + 1))
+                             self.draft_policy, 7, varied=self.per_stream > 1)
         return reqs
 
     def run(self):  # ``width`` clients in a closed loop
