@@ -9,7 +9,7 @@ the chains started (each start leaves the device idle while the host commits, pl
 launches) and the rows that joined a running chain, and times the batch.
 
     PYTHONPATH=. python benchmarks/chain_rows.py --model GGUF --head DIR --out FILE.json
-        [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7] [--arrivals 4]
+        [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7] [--arrivals 4] [--beside]
 
 float32 by default: bf16 batches of 8 rows and lone rows round differently and may flip a
 near-tie. Depth 0 is AR (chained AR steps). Runs on the CPU too, where chains run eagerly.
@@ -47,10 +47,13 @@ def alone_tokens(engine, req) -> list[int]:
     return seq.generated
 
 
-def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int, int, float, bool]:
+def batch(engine, reqs: list, cancel_at: int = 5,
+          beside: bool = False) -> tuple[list[list[int]], int, int, float, bool]:
     """The requests decoded side by side, the first eight at once, each later one admitted
     when a row ends; -> (tokens per row, chains started, rows that joined a chain, seconds,
-    whether the cancelled row (the eighth) was still live when cancelled)."""
+    whether the cancelled row (the eighth) was still live when cancelled). beside: a later
+    one's prompt runs beside the chain (``Generator.prefill(wait=False)``, as the batching
+    schedulers feed it), and it steps with the others once its first token is drawn."""
     import torch
 
     starts, joins = set(), set()
@@ -65,23 +68,29 @@ def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int,
     gen.observers.append(observe)
     seqs = []
 
-    def arrive(req) -> None:
+    def arrive(req, wait: bool = True) -> bool:
         seq = engine.new_sequence(req)
         gen.admit(seq)
-        gen.prefill(seq)
         seqs.append(seq)
+        return gen.prefill(seq, wait=wait)
 
     for req in reqs[:ROWS]:
         arrive(req)
     waiting = list(reqs[ROWS:])
-    live = list(seqs)
+    live, pending = list(seqs), []
     steps, cancelled = 0, False
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            while live:
+            while live or pending:
+                for s in list(pending):  # prompts run beside the chain: rows join once their first token is drawn
+                    if gen.prefill(s, wait=not live):
+                        pending.remove(s)
+                        live.append(s)
+                if not live:
+                    continue
                 engine.step(live)
                 steps += 1
                 if steps == cancel_at and not seqs[ROWS - 1].finished:
@@ -91,8 +100,7 @@ def batch(engine, reqs: list, cancel_at: int = 5) -> tuple[list[list[int]], int,
                     gen.release(s)
                     live.remove(s)
                     if waiting:  # the next request, prefilled with the chain's cycle in flight
-                        arrive(waiting.pop(0))
-                        live.append(seqs[-1])
+                        (live if arrive(waiting.pop(0), wait=not beside) else pending).append(seqs[-1])
             gen.drain()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -113,6 +121,9 @@ def main() -> None:
     ap.add_argument("--depths", default="0,1,3")
     ap.add_argument("--regimes", default="greedy,t0.7")
     ap.add_argument("--arrivals", type=int, default=0, help="requests that arrive as rows end")
+    ap.add_argument("--beside", action="store_true",
+                    help="arrivals' prompts run beside the chain, as the batching schedulers run them (on the "
+                         "CPU in order: Generator.beside = 'inline')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -123,6 +134,7 @@ def main() -> None:
     engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
     if not engine.generator.chain.enabled:
         engine.generator.chain.enabled = True  # the CPU: the eager chain
+        engine.generator.beside = "inline" if args.beside else "off"
     report = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
               "dtype": args.dtype, "runs": {}}
     failures = 0
@@ -130,8 +142,8 @@ def main() -> None:
         for depth in (int(d) for d in args.depths.split(",")):
             reqs = lambda: requests(engine, depth, REGIMES[regime], args.arrivals)  # noqa: E731
             alone = [alone_tokens(engine, r) for r in reqs()]
-            batch(engine, reqs())  # warm-up
-            tokens, chains, joins, seconds, cancelled = batch(engine, reqs())
+            batch(engine, reqs(), beside=args.beside)  # warm-up
+            tokens, chains, joins, seconds, cancelled = batch(engine, reqs(), beside=args.beside)
             c = ROWS - 1  # the cancelled row
             same = [t == a for i, (t, a) in enumerate(zip(tokens, alone)) if i != c]
             prefix = tokens[c] == alone[c][: len(tokens[c])]

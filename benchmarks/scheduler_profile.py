@@ -214,8 +214,8 @@ class ModeRuns:
     and its plain runs, added up over rounds."""
 
     def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
-                 per_stream: int):
-        self.engine, self.mode, self.width = engine, mode, width
+                 per_stream: int, beside: str = "auto"):
+        self.engine, self.mode, self.width, self.beside = engine, mode, width, beside
         self.sampling, self.depth, self.max_tokens = sampling, depth, max_tokens
         self.draft_policy, self.per_stream = draft_policy, per_stream
         self.counter = StepCounter(engine)
@@ -228,6 +228,7 @@ class ModeRuns:
         return reqs
 
     def run(self):  # ``width`` clients in a closed loop
+        self.engine.generator.beside = self.beside
         return run_clients(self.engine, self.mode, self.requests(), self.width)
 
     def plain(self) -> None:
@@ -241,16 +242,23 @@ class ModeRuns:
 
 
 def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None,
-        split: bool = False) -> dict:
+        split: bool = False, profiled: bool = True) -> dict:
     """The plain runs' figures (over every round), then one run under the CUDA profiler (and
     cProfile, CUDA events where asked); ``trace``: where that run's kernel timeline goes, as a
     Chrome trace (chrome://tracing, ui.perfetto.dev): the device's idle gaps between steps. The
-    model thread's own ops are not on it (the profiler records the thread that started it)."""
+    model thread's own ops are not on it (the profiler records the thread that started it).
+    profiled=False: the plain runs' figures alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     engine, mode, width, run, plain = config.engine, config.mode, config.width, config.run, config.counter
     elapsed, tokens = config.elapsed, config.tokens
+    wall_us = elapsed * 1e6 / plain.calls
+    figures = {"tok_s": tokens / elapsed, "rounds_tok_s": [round(t, 1) for t in config.rounds],
+               "steps": plain.calls, "tokens_per_step": tokens / plain.calls, "wall_us_per_step": wall_us,
+               "host_us_in_step": plain.seconds * 1e6 / plain.calls, "steps_by_kind": plain.breakdown()}
+    if not profiled:
+        return figures
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with StepCounter(engine) as profiled, profile(activities=[activity]) as prof:
         run()
@@ -260,7 +268,6 @@ def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trac
         prof.export_chrome_trace(str(trace))
     rows = kernel_rows(prof, profiled.calls, name_chars=80)
     kernel_us = sum(r[2] for r in rows)
-    wall_us = elapsed * 1e6 / plain.calls
     per_run = plain.calls / len(config.rounds)  # the one profiled run's steps, as a plain run's
     extra = {"host_profile": host_profile(engine, mode, config.requests(), width, per_run)} if cprofile else {}
     if split:  # a run of its own: the timers' cost (about 0.4 us a call) stays out of the plain runs' figures
@@ -271,10 +278,7 @@ def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trac
         with StepCounter(engine) as timed, GraphTimer(engine.runner.graphs) as timer:
             run()
         extra["graph_time"] = timer.per_step(timed.calls)
-    return {**extra, "tok_s": tokens / elapsed, "rounds_tok_s": [round(t, 1) for t in config.rounds],
-            "steps": plain.calls, "tokens_per_step": tokens / plain.calls,
-            "wall_us_per_step": wall_us, "host_us_in_step": plain.seconds * 1e6 / plain.calls,
-            "steps_by_kind": plain.breakdown(),
+    return {**extra, **figures,
             "kernel_us_per_step": kernel_us, "launches_per_step": sum(r[1] for r in rows),
             "busy_share": kernel_us / wall_us,
             "top": [{"name": n, "count": round(c, 2), "us": round(us, 2)} for n, c, us in rows[:60]]}
@@ -310,8 +314,16 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true",
                     help="chain cycles where the engine would not (the CPU: eagerly, op by op): the chain's "
                          "starts, joins and continued steps, and --split's host times, without a GPU")
+    ap.add_argument("--beside", default="auto",
+                    help="where a prompt that arrives at a running chain runs (Generator.beside): auto (beside "
+                         "it, on a second CUDA stream), off (the step waits for it), or both, alternating "
+                         "(auto,off: each mode once per setting a round)")
+    ap.add_argument("--plain", action="store_true", help="the plain runs alone (no profiled run)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    besides = args.beside.split(",")
+    if bad := [b for b in besides if b not in ("auto", "off", "inline")]:
+        raise SystemExit(f"unknown --beside {bad}: auto, off or inline")
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
         raise SystemExit(f"unknown regimes {unknown}; known: {', '.join(REGIMES)}")
     if args.rounds < 1:
@@ -334,28 +346,30 @@ def main() -> None:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
-            configs = {mode: ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
-                                      args.draft_policy, args.per_stream) for mode in ("mtp_batch", "ar_batch")}
+            tag = (lambda b: "") if len(besides) == 1 else (lambda b: f"@{b}")  # noqa: E731
+            configs = {f"{mode}{tag(b)}": ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
+                                                   args.draft_policy, args.per_stream, b)
+                       for b in besides for mode in ("mtp_batch", "ar_batch")}
             for config in configs.values():
                 config.run()  # warm-up
             for r in range(args.rounds):  # ABBA: neither mode always runs right after the other
                 for config in list(configs.values())[:: 1 if r % 2 == 0 else -1]:
                     config.plain()
-            ratios = [m / a for m, a in zip(configs["mtp_batch"].rounds, configs["ar_batch"].rounds)]
-            report["runs"][f"{regime}/x{width}"] = {"mtp_over_ar": configs["mtp_batch"].tokens
-                                                    / configs["mtp_batch"].elapsed
-                                                    / (configs["ar_batch"].tokens / configs["ar_batch"].elapsed),
-                                                    "median_round_ratio": statistics.median(ratios),
-                                                    "round_ratios": [round(x, 3) for x in ratios]}
+            for b in besides:
+                mtp, ar = configs[f"mtp_batch{tag(b)}"], configs[f"ar_batch{tag(b)}"]
+                ratios = [m / a for m, a in zip(mtp.rounds, ar.rounds)]
+                report["runs"][f"{regime}/x{width}{tag(b)}"] = {
+                    "mtp_over_ar": mtp.tokens / mtp.elapsed / (ar.tokens / ar.elapsed),
+                    "median_round_ratio": statistics.median(ratios), "round_ratios": [round(x, 3) for x in ratios]}
             for mode, config in configs.items():
                 trace = Path(args.trace) / f"{regime}_{mode}_x{width}.json" if args.trace else None
                 r = report["runs"][f"{regime}/{mode}/x{width}"] = one(config, args.cprofile, args.graph_time, trace,
-                                                                      args.split)
+                                                                      args.split, not args.plain)
                 print(f"{regime} {mode} x{width}: {r['tok_s']:.0f} tok/s, {r['tokens_per_step']:.2f} tok/step, "
-                      f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f}), "
-                      f"kernels {r['kernel_us_per_step']:.0f} us in {r['launches_per_step']:.0f} launches, "
-                      f"busy {r['busy_share']:.2f}", flush=True)
-                for k in r["top"][:8]:
+                      f"wall {r['wall_us_per_step']:.0f} us/step (host in step {r['host_us_in_step']:.0f})"
+                      + ("" if args.plain else f", kernels {r['kernel_us_per_step']:.0f} us in "
+                         f"{r['launches_per_step']:.0f} launches, busy {r['busy_share']:.2f}"), flush=True)
+                for k in r.get("top", [])[:8]:
                     print(f"    {k['us']:8.1f} us {k['count']:6.1f}x  {k['name']}")
                 print("    steps: " + ", ".join(f"{k} {v['steps']} at {v['wall_us_per_step']} us"
                                             for k, v in r["steps_by_kind"].items()))
@@ -368,9 +382,10 @@ def main() -> None:
                     for f in r.get("host_profile", {}).get(order, [])[:25]:
                         print(f"    host {f['own_us']:8.1f} us own {f['cumulative_us']:8.1f} cum "
                               f"{f['calls_per_step']:6.1f}x  {f['function']}")
-            pair = report["runs"][f"{regime}/x{width}"]
-            print(f"{regime} x{width}: mtp_batch / ar_batch {pair['mtp_over_ar']:.3f} over {args.rounds} rounds "
-                  f"(median round {pair['median_round_ratio']:.3f}: {pair['round_ratios']})", flush=True)
+            for b in besides:
+                pair = report["runs"][f"{regime}/x{width}{tag(b)}"]
+                print(f"{regime} x{width}{tag(b)}: mtp_batch / ar_batch {pair['mtp_over_ar']:.3f} over {args.rounds} "
+                      f"rounds (median round {pair['median_round_ratio']:.3f}: {pair['round_ratios']})", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -513,3 +513,75 @@ def test_mtp_decodes_to_the_context_end_as_ar_does(depth, chain):
     assert [s.generated for s in seqs] == [r.token_ids for r in ar]
     assert all(s.finish_reason == "length" for s in seqs)
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("depth, draft_policy", [(0, "greedy"), (2, "greedy"), (3, "mirror")])
+def test_rows_whose_prompts_run_beside_the_chain_join_once_their_first_token_is_drawn(depth, draft_policy):
+    """A scheduler that does not wait for a new row's prompt (``prefill(wait=False)``): the
+    prompt's forwards run beside the chain (on the CPU, ``Generator.beside`` "inline": in order), the
+    call answers False and the chain steps on without the row; a later call draws its first
+    token and the row joins the running chain. Every row decodes what it decodes alone,
+    greedy and seeded sampled, with the same drafts; no join restarts the chain."""
+    engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    mode = dict(mode="mtp", depth=depth, draft_policy=draft_policy) if depth else dict(mode="ar")
+    kwargs = [dict(max_tokens=8 + 3 * (i % 5), **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(len(JOIN_PROMPTS))]
+    drafts = record_drafts(engine)
+    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(JOIN_PROMPTS, kwargs)]
+    alone_drafts = [drafts[i] for i in sorted(drafts)]
+    drafts.clear()
+    gen = engine.generator
+    gen.chain.enabled, gen.beside = True, "inline"
+    events = []
+    gen.observers.append(lambda event, s: events.append((event, s.seq_id)))
+    waiting = list(zip(JOIN_PROMPTS, kwargs))
+    seqs = [start(engine, p, **kw) for p, kw in waiting[:4]]
+    waiting = waiting[4:]
+    live, pending, deferred = list(seqs), [], 0
+    with torch.inference_mode():
+        while live or pending:
+            for s in list(pending):
+                if gen.prefill(s, wait=not live):
+                    pending.remove(s)
+                    live.append(s)
+            if live:
+                engine.step(live)
+            for s in [s for s in live if s.finished]:
+                gen.release(s)
+                live.remove(s)
+                if waiting:  # its successor arrives with the chain's cycle in flight
+                    seq = engine.new_sequence(engine.make_request(waiting[0][0], **waiting[0][1]))
+                    gen.admit(seq)
+                    assert not gen.prefill(seq, wait=False) and seq.pending_prefill is not None
+                    deferred += 1
+                    seqs.append(seq)
+                    pending.append(seq)
+                    waiting = waiting[1:]
+    assert deferred == len(JOIN_PROMPTS) - 4
+    assert [s.generated for s in seqs] == alone
+    assert [drafts[s.seq_id] for s in seqs] == alone_drafts
+    assert depth == 0 or sum(s.stats.accepted_tokens for s in seqs) > 0
+    assert len({i for e, i in events if e == "chain_join"}) == len(JOIN_PROMPTS) - 4, events  # each joined
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
+def test_a_row_released_before_its_first_token_frees_its_blocks():
+    """A request cancelled while its prompt runs beside the chain: release drops the pending
+    prompt (after its forwards, on a GPU) and returns its blocks; the other rows go on."""
+    engine = chained_engine()
+    gen = engine.generator
+    gen.chain.enabled, gen.beside = True, "inline"
+    with torch.inference_mode():
+        a = start(engine, PROMPTS[0], max_tokens=12, mode="mtp", depth=2)
+        engine.step([a])  # a chained cycle in flight
+        b = engine.new_sequence(engine.make_request(PROMPTS[2], max_tokens=12, mode="mtp", depth=2))
+        gen.admit(b)
+        assert not gen.prefill(b, wait=False)
+        gen.release(b)
+        assert b.pending_prefill is None
+        while not a.finished:
+            engine.step([a])
+        gen.release(a)
+    assert a.generated == engine.generate(PROMPTS[0], max_tokens=12, mode="mtp", depth=2).token_ids
+    assert engine.runner.blocks.num_used_blocks == 0

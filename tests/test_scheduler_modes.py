@@ -71,6 +71,39 @@ def test_every_mode_reproduces_solo_greedy_output_under_8_concurrent_requests(en
     assert scheduler.policy.jobs.totals["completed"] == len(PROMPTS)
 
 
+@pytest.mark.parametrize("mode", ["mtp_batch", "ar_batch"])
+def test_rows_arriving_at_a_running_chain_prefill_beside_it_and_decode_as_alone(engine, solo, mode):
+    """Eight requests through three rows: each that finds the chain running has its prompt
+    fed beside it (``Generator.prefill(wait=False)``, inline on the CPU), the other rows step
+    meanwhile, and it joins once its first token is drawn; every output is its solo one."""
+    gen = engine.generator
+    beside = []
+    inner = gen.prefill
+
+    def prefill(seq, chunk=None, wait=True):
+        fresh = seq.pending_prefill is None
+        done = inner(seq, chunk, wait)
+        if fresh and seq.pending_prefill is not None:
+            beside.append(seq.seq_id)
+        return done
+    gen.prefill, gen.chain.enabled, gen.beside = prefill, True, "inline"
+    scheduler = started(engine, mode, **({"decode_batch_max": 3} if mode == "mtp_batch" else {"max_active_requests": 3}))
+    lengths = [5 + 3 * i % 12 for i in range(len(PROMPTS))]  # rows end apart: the chain runs on as they leave
+    collectors = [Collector() for _ in PROMPTS]
+    try:
+        for prompt, n, collector in zip(PROMPTS, lengths, collectors):
+            scheduler.submit(Job(engine.make_request(prompt, max_tokens=n, temperature=0.0), collector))
+        ends = [c.wait() for c in collectors]
+    finally:
+        scheduler.stop()
+        del gen.prefill
+        gen.chain.enabled, gen.beside = False, "auto"
+    assert [e.result.token_ids for e in ends] == [r.token_ids[:n] for r, n in zip(solo, lengths)]
+    assert len(beside) >= 3, beside  # rows that arrived at a running chain
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
 def test_mtp_batch_verifies_several_rows_per_cycle(engine):
     scheduler = started(engine, "mtp_batch", batch_wait_ms=200)
     try:

@@ -40,9 +40,8 @@ class ARBatchPolicy(RowPolicy):
             for job in jobs:
                 self._choose_generation_mode(job, width)
                 self.join(job)
-            for row in [r for r in self.rows if not r.prefilled]:
-                self.prefill(row, self.prefill_chunk)
-                self.prefill_chunks += 1
+            self.prefill_chunks += sum(not r.prefilled and r.seq.pending_prefill is None for r in self.rows)
+            self.prefill_waiting(self.prefill_chunk)
             self.retire_done()
             for group in _by_mode([r for r in self.rows if r.prefilled]):
                 self.step(group)

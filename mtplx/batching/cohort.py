@@ -32,9 +32,11 @@ class Row:
         engine.generator.admit(seq)
         return cls(job, seq, engine.text_tracker(job.request))
 
-    def prefill(self, engine: Engine, chunk: int | None = None) -> bool:
-        """Feed the prompt (``chunk`` tokens at most); True once the first token is sampled."""
-        self.prefilled = engine.generator.prefill(self.seq, chunk)
+    def prefill(self, engine: Engine, chunk: int | None = None, wait: bool = True) -> bool:
+        """Feed the prompt (``chunk`` tokens at most); True once the first token is sampled.
+        wait=False: where the prompt's forwards run beside the chain, this call may return before
+        they are done, and a later one draws the first token (``Generator.prefill``)."""
+        self.prefilled = engine.generator.prefill(self.seq, chunk, wait)
         if self.prefilled:
             self.publish()
         return self.prefilled
@@ -100,11 +102,19 @@ class RowPolicy(Policy):
         self.rows_joined += 1
         return row
 
-    def prefill(self, row: Row, chunk: int | None = None) -> None:
+    def prefill(self, row: Row, chunk: int | None = None, wait: bool = True) -> None:
         try:
-            row.prefill(self.engine, chunk)
+            row.prefill(self.engine, chunk, wait)
         except Exception as exc:
             self.drop(row, exc)
+
+    def prefill_waiting(self, chunk: int | None = None) -> None:
+        """Feed each row not yet prefilled (``chunk`` tokens at most). Where other rows are
+        prefilled, their step need not wait: a prompt then runs beside the chain's cycles and
+        its row joins a later step, once its first token is drawn."""
+        wait = not any(r.prefilled for r in self.rows)
+        for row in [r for r in self.rows if not r.prefilled]:
+            self.prefill(row, chunk, wait)
 
     def step(self, rows: list[Row]) -> None:
         """One engine step for ``rows`` (all of one generation mode), then publish each row it

@@ -57,21 +57,22 @@ class MTPBatchPolicy(RowPolicy):
                 self.cohorts_sealed += 1
             mid_cohort = bool(self.rows) and time.perf_counter() >= gathering_until
             for job in take_jobs(queue, width - len(self.rows), self.engine, self.rows):
-                if self._join_and_prefill(job) and mid_cohort:
+                if self._join(job) and mid_cohort:
                     self.joined_mid_cohort += 1
+            self.prefill_waiting()
             self.retire_done()
-            if self.rows:
-                self.step(list(self.rows))
+            stepping = [r for r in self.rows if r.prefilled]
+            if stepping:
+                self.step(stepping)
                 self.retire_done()
 
-    def _join_and_prefill(self, job) -> bool:
+    def _join(self, job) -> bool:
         row = self.join(job)
         if row is None:
             return False
         if row.seq.cached_prompt_tokens:
             self.prefix_forks += 1
             self.forked_prompt_tokens += row.seq.cached_prompt_tokens
-        self.prefill(row)
         return True
 
     def mode_telemetry(self) -> dict:

@@ -78,6 +78,11 @@ class GraphCache:
         self.graphs: dict[tuple, _Graph | _CycleGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = runner.states is None
+        # a new row's prompt runs on its own stream beside the chain's cycles (``Generator.prefill``,
+        # wait=False) through the trunk's prefill graphs, captured in a pool of their own: graphs
+        # of one pool share their intermediate buffers, so two of them must never run at once
+        self.side = torch.cuda.Stream() if self.enabled else None
+        self.prefill_pool = torch.cuda.graph_pool_handle()
 
     # -- what ModelRunner consults -----------------------------------------------------------
     def forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
@@ -86,10 +91,16 @@ class GraphCache:
         graph captured for its shape, else row by row through the prefill graphs where those
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
+        if torch.cuda.current_stream() == self.side:  # beside the chain: the prefill pool's graphs alone
+            if kind != "trunk" or q > PREFILL_GRAPH_TOKENS or self._captured(kind, 1, PREFILL_BUCKETS[-1]) is None:
+                return None
+            return self._prefill(kind, seqs, token_rows, starts, hidden)
         g = self._captured(kind, len(seqs), q)
         if g is not None:
             return self._replay(g, seqs, token_rows, starts, hidden)
         if self._prefills(len(seqs), q, kind):
+            if kind == "trunk" and self.side is not None:  # the graphs a side-stream prompt may be replaying: after it
+                torch.cuda.current_stream().wait_stream(self.side)
             return self._prefill(kind, seqs, token_rows, starts, hidden)
         return None
 
@@ -237,19 +248,19 @@ class GraphCache:
                 for d in ([] if variant.startswith("mirror") else [0]) + (depths if head else []):
                     self._cycle_graph(r, d, variant)
         for q in PREFILL_BUCKETS:
-            self._graph("trunk", 1, q)
+            self._graph("trunk", 1, q, pool=self.prefill_pool)
             if head:
                 self._graph("head", 1, q)
         return len(self.graphs)
 
-    def _graph(self, kind: str, rows: int, q: int) -> _Graph:
+    def _graph(self, kind: str, rows: int, q: int, pool=None) -> _Graph:
         R = _bucket(rows)
         key = (kind, R, q)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(kind, R, q)
+            self.graphs[key] = self._capture(kind, R, q, pool)
         return self.graphs[key]
 
-    def _capture(self, kind: str, R: int, q: int) -> _Graph:
+    def _capture(self, kind: str, R: int, q: int, pool=None) -> _Graph:
         r_ = self.runner
         dev = r_.device
         H = r_.trunk_width if kind == "head" else r_.model.config.hidden_size  # "head_own": its own output
@@ -266,15 +277,16 @@ class GraphCache:
                 return r_.head(r_.model, hidden_in, ids, meta, r_.cache)
             return r_.forward_trunk(ids, meta)
 
-        graph, out = self._capture_forward(forward)
+        graph, out = self._capture_forward(forward, pool)
         staging = torch.empty(3 * R * q + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record()
         return _Graph(graph, ids, positions, slots, tables, hidden_in, out, rows_in.view(-1), staging, copied)
 
-    def _capture_forward(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture_forward(self, forward, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm ``forward`` up on a side stream (Triton compiles there), then capture it, both
-        outside autograd (where the fused kernels run, not the reference path)."""
+        outside autograd (where the fused kernels run, not the reference path), into ``pool``
+        (default: the pool of every graph but the trunk's prefill graphs)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
@@ -283,7 +295,7 @@ class GraphCache:
                     forward()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool if pool is None else pool):
                 out = forward()
         return graph, out
 

@@ -29,6 +29,7 @@ propagates as is (the caller fails every row of the step). ``faults.py`` injects
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,6 +74,9 @@ class Generator:
         # and tests (instrumentation, not a new path)
         self.observers: list[Callable[[str, Sequence], None]] = []
         self._mates: dict[int, list[Sequence]] = {}  # seq_id -> the rows of its last committed cycle
+        # where new rows' prompts run while a chain is in flight (``side_prefill``): "auto" (beside it on
+        # CUDA), "inline" (in order, for tests on the CPU) or "off" (the caller waits for them)
+        self.beside = "auto"
 
     def inject_faults(self, hook: FaultHook | None) -> None:
         """Call ``hook(point, seq)`` at every fault point (faults.py); None stops. Forwards
@@ -118,6 +122,11 @@ class Generator:
         over the row still writes to them, ahead of any later use (one stream)."""
         if self.live.pop(seq.seq_id, None) is None:
             return
+        if seq.pending_prefill is not None:  # its forwards still write its blocks, beside the chain
+            done, _ = seq.pending_prefill
+            seq.pending_prefill = None
+            if done is not None:
+                done.synchronize()
         self.chain.forget(seq)
         self.kv.release(seq)
         self._mates.pop(seq.seq_id, None)
@@ -145,16 +154,79 @@ class Generator:
             return
         self._feed_prompts(seqs, [len(s.prompt_ids) for s in seqs])
 
-    def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
+    def prefill(self, seq: Sequence, chunk: int | None = None, wait: bool = True) -> bool:
         """Feed up to ``chunk`` more prompt tokens; after the last one, sample the first token.
         Returns True when the prompt is done. A feed that crosses the prompt's cache edge
-        (``cache_edge``) is two forwards, split there."""
+        (``cache_edge``) is two forwards, split there.
+
+        wait=False, where a chained cycle is in flight and the rest of the prompt is fed at once:
+        the forwards run beside the chain (``side_prefill``; on CUDA on a second stream, after the
+        cycle in flight), the first token is drawn at a later call once they are done, and False
+        is returned until then. The caller steps the other rows meanwhile; the row joins the
+        chain once prefilled, so the chain does not stop for the prompt's forwards nor wait on
+        them. The first token is drawn as the waiting path draws it (same forwards, same noise)."""
+        if seq.pending_prefill is not None:
+            return self._finish_prefill(seq, wait)
         end = len(seq.prompt_ids) if chunk is None else min(len(seq.prompt_ids), seq.trunk_len + chunk)
+        beside = not wait and end == len(seq.prompt_ids) and self._beside_chain(seq)
         edge = self.cache_edge(seq)
-        if seq.trunk_len < edge < end:
-            self._feed_prompts([seq], [edge])
-        self._feed_prompts([seq], [end])
-        return end == len(seq.prompt_ids)
+        with self._prefill_stream(beside):
+            if seq.trunk_len < edge < end:
+                self._feed_prompts([seq], [edge])
+            if not beside:
+                self._feed_prompts([seq], [end])
+                return end == len(seq.prompt_ids)
+            rows, hidden = self._forward_prompts([seq], [end])
+            seq.pending_prefill = (_record_event(self.side_prefill), hidden[0, len(rows[0]) - 1][None])
+        return False
+
+    def _beside_chain(self, seq: Sequence) -> bool:
+        """Whether the prompt's forwards may run beside the chain: a chained cycle is in flight,
+        the runner feeds prompts beside it (``side_prefill``: a second CUDA stream, or in order
+        where forced) and the row needs nothing of the prompt's forwards but their state (no
+        prompt logprobs, no recurrent state, no fault injection)."""
+        return (self.chain.flight is not None and self.side_prefill is not None and self.fault_hook is None
+                and seq.prompt_logprobs is None and self.runner.states is None)
+
+    @property
+    def side_prefill(self):
+        """Where prompts are fed beside a running chain (``beside``): the CUDA graphs' second
+        stream ("auto"), "inline" (in order, for tests of the rows' waiting and joining on the
+        CPU), or None: they are not ("off", or "auto" without CUDA graphs)."""
+        if self.beside == "auto":
+            return getattr(getattr(self.runner, "graphs", None), "side", None)
+        return "inline" if self.beside == "inline" else None
+
+    def _prefill_stream(self, beside: bool):
+        """The context a prompt's forwards run in: the side stream (after the work queued on the
+        current one: the cycle in flight, whose rows that left may still write blocks now this
+        row's), else as they are."""
+        side = self.side_prefill if beside else None
+        if side is None or isinstance(side, str):
+            return contextlib.nullcontext()
+        side.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(side)
+
+    def _finish_prefill(self, seq: Sequence, wait: bool) -> bool:
+        """Draw a prompt's first token once its forwards (run beside the chain) are done; with
+        ``wait``, wait for them. True once drawn. The draw runs where the forwards ran, and the
+        host's read of it waits for that stream alone; its hidden states are then the current
+        stream's too (``record_stream``: their memory is not reused under it)."""
+        done, last = seq.pending_prefill
+        if done is not None and not wait and not done.query():
+            return False
+        seq.pending_prefill = None
+        if done is None:  # inline: the forwards ran in order
+            self._first_tokens([seq], last)
+            return True
+        side = self.side_prefill
+        with torch.cuda.stream(side):
+            tokens = self._sample_rows([seq], self.runner.logits(last))  # (the read syncs this stream)
+        self._sampler = None  # (made on that stream: the steps' own are made on theirs)
+        if seq.hidden_backlog is not None:
+            seq.hidden_backlog.record_stream(torch.cuda.current_stream())
+        self._take_first_tokens([seq], tokens)
+        return True
 
     def cache_edge(self, seq: Sequence) -> int:
         """The end of the prompt's full blocks: what the prefix cache serves the same prompt
@@ -170,6 +242,13 @@ class Generator:
     def _feed_prompts(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Row r's prompt tokens from its trunk_len to ends[r] in one trunk forward (rows padded
         to the longest); the rows whose prompt is then done sample their first token, in one call."""
+        rows, hidden = self._forward_prompts(seqs, ends)
+        done = [r for r, seq in enumerate(seqs) if seq.trunk_len == len(seq.prompt_ids)]
+        if done:
+            self._first_tokens([seqs[r] for r in done], torch.stack([hidden[r, len(rows[r]) - 1] for r in done]))
+
+    def _forward_prompts(self, seqs: list[Sequence], ends: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """``_feed_prompts``' forward: (each row's tokens fed, the hidden states [rows, q, H])."""
         rows = [s.prompt_ids[s.trunk_len:end] for s, end in zip(seqs, ends)]
         for seq in seqs:
             self._stage("prefill", seq)
@@ -181,16 +260,18 @@ class Generator:
             seq.trunk_len = end
             if self.runner.head is not None and seq.mode == "mtp":
                 seq.hidden_backlog = _cat(seq.hidden_backlog, own)
-        done = [r for r, seq in enumerate(seqs) if seq.trunk_len == len(seq.prompt_ids)]
-        if not done:
-            return
-        last = torch.stack([hidden[r, len(rows[r]) - 1] for r in done])
-        tokens = self._sample_rows([seqs[r] for r in done], self.runner.logits(last))
+        return rows, hidden
+
+    def _first_tokens(self, seqs: list[Sequence], last: torch.Tensor) -> None:
+        """Each row's first token, from its prompt's last hidden state (``last`` [rows, H])."""
+        self._take_first_tokens(seqs, self._sample_rows(seqs, self.runner.logits(last)))
+
+    def _take_first_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
         now = time.perf_counter()
-        for r, token in zip(done, tokens):
-            seqs[r].stats.ttft_s = now - seqs[r].t_start
-            seqs[r].t_first = now
-            self._append(seqs[r], [token])
+        for seq, token in zip(seqs, tokens):
+            seq.stats.ttft_s = now - seq.t_start
+            seq.t_first = now
+            self._append(seq, [token])
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> StepResult:
@@ -736,6 +817,15 @@ def _add_times(seqs: list[Sequence], **seconds: float) -> None:
     for seq in seqs:
         for name, value in seconds.items():
             setattr(seq.stats, name, getattr(seq.stats, name) + value)
+
+
+def _record_event(side):
+    """An event recorded on the side stream (current), or None where prompts run inline."""
+    if side is None or isinstance(side, str):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
