@@ -91,10 +91,15 @@ class GraphCache:
         graph captured for its shape, else row by row through the prefill graphs where those
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
-        if torch.cuda.current_stream() == self.side:  # beside the chain: the prefill pool's graphs alone
-            if kind != "trunk" or q > PREFILL_GRAPH_TOKENS or self._captured(kind, 1, PREFILL_BUCKETS[-1]) is None:
+        if self.side is not None and torch.cuda.current_stream() == self.side:
+            # beside the chain: the side pool's graphs, chosen as the current stream's would be
+            # (the same kernels at the same shapes, so the same numbers)
+            if kind != "trunk":
                 return None
-            return self._prefill(kind, seqs, token_rows, starts, hidden)
+            g = self.graphs.get(("side_trunk", _bucket(1), q)) if len(seqs) == 1 else None
+            if g is not None:
+                return self._replay(g, seqs, token_rows, starts, hidden)
+            return self._prefill(kind, seqs, token_rows, starts, hidden) if self._prefills(len(seqs), q, kind) else None
         g = self._captured(kind, len(seqs), q)
         if g is not None:
             return self._replay(g, seqs, token_rows, starts, hidden)
@@ -251,6 +256,8 @@ class GraphCache:
             self._graph("trunk", 1, q, pool=self.prefill_pool)
             if head:
                 self._graph("head", 1, q)
+        for q in [1] + [d + 1 for d in depths]:  # a one-row trunk forward of a few tokens, beside the chain
+            self._graph("side_trunk", 1, q, pool=self.prefill_pool)
         return len(self.graphs)
 
     def _graph(self, kind: str, rows: int, q: int, pool=None) -> _Graph:
@@ -264,16 +271,17 @@ class GraphCache:
         r_ = self.runner
         dev = r_.device
         H = r_.trunk_width if kind == "head" else r_.model.config.hidden_size  # "head_own": its own output
+        trunk = kind in ("trunk", "side_trunk")  # side_trunk: a trunk graph in the side stream's pool
         long = dict(dtype=torch.long, device=dev)
         rows_in = torch.zeros(3, R, q, **long)
         ids, positions, slots = rows_in.unbind(0)
         slots.fill_(r_.cache.scratch_slot)
         tables = torch.full((R, self.table_width), r_.cache.scratch_block, **long)
-        hidden_in = torch.zeros(R, q, H, dtype=r_.dtype, device=dev) if kind != "trunk" else None
+        hidden_in = torch.zeros(R, q, H, dtype=r_.dtype, device=dev) if not trunk else None
         meta = AttentionMetadata(positions, slots, tables)
 
         def forward():
-            if kind != "trunk":
+            if not trunk:
                 return r_.head(r_.model, hidden_in, ids, meta, r_.cache)
             return r_.forward_trunk(ids, meta)
 
