@@ -132,9 +132,11 @@ def main() -> None:
     import mtplx
 
     engine = mtplx.load(args.model, device=args.device, dtype=args.dtype, head=args.head)
-    if not engine.generator.chain.enabled:
+    cpu = not engine.generator.chain.enabled
+    if cpu:
         engine.generator.chain.enabled = True  # the CPU: the eager chain
-        engine.generator.beside = "inline" if args.beside else "off"
+    if args.beside:  # on CUDA the second stream, on the CPU in order
+        engine.generator.beside = "inline" if cpu else "auto"
     report = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
               "dtype": args.dtype, "runs": {}}
     failures = 0

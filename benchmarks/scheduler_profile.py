@@ -214,7 +214,7 @@ class ModeRuns:
     and its plain runs, added up over rounds."""
 
     def __init__(self, engine, mode: str, width: int, sampling: dict, depth, max_tokens: int, draft_policy: str,
-                 per_stream: int, beside: str = "auto"):
+                 per_stream: int, beside: str | None = None):
         self.engine, self.mode, self.width, self.beside = engine, mode, width, beside
         self.sampling, self.depth, self.max_tokens = sampling, depth, max_tokens
         self.draft_policy, self.per_stream = draft_policy, per_stream
@@ -228,8 +228,12 @@ class ModeRuns:
         return reqs
 
     def run(self):  # ``width`` clients in a closed loop
-        self.engine.generator.beside = self.beside
-        return run_clients(self.engine, self.mode, self.requests(), self.width)
+        gen = self.engine.generator
+        held, gen.beside = gen.beside, self.beside or gen.beside
+        try:
+            return run_clients(self.engine, self.mode, self.requests(), self.width)
+        finally:
+            gen.beside = held
 
     def plain(self) -> None:
         """One run counted: its wall time, tokens and steps (by kind)."""
@@ -242,12 +246,12 @@ class ModeRuns:
 
 
 def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trace: Path | None = None,
-        split: bool = False, profiled: bool = True) -> dict:
+        split: bool = False, profile_run: bool = True) -> dict:
     """The plain runs' figures (over every round), then one run under the CUDA profiler (and
     cProfile, CUDA events where asked); ``trace``: where that run's kernel timeline goes, as a
     Chrome trace (chrome://tracing, ui.perfetto.dev): the device's idle gaps between steps. The
     model thread's own ops are not on it (the profiler records the thread that started it).
-    profiled=False: the plain runs' figures alone."""
+    profile_run=False: the plain runs' figures alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -257,7 +261,7 @@ def one(config: ModeRuns, cprofile: bool = False, graph_time: bool = False, trac
     figures = {"tok_s": tokens / elapsed, "rounds_tok_s": [round(t, 1) for t in config.rounds],
                "steps": plain.calls, "tokens_per_step": tokens / plain.calls, "wall_us_per_step": wall_us,
                "host_us_in_step": plain.seconds * 1e6 / plain.calls, "steps_by_kind": plain.breakdown()}
-    if not profiled:
+    if not profile_run:
         return figures
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with StepCounter(engine) as profiled, profile(activities=[activity]) as prof:
@@ -314,15 +318,15 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true",
                     help="chain cycles where the engine would not (the CPU: eagerly, op by op): the chain's "
                          "starts, joins and continued steps, and --split's host times, without a GPU")
-    ap.add_argument("--beside", default="auto",
-                    help="where a prompt that arrives at a running chain runs (Generator.beside): auto (beside "
-                         "it, on a second CUDA stream), off (the step waits for it), or both, alternating "
-                         "(auto,off: each mode once per setting a round)")
+    ap.add_argument("--beside", default=None,
+                    help="where a prompt that arrives at a running chain runs (Generator.beside; default: the "
+                         "engine's): auto (beside it, on a second CUDA stream), off (the step waits for it), "
+                         "or both, alternating (auto,off: each mode once per setting a round)")
     ap.add_argument("--plain", action="store_true", help="the plain runs alone (no profiled run)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    besides = args.beside.split(",")
-    if bad := [b for b in besides if b not in ("auto", "off", "inline")]:
+    besides = args.beside.split(",") if args.beside else [None]
+    if bad := [b for b in besides if b not in ("auto", "off", "inline", None)]:
         raise SystemExit(f"unknown --beside {bad}: auto, off or inline")
     if unknown := [r for r in args.regimes.split(",") if r not in REGIMES]:
         raise SystemExit(f"unknown regimes {unknown}; known: {', '.join(REGIMES)}")

@@ -97,7 +97,7 @@ def test_rows_arriving_at_a_running_chain_prefill_beside_it_and_decode_as_alone(
     finally:
         scheduler.stop()
         del gen.prefill
-        gen.chain.enabled, gen.beside = False, "auto"
+        gen.chain.enabled, gen.beside = False, "off"
     assert [e.result.token_ids for e in ends] == [r.token_ids[:n] for r, n in zip(solo, lengths)]
     assert len(beside) >= 3, beside  # rows that arrived at a running chain
     assert engine.runner.blocks.num_used_blocks == 0

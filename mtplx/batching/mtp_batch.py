@@ -56,23 +56,28 @@ class MTPBatchPolicy(RowPolicy):
                 gathering_until = time.perf_counter() + self.settings.batch_wait_ms / 1000
                 self.cohorts_sealed += 1
             mid_cohort = bool(self.rows) and time.perf_counter() >= gathering_until
+            self.prefill_waiting()  # rows whose prompts ran beside the chain: in once their first token is drawn
+            wait = not any(r.prefilled for r in self.rows)
             for job in take_jobs(queue, width - len(self.rows), self.engine, self.rows):
-                if self._join(job) and mid_cohort:
+                if self._join_and_prefill(job, wait) and mid_cohort:
                     self.joined_mid_cohort += 1
-            self.prefill_waiting()
             self.retire_done()
             stepping = [r for r in self.rows if r.prefilled]
             if stepping:
                 self.step(stepping)
                 self.retire_done()
 
-    def _join(self, job) -> bool:
+    def _join_and_prefill(self, job, wait: bool) -> bool:
+        """Admit ``job`` and feed its prompt (each before the next job's admission, so a later
+        one can fork the blocks of an earlier one's prompt). wait=False: with a chain running,
+        the prompt runs beside it and the row steps from a later cycle (``prefill_waiting``)."""
         row = self.join(job)
         if row is None:
             return False
         if row.seq.cached_prompt_tokens:
             self.prefix_forks += 1
             self.forked_prompt_tokens += row.seq.cached_prompt_tokens
+        self.prefill(row, wait=wait)
         return True
 
     def mode_telemetry(self) -> dict:

@@ -79,10 +79,13 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = runner.states is None
         # a new row's prompt runs on its own stream beside the chain's cycles (``Generator.prefill``,
-        # wait=False) through the trunk's prefill graphs, captured in a pool of their own: graphs
-        # of one pool share their intermediate buffers, so two of them must never run at once
-        self.side = torch.cuda.Stream() if self.enabled else None
+        # wait=False) through the trunk's prefill graphs, captured in a pool of their own (graphs of
+        # one pool share their intermediate buffers, so two of them must never run at once) and on
+        # a capture stream of their own (cuBLAS keys its workspace by stream: graphs captured on one
+        # stream share it, whatever their pools)
+        self.side = torch.cuda.Stream(device=runner.device) if self.enabled else None
         self.prefill_pool = torch.cuda.graph_pool_handle()
+        self._side_capture = torch.cuda.Stream(device=runner.device) if self.enabled else None
 
     # -- what ModelRunner consults -----------------------------------------------------------
     def forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
@@ -294,7 +297,8 @@ class GraphCache:
     def _capture_forward(self, forward, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm ``forward`` up on a side stream (Triton compiles there), then capture it, both
         outside autograd (where the fused kernels run, not the reference path), into ``pool``
-        (default: the pool of every graph but the trunk's prefill graphs)."""
+        (default: the pool of every graph but the trunk's prefill graphs; those are captured on
+        their own capture stream)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
@@ -303,7 +307,9 @@ class GraphCache:
                     forward()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool if pool is None else pool):
+            side = pool is not None and pool == self.prefill_pool
+            with torch.cuda.graph(graph, pool=self.pool if pool is None else pool,
+                                  stream=self._side_capture if side else None):
                 out = forward()
         return graph, out
 

@@ -75,8 +75,9 @@ class Generator:
         self.observers: list[Callable[[str, Sequence], None]] = []
         self._mates: dict[int, list[Sequence]] = {}  # seq_id -> the rows of its last committed cycle
         # where new rows' prompts run while a chain is in flight (``side_prefill``): "auto" (beside it on
-        # CUDA), "inline" (in order, for tests on the CPU) or "off" (the caller waits for them)
-        self.beside = "auto"
+        # CUDA), "inline" (in order, for tests on the CPU) or "off" (the caller waits for them). Off
+        # until measured on a GPU: session 51 built it and checked it on the CPU only
+        self.beside = "off"
 
     def inject_faults(self, hook: FaultHook | None) -> None:
         """Call ``hook(point, seq)`` at every fault point (faults.py); None stops. Forwards
@@ -119,7 +120,8 @@ class Generator:
     def release(self, seq: Sequence) -> None:
         """Return the sequence's blocks (committed full blocks stay in the prefix cache) and its
         state slot; a no-op for a sequence not admitted (or already released). A cycle in flight
-        over the row still writes to them, ahead of any later use (one stream)."""
+        over the row still writes to them, ahead of any later use on its stream; a prompt fed
+        beside the chain (``prefill``, wait=False) is waited for first."""
         if self.live.pop(seq.seq_id, None) is None:
             return
         if seq.pending_prefill is not None:  # its forwards still write its blocks, beside the chain
@@ -160,25 +162,23 @@ class Generator:
         (``cache_edge``) is two forwards, split there.
 
         wait=False, where a chained cycle is in flight and the rest of the prompt is fed at once:
-        the forwards run beside the chain (``side_prefill``; on CUDA on a second stream, after the
-        cycle in flight), the first token is drawn at a later call once they are done, and False
-        is returned until then. The caller steps the other rows meanwhile; the row joins the
-        chain once prefilled, so the chain does not stop for the prompt's forwards nor wait on
-        them. The first token is drawn as the waiting path draws it (same forwards, same noise)."""
+        the forwards and the first token's draw run beside the chain (``side_prefill``; on CUDA
+        on a second stream, after the cycle in flight), False is returned, and a later call
+        takes the token once they are done (with ``wait``, waiting for them). The caller steps
+        the other rows meanwhile and the row joins the chain once prefilled, so the chain
+        neither stops for the prompt's forwards nor waits on them. The token is drawn as the
+        waiting path draws it: the same forwards, kernels and noise."""
         if seq.pending_prefill is not None:
-            return self._finish_prefill(seq, wait)
+            return self._take_pending(seq, wait)
         end = len(seq.prompt_ids) if chunk is None else min(len(seq.prompt_ids), seq.trunk_len + chunk)
-        beside = not wait and end == len(seq.prompt_ids) and self._beside_chain(seq)
+        if not wait and end == len(seq.prompt_ids) and self._beside_chain(seq):
+            self._prefill_beside(seq)
+            return False
         edge = self.cache_edge(seq)
-        with self._prefill_stream(beside):
-            if seq.trunk_len < edge < end:
-                self._feed_prompts([seq], [edge])
-            if not beside:
-                self._feed_prompts([seq], [end])
-                return end == len(seq.prompt_ids)
-            rows, hidden = self._forward_prompts([seq], [end])
-            seq.pending_prefill = (_record_event(self.side_prefill), hidden[0, len(rows[0]) - 1][None])
-        return False
+        if seq.trunk_len < edge < end:
+            self._feed_prompts([seq], [edge])
+        self._feed_prompts([seq], [end])
+        return end == len(seq.prompt_ids)
 
     def _beside_chain(self, seq: Sequence) -> bool:
         """Whether the prompt's forwards may run beside the chain: a chained cycle is in flight,
@@ -197,35 +197,54 @@ class Generator:
             return getattr(getattr(self.runner, "graphs", None), "side", None)
         return "inline" if self.beside == "inline" else None
 
-    def _prefill_stream(self, beside: bool):
-        """The context a prompt's forwards run in: the side stream (after the work queued on the
-        current one: the cycle in flight, whose rows that left may still write blocks now this
-        row's), else as they are."""
-        side = self.side_prefill if beside else None
-        if side is None or isinstance(side, str):
-            return contextlib.nullcontext()
-        side.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(side)
-
-    def _finish_prefill(self, seq: Sequence, wait: bool) -> bool:
-        """Draw a prompt's first token once its forwards (run beside the chain) are done; with
-        ``wait``, wait for them. True once drawn. The draw runs where the forwards ran, and the
-        host's read of it waits for that stream alone; its hidden states are then the current
-        stream's too (``record_stream``: their memory is not reused under it)."""
-        done, last = seq.pending_prefill
-        if done is not None and not wait and not done.query():
-            return False
-        seq.pending_prefill = None
-        if done is None:  # inline: the forwards ran in order
-            self._first_tokens([seq], last)
-            return True
+    def _prefill_beside(self, seq: Sequence) -> None:
+        """The rest of the prompt's forwards, then its first token's draw, queued on the side
+        stream after the work queued on the current one (the cycle in flight, whose rows that
+        left may still write blocks now this row's); the token is copied to pinned memory and an
+        event marks the end (``pending_prefill``). The last hidden state and the head's backlog
+        are taken out of the graphs' output buffers there, which the next prompt's replay
+        overwrites. Inline (the CPU), the same in order. If queuing fails, the side stream is
+        waited for before the error goes on, so the row's blocks can be freed."""
         side = self.side_prefill
-        with torch.cuda.stream(side):
-            tokens = self._sample_rows([seq], self.runner.logits(last))  # (the read syncs this stream)
-        self._sampler = None  # (made on that stream: the steps' own are made on theirs)
-        if seq.hidden_backlog is not None:
-            seq.hidden_backlog.record_stream(torch.cuda.current_stream())
-        self._take_first_tokens([seq], tokens)
+        inline = isinstance(side, str)
+        if not inline:
+            side.wait_stream(torch.cuda.current_stream())
+        try:
+            with contextlib.nullcontext() if inline else torch.cuda.stream(side):
+                edge, end = self.cache_edge(seq), len(seq.prompt_ids)
+                if seq.trunk_len < edge < end:
+                    self._feed_prompts([seq], [edge])
+                rows, hidden = self._forward_prompts([seq], [end])
+                if seq.hidden_backlog is not None:
+                    seq.hidden_backlog = seq.hidden_backlog.clone()
+                saved = self._sampler  # (the steps' sampler stays theirs)
+                token = self._sample_rows([seq], self.runner.logits(hidden[0, len(rows[0]) - 1][None]), to_host=False)
+                self._sampler = saved
+                if inline:
+                    seq.pending_prefill = (None, token)
+                    return
+                host = torch.empty_like(token, device="cpu", pin_memory=True)
+                host.copy_(token, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        except BaseException:
+            if not inline:
+                side.synchronize()
+            raise
+        seq.pending_prefill = (done, host)
+
+    def _take_pending(self, seq: Sequence, wait: bool) -> bool:
+        """A prompt fed beside the chain: its first token once its forwards and draw are done
+        (with ``wait``, waiting for that event alone); False while they are not."""
+        done, token = seq.pending_prefill
+        if done is not None:
+            if not wait and not done.query():
+                return False
+            done.synchronize()
+            if seq.hidden_backlog is not None:  # (made on the side stream: the steps read it on theirs)
+                seq.hidden_backlog.record_stream(torch.cuda.current_stream())
+        seq.pending_prefill = None
+        self._take_first_tokens([seq], token.tolist())
         return True
 
     def cache_edge(self, seq: Sequence) -> int:
@@ -733,12 +752,14 @@ class Generator:
         return apply_penalties(logits, counts[None], seq.params.presence_penalty, seq.params.frequency_penalty)
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor,
-                     faults: dict[int, BaseException] | None = None) -> list[int | None]:
+                     faults: dict[int, BaseException] | None = None, to_host: bool = True):
         """One token per row from logits [rows, V], each with its own sampler and noise stream;
         the host syncs once for all rows. With ``faults``, a row whose sampling raises is
-        recorded there (its token is None); without, the exception propagates."""
+        recorded there (its token is None); without, the exception propagates. to_host=False
+        (no faults): the tokens as a tensor where they were drawn, unread (no sync)."""
         if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
-            return torch_argmax(logits).tolist()  # the step's one host sync
+            tokens = torch_argmax(logits)
+            return tokens.tolist() if to_host else tokens  # the step's one host sync
         sampler = self._sampler_for(seqs)
         logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
@@ -758,6 +779,8 @@ class Generator:
             return [None] * len(seqs)
         if failed:
             probs = probs[rows]
+        if not to_host:
+            return sampler.draw(probs, rows)
         tokens = iter(sampler.draw(probs, rows).tolist())  # one sync
         return [None if r in failed else next(tokens) for r in range(len(seqs))]
 
@@ -817,15 +840,6 @@ def _add_times(seqs: list[Sequence], **seconds: float) -> None:
     for seq in seqs:
         for name, value in seconds.items():
             setattr(seq.stats, name, getattr(seq.stats, name) + value)
-
-
-def _record_event(side):
-    """An event recorded on the side stream (current), or None where prompts run inline."""
-    if side is None or isinstance(side, str):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
