@@ -78,14 +78,10 @@ class GraphCache:
         self.graphs: dict[tuple, _Graph | _CycleGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = runner.states is None
-        # a new row's prompt runs on its own stream beside the chain's cycles (``Generator.prefill``,
-        # wait=False) through the trunk's prefill graphs, captured in a pool of their own (graphs of
-        # one pool share their intermediate buffers, so two of them must never run at once) and on
-        # a capture stream of their own (cuBLAS keys its workspace by stream: graphs captured on one
-        # stream share it, whatever their pools)
-        self.side = torch.cuda.Stream(device=runner.device) if self.enabled else None
-        self.prefill_pool = torch.cuda.graph_pool_handle()
-        self._side_capture = torch.cuda.Stream(device=runner.device) if self.enabled else None
+        # where a new row's prompt runs beside the chain's cycles, once asked for (``enable_side``)
+        self.side: torch.cuda.Stream | None = None
+        self._side_pool = self._side_capture = None
+        self._decode_queries: tuple[int, ...] = ()  # the one-row trunk graphs' query lengths (capture_all)
 
     # -- what ModelRunner consults -----------------------------------------------------------
     def forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
@@ -95,22 +91,31 @@ class GraphCache:
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
         if self.side is not None and torch.cuda.current_stream() == self.side:
-            # beside the chain: the side pool's graphs, chosen as the current stream's would be
-            # (the same kernels at the same shapes, so the same numbers)
-            if kind != "trunk":
+            if kind != "trunk":  # beside the chain: the trunk's side graphs alone
                 return None
-            g = self.graphs.get(("side_trunk", _bucket(1), q)) if len(seqs) == 1 else None
-            if g is not None:
-                return self._replay(g, seqs, token_rows, starts, hidden)
-            return self._prefill(kind, seqs, token_rows, starts, hidden) if self._prefills(len(seqs), q, kind) else None
+            kind = "side_trunk"
         g = self._captured(kind, len(seqs), q)
         if g is not None:
             return self._replay(g, seqs, token_rows, starts, hidden)
         if self._prefills(len(seqs), q, kind):
-            if kind == "trunk" and self.side is not None:  # the graphs a side-stream prompt may be replaying: after it
-                torch.cuda.current_stream().wait_stream(self.side)
             return self._prefill(kind, seqs, token_rows, starts, hidden)
         return None
+
+    def enable_side(self) -> torch.cuda.Stream | None:
+        """The stream a new row's prompt runs on beside the chain's cycles (``Generator.beside``),
+        captured on first use: its own copies ("side_trunk") of the trunk's one-row graphs (the
+        decode graphs' query lengths and the prefill chunks), so that it runs the same kernels at
+        the same shapes as the current stream would, in a graph pool of their own (graphs of one
+        pool share their intermediate buffers, so two of them must never run at once) and
+        captured on a stream of their own (cuBLAS keys its workspace by stream: graphs captured
+        on one stream share it, whatever their pools). None where graphs are off."""
+        if self.side is None and self.enabled and self._decode_queries:
+            self._side_pool = torch.cuda.graph_pool_handle()
+            self._side_capture = torch.cuda.Stream(device=self.runner.device)
+            for q in self._decode_queries + PREFILL_BUCKETS:
+                self._graph("side_trunk", 1, q, side=True)
+            self.side = torch.cuda.Stream(device=self.runner.device)
+        return self.side
 
     def cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int):
         """``ModelRunner.greedy_cycle`` through its captured graph, or None: over 8 rows, or a
@@ -256,21 +261,20 @@ class GraphCache:
                 for d in ([] if variant.startswith("mirror") else [0]) + (depths if head else []):
                     self._cycle_graph(r, d, variant)
         for q in PREFILL_BUCKETS:
-            self._graph("trunk", 1, q, pool=self.prefill_pool)
+            self._graph("trunk", 1, q)
             if head:
                 self._graph("head", 1, q)
-        for q in [1] + [d + 1 for d in depths]:  # a one-row trunk forward of a few tokens, beside the chain
-            self._graph("side_trunk", 1, q, pool=self.prefill_pool)
+        self._decode_queries = tuple([1] + [d + 1 for d in depths])
         return len(self.graphs)
 
-    def _graph(self, kind: str, rows: int, q: int, pool=None) -> _Graph:
+    def _graph(self, kind: str, rows: int, q: int, side: bool = False) -> _Graph:
         R = _bucket(rows)
         key = (kind, R, q)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(kind, R, q, pool)
+            self.graphs[key] = self._capture(kind, R, q, side)
         return self.graphs[key]
 
-    def _capture(self, kind: str, R: int, q: int, pool=None) -> _Graph:
+    def _capture(self, kind: str, R: int, q: int, side: bool = False) -> _Graph:
         r_ = self.runner
         dev = r_.device
         H = r_.trunk_width if kind == "head" else r_.model.config.hidden_size  # "head_own": its own output
@@ -288,17 +292,16 @@ class GraphCache:
                 return r_.head(r_.model, hidden_in, ids, meta, r_.cache)
             return r_.forward_trunk(ids, meta)
 
-        graph, out = self._capture_forward(forward, pool)
+        graph, out = self._capture_forward(forward, side)
         staging = torch.empty(3 * R * q + R * self.table_width, dtype=torch.long, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record()
         return _Graph(graph, ids, positions, slots, tables, hidden_in, out, rows_in.view(-1), staging, copied)
 
-    def _capture_forward(self, forward, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture_forward(self, forward, side: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm ``forward`` up on a side stream (Triton compiles there), then capture it, both
-        outside autograd (where the fused kernels run, not the reference path), into ``pool``
-        (default: the pool of every graph but the trunk's prefill graphs; those are captured on
-        their own capture stream)."""
+        outside autograd (where the fused kernels run, not the reference path); side: into the
+        side stream's pool, on its capture stream (``enable_side``)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
@@ -307,8 +310,7 @@ class GraphCache:
                     forward()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            side = pool is not None and pool == self.prefill_pool
-            with torch.cuda.graph(graph, pool=self.pool if pool is None else pool,
+            with torch.cuda.graph(graph, pool=self._side_pool if side else self.pool,
                                   stream=self._side_capture if side else None):
                 out = forward()
         return graph, out

@@ -74,10 +74,7 @@ class Generator:
         # and tests (instrumentation, not a new path)
         self.observers: list[Callable[[str, Sequence], None]] = []
         self._mates: dict[int, list[Sequence]] = {}  # seq_id -> the rows of its last committed cycle
-        # where new rows' prompts run while a chain is in flight (``side_prefill``): "auto" (beside it on
-        # CUDA), "inline" (in order, for tests on the CPU) or "off" (the caller waits for them). Off
-        # until measured on a GPU: session 51 built it and checked it on the CPU only
-        self.beside = "off"
+        self._beside = "off"  # (``beside``)
 
     def inject_faults(self, hook: FaultHook | None) -> None:
         """Call ``hook(point, seq)`` at every fault point (faults.py); None stops. Forwards
@@ -189,13 +186,30 @@ class Generator:
                 and seq.prompt_logprobs is None and self.runner.states is None)
 
     @property
+    def beside(self) -> str:
+        """Where new rows' prompts run while a chain is in flight (``prefill``, wait=False):
+        "auto" (beside it, on the CUDA graphs' second stream, captured when this is set:
+        ``GraphCache.enable_side``), "inline" (in order: tests of the rows' waiting and joining
+        on the CPU) or "off" (the caller waits for them). Off by default until measured on a
+        GPU: session 51 built it and checked it on the CPU only."""
+        return self._beside
+
+    @beside.setter
+    def beside(self, where: str) -> None:
+        if where not in ("auto", "inline", "off"):
+            raise ValueError(f"beside: auto, inline or off, not {where!r}")
+        graphs = getattr(self.runner, "graphs", None)
+        if where == "auto" and graphs is not None:
+            graphs.enable_side()
+        self._beside = where
+
+    @property
     def side_prefill(self):
         """Where prompts are fed beside a running chain (``beside``): the CUDA graphs' second
-        stream ("auto"), "inline" (in order, for tests of the rows' waiting and joining on the
-        CPU), or None: they are not ("off", or "auto" without CUDA graphs)."""
-        if self.beside == "auto":
+        stream ("auto"), "inline", or None: they are not ("off", or "auto" without CUDA graphs)."""
+        if self._beside == "auto":
             return getattr(getattr(self.runner, "graphs", None), "side", None)
-        return "inline" if self.beside == "inline" else None
+        return "inline" if self._beside == "inline" else None
 
     def _prefill_beside(self, seq: Sequence) -> None:
         """The rest of the prompt's forwards, then its first token's draw, queued on the side
