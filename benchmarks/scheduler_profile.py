@@ -345,7 +345,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     report = {"gpu": gpu, "torch": torch.__version__, "depth": args.depth,
               "max_tokens": args.max_tokens, "per_stream": args.per_stream, "rounds": args.rounds,
-              "chained": engine.generator.chain.enabled, "runs": {}}
+              "chained": engine.generator.chain.enabled, "beside": args.beside or engine.generator.beside,
+              "runs": {}}
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
     for regime in args.regimes.split(","):
