@@ -138,7 +138,8 @@ def main() -> None:
     if args.beside:  # on CUDA the second stream, on the CPU in order
         engine.generator.beside = "inline" if cpu else "auto"
     report = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-              "dtype": args.dtype, "beside": engine.generator.beside, "runs": {}}
+              "dtype": args.dtype, "beside": engine.generator.beside,
+              "side_stream": getattr(engine.generator.side_prefill, "cuda_stream", None) is not None, "runs": {}}
     failures = 0
     for regime in args.regimes.split(","):
         for depth in (int(d) for d in args.depths.split(",")):

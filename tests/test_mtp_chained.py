@@ -577,11 +577,41 @@ def test_a_row_released_before_its_first_token_frees_its_blocks():
         engine.step([a])  # a chained cycle in flight
         b = engine.new_sequence(engine.make_request(PROMPTS[2], max_tokens=12, mode="mtp", depth=2))
         gen.admit(b)
-        assert not gen.prefill(b, wait=False)
+        assert not gen.prefill(b, wait=False) and b.pending_prefill is not None
         gen.release(b)
-        assert b.pending_prefill is None
         while not a.finished:
             engine.step([a])
         gen.release(a)
     assert a.generated == engine.generate(PROMPTS[0], max_tokens=12, mode="mtp", depth=2).token_ids
     assert engine.runner.blocks.num_used_blocks == 0
+
+
+def test_a_prompts_head_backlog_is_its_own_memory():
+    """The head's backlog of a new prompt is a copy, not a view of a forward's output: on the
+    GPU that output is a CUDA graph's buffer, which the next replay (the prompt's second
+    forward at its cache edge, another row's prompt) overwrites before the head reads it."""
+    engine = chained_engine()
+    gen = engine.generator
+    outputs, held = [], []  # each trunk forward's output; the backlog's memory when the next one starts
+    inner = engine.runner.trunk
+
+    def trunk(seqs, *args, **kwargs):
+        backlog = seqs[0].hidden_backlog
+        held.append(None if backlog is None else backlog.untyped_storage().data_ptr())
+        outputs.append(inner(seqs, *args, **kwargs))
+        return outputs[-1]
+    engine.runner.trunk = trunk
+    try:
+        with torch.inference_mode():
+            for prompt in (list(range(3, 27)), [5]):  # split at the cache edge; one forward
+                seq = engine.new_sequence(engine.make_request(prompt, max_tokens=4, mode="mtp", depth=1))
+                gen.admit(seq)
+                gen.prefill(seq)
+                held.append(seq.hidden_backlog.untyped_storage().data_ptr())
+                gen.release(seq)
+    finally:
+        del engine.runner.trunk
+    assert len(outputs) == 3 and held[0] is None and held[3] is None
+    assert held[1] != outputs[0].untyped_storage().data_ptr()  # before the prompt's second forward
+    assert held[2] not in (outputs[0].untyped_storage().data_ptr(), outputs[1].untyped_storage().data_ptr())
+    assert held[4] != outputs[2].untyped_storage().data_ptr()

@@ -68,9 +68,9 @@ class MTPBatchPolicy(RowPolicy):
                 self.retire_done()
 
     def _join_and_prefill(self, job, wait: bool) -> bool:
-        """Admit ``job`` and feed its prompt (each before the next job's admission, so a later
-        one can fork the blocks of an earlier one's prompt). wait=False: with a chain running,
-        the prompt runs beside it and the row steps from a later cycle (``prefill_waiting``)."""
+        """Admit ``job`` and feed its prompt, before the next job's admission (as always).
+        wait=False: with a chain running, the prompt may run beside it, and the row steps from a
+        later cycle (``prefill_waiting``)."""
         row = self.join(job)
         if row is None:
             return False

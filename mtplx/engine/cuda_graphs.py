@@ -81,7 +81,6 @@ class GraphCache:
         # where a new row's prompt runs beside the chain's cycles, once asked for (``enable_side``)
         self.side: torch.cuda.Stream | None = None
         self._side_pool = self._side_capture = None
-        self._decode_queries: tuple[int, ...] = ()  # the one-row trunk graphs' query lengths (capture_all)
 
     # -- what ModelRunner consults -----------------------------------------------------------
     def forward(self, kind: str, seqs: list[Sequence], token_rows: list[list[int]], starts: list[int],
@@ -90,7 +89,7 @@ class GraphCache:
         graph captured for its shape, else row by row through the prefill graphs where those
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
-        if self.side is not None and torch.cuda.current_stream() == self.side:
+        if self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side:
             if kind != "trunk":  # beside the chain: the trunk's side graphs alone
                 return None
             kind = "side_trunk"
@@ -109,12 +108,13 @@ class GraphCache:
         pool share their intermediate buffers, so two of them must never run at once) and
         captured on a stream of their own (cuBLAS keys its workspace by stream: graphs captured
         on one stream share it, whatever their pools). None where graphs are off."""
-        if self.side is None and self.enabled and self._decode_queries:
+        queries = sorted(q for kind, rows, q in self.graphs if kind == "trunk" and rows == 1)
+        if self.side is None and self.enabled and queries:
             self._side_pool = torch.cuda.graph_pool_handle()
-            self._side_capture = torch.cuda.Stream(device=self.runner.device)
-            for q in self._decode_queries + PREFILL_BUCKETS:
+            self._side_capture = _distinct_stream(self.runner.device)
+            for q in queries:  # every one-row trunk graph the current stream replays
                 self._graph("side_trunk", 1, q, side=True)
-            self.side = torch.cuda.Stream(device=self.runner.device)
+            self.side = _distinct_stream(self.runner.device, self._side_capture)
         return self.side
 
     def cycle(self, seqs: list[Sequence], backlog: torch.Tensor, depth: int):
@@ -227,8 +227,14 @@ class GraphCache:
         pad = (R - len(seqs)) * q
         flat, width = flat_tables(tables, R, cache.scratch_block)
         values = ids + [0] * pad + pos + [0] * pad + slots + [cache.scratch_slot] * pad + flat
-        copy_in(_staged(g, values), g.rows_in, g.tables, width)
-        g.copied.record()
+        if torch.cuda.current_stream(self.runner.device) == self.side:
+            # beside the chain: pinned memory of its own (PyTorch's host allocator keeps it until
+            # the copy is done), where the graph's one staging buffer would wait for the copies
+            # of its last replay, queued behind the cycle in flight, and stall the host
+            copy_in(torch.tensor(values, dtype=torch.long).pin_memory(), g.rows_in, g.tables, width)
+        else:
+            copy_in(_staged(g, values), g.rows_in, g.tables, width)
+            g.copied.record()
         if g.hidden_in is not None:
             g.hidden_in.zero_()
 
@@ -264,7 +270,6 @@ class GraphCache:
             self._graph("trunk", 1, q)
             if head:
                 self._graph("head", 1, q)
-        self._decode_queries = tuple([1] + [d + 1 for d in depths])
         return len(self.graphs)
 
     def _graph(self, kind: str, rows: int, q: int, side: bool = False) -> _Graph:
@@ -330,6 +335,21 @@ class GraphCache:
         copied.record()
         outcomes = [torch.zeros(R, depth + 2, dtype=torch.long, pin_memory=True) for _ in range(2)]
         return _CycleGraph(graph, buffers, out, staging, copied, outcomes, [torch.cuda.Event() for _ in range(2)])
+
+
+def _distinct_stream(device, *others: torch.cuda.Stream) -> torch.cuda.Stream:
+    """A stream of PyTorch's pool (handed out in turn, 32 a device) that is none of ``others``,
+    the current stream or the one every other graph was captured on: cuBLAS keys its
+    workspace by stream, so work on this one never shares that of a graph replaying beside it."""
+    capture = torch.cuda.graph.default_capture_stream
+    taken = {s.cuda_stream for s in others} | {torch.cuda.current_stream(device).cuda_stream}
+    if capture is not None:
+        taken.add(capture.cuda_stream)
+    for _ in range(64):
+        stream = torch.cuda.Stream(device=device)
+        if stream.cuda_stream not in taken:
+            return stream
+    raise RuntimeError("no CUDA stream apart from the graphs' capture stream")
 
 
 def _staged(g, values: list[int]) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 from mtplx.engine import constraints, logprobs
 from mtplx.engine.adaptive_depth import batch_depth
 from mtplx.engine.chain import CycleChain
+from mtplx.engine.cuda_graphs import PREFILL_GRAPH_TOKENS
 from mtplx.engine.faults import FaultHook, FaultyRunner
 from mtplx.engine.kv_allocator import KVAllocator
 from mtplx.engine.runner import CycleLaunch, ModelRunner, draft_step, torch_argmax
@@ -121,14 +122,15 @@ class Generator:
         beside the chain (``prefill``, wait=False) is waited for first."""
         if self.live.pop(seq.seq_id, None) is None:
             return
-        if seq.pending_prefill is not None:  # its forwards still write its blocks, beside the chain
-            done, _ = seq.pending_prefill
-            seq.pending_prefill = None
-            if done is not None:
+        done = seq.pending_prefill[0] if seq.pending_prefill is not None else None
+        seq.pending_prefill = None
+        try:
+            if done is not None:  # its forwards still write its blocks, beside the chain
                 done.synchronize()
-        self.chain.forget(seq)
-        self.kv.release(seq)
-        self._mates.pop(seq.seq_id, None)
+        finally:
+            self.chain.forget(seq)
+            self.kv.release(seq)
+            self._mates.pop(seq.seq_id, None)
 
     def release_all(self) -> None:
         """Release every admitted sequence and forget the cycle in flight (after a crash:
@@ -180,10 +182,14 @@ class Generator:
     def _beside_chain(self, seq: Sequence) -> bool:
         """Whether the prompt's forwards may run beside the chain: a chained cycle is in flight,
         the runner feeds prompts beside it (``side_prefill``: a second CUDA stream, or in order
-        where forced) and the row needs nothing of the prompt's forwards but their state (no
-        prompt logprobs, no recurrent state, no fault injection)."""
+        where forced), the row can join the chain (``_device_rows``: no penalties, constraints
+        or logprobs, whose host work would block on the side stream and which drain the chain
+        anyway), it needs nothing of the forwards but their state (no prompt logprobs, no fault
+        injection), and its prompt runs through graphs (up to ``PREFILL_GRAPH_TOKENS`` left: a
+        longer one's eager forward copies its metadata to the device synchronously)."""
         return (self.chain.flight is not None and self.side_prefill is not None and self.fault_hook is None
-                and seq.prompt_logprobs is None and self.runner.states is None)
+                and seq.prompt_logprobs is None and self._device_rows([seq])
+                and len(seq.prompt_ids) - seq.trunk_len <= PREFILL_GRAPH_TOKENS)
 
     @property
     def beside(self) -> str:
@@ -196,6 +202,7 @@ class Generator:
 
     @beside.setter
     def beside(self, where: str) -> None:
+        """(Set while the engine is idle: "auto" captures graphs on the calling thread.)"""
         if where not in ("auto", "inline", "off"):
             raise ValueError(f"beside: auto, inline or off, not {where!r}")
         graphs = getattr(self.runner, "graphs", None)
@@ -222,18 +229,19 @@ class Generator:
         side = self.side_prefill
         inline = isinstance(side, str)
         if not inline:
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream(side.device))
         try:
             with contextlib.nullcontext() if inline else torch.cuda.stream(side):
                 edge, end = self.cache_edge(seq), len(seq.prompt_ids)
                 if seq.trunk_len < edge < end:
                     self._feed_prompts([seq], [edge])
-                rows, hidden = self._forward_prompts([seq], [end])
-                if seq.hidden_backlog is not None:
-                    seq.hidden_backlog = seq.hidden_backlog.clone()
+                rows, hidden = self._forward_prompts([seq], [end])  # (the backlog is its own copy: ``_cat``)
                 saved = self._sampler  # (the steps' sampler stays theirs)
-                token = self._sample_rows([seq], self.runner.logits(hidden[0, len(rows[0]) - 1][None]), to_host=False)
-                self._sampler = saved
+                try:
+                    token = self._sample_rows([seq], self.runner.logits(hidden[0, len(rows[0]) - 1][None]),
+                                              to_host=False)
+                finally:
+                    self._sampler = saved
                 if inline:
                     seq.pending_prefill = (None, token)
                     return
@@ -243,7 +251,8 @@ class Generator:
                 done.record()
         except BaseException:
             if not inline:
-                side.synchronize()
+                with contextlib.suppress(Exception):  # (the error raised is the first one)
+                    side.synchronize()
             raise
         seq.pending_prefill = (done, host)
 
@@ -256,7 +265,7 @@ class Generator:
                 return False
             done.synchronize()
             if seq.hidden_backlog is not None:  # (made on the side stream: the steps read it on theirs)
-                seq.hidden_backlog.record_stream(torch.cuda.current_stream())
+                seq.hidden_backlog.record_stream(torch.cuda.current_stream(seq.hidden_backlog.device))
         seq.pending_prefill = None
         self._take_first_tokens([seq], token.tolist())
         return True
@@ -857,7 +866,10 @@ def _add_times(seqs: list[Sequence], **seconds: float) -> None:
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b])
+    """The head's backlog ``a`` with ``b`` after it, in memory of its own: ``b`` may be a view of
+    a CUDA graph's output buffer, which the graph's next replay overwrites (a prompt's second
+    forward at its cache edge, another row's prompt)."""
+    return b.clone() if a is None else torch.cat([a, b])
 
 
 def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:

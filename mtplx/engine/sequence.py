@@ -48,8 +48,8 @@ class Sequence:
     pending_logprobs: torch.Tensor | None = None  # this step's candidate rows [n, V]
     prompt_logprobs: list | None = None  # per prompt token after the first, as ``logprobs``; None: not asked
     prompt_top_logprobs: int = 0
-    # a prompt fed beside the chain, its first token not yet drawn (``Generator.prefill``, wait=False):
-    # (an event recorded after its forwards, or None where they ran in order; the last position's hidden state)
+    # a prompt fed beside the chain, its first token not yet taken (``Generator.prefill``, wait=False):
+    # (an event recorded after its forwards and draw, or None where they ran in order; the token, in pinned memory)
     pending_prefill: tuple[Any, torch.Tensor] | None = None
     finish_reason: str | None = None
     cancelled: bool = False
