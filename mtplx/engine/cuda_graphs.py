@@ -227,7 +227,7 @@ class GraphCache:
         pad = (R - len(seqs)) * q
         flat, width = flat_tables(tables, R, cache.scratch_block)
         values = ids + [0] * pad + pos + [0] * pad + slots + [cache.scratch_slot] * pad + flat
-        if torch.cuda.current_stream(self.runner.device) == self.side:
+        if self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side:
             # beside the chain: pinned memory of its own (PyTorch's host allocator keeps it until
             # the copy is done), where the graph's one staging buffer would wait for the copies
             # of its last replay, queued behind the cycle in flight, and stall the host
