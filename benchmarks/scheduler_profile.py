@@ -222,10 +222,9 @@ class ModeRuns:
         self.elapsed, self.tokens, self.rounds = 0.0, 0, []  # rounds: each plain run's tok/s
 
     def requests(self) -> list:
-        reqs = chat_requests(self.engine, HELD_OUT_CHAT, self.width * self.per_stream,
+        return chat_requests(self.engine, HELD_OUT_CHAT, self.width * self.per_stream,
                              "mtp" if self.mode == "mtp_batch" else "ar", self.depth, self.max_tokens, self.sampling,
                              self.draft_policy, 7, varied=self.per_stream > 1)
-        return reqs
 
     def run(self):  # ``width`` clients in a closed loop
         gen = self.engine.generator
@@ -349,9 +348,11 @@ def main() -> None:
               "runs": {}}
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
+
+    def tag(beside) -> str:  # a configuration's key suffix: its --beside setting where several alternate
+        return f"@{beside}" if len(besides) > 1 else ""
     for regime in args.regimes.split(","):
         for width in (int(w) for w in args.widths.split(",")):
-            tag = (lambda b: "") if len(besides) == 1 else (lambda b: f"@{b}")  # noqa: E731
             configs = {f"{mode}{tag(b)}": ModeRuns(engine, mode, width, REGIMES[regime], depth, args.max_tokens,
                                                    args.draft_policy, args.per_stream, b)
                        for b in besides for mode in ("mtp_batch", "ar_batch")}

@@ -173,11 +173,16 @@ class Generator:
         if not wait and end == len(seq.prompt_ids) and self._beside_chain(seq):
             self._prefill_beside(seq)
             return False
+        self._feed_to_edge(seq, end)
+        self._feed_prompts([seq], [end])
+        return end == len(seq.prompt_ids)
+
+    def _feed_to_edge(self, seq: Sequence, end: int) -> None:
+        """Where a feed up to ``end`` crosses the prompt's cache edge, its tokens below the edge
+        first, in a forward of their own (``cache_edge``)."""
         edge = self.cache_edge(seq)
         if seq.trunk_len < edge < end:
             self._feed_prompts([seq], [edge])
-        self._feed_prompts([seq], [end])
-        return end == len(seq.prompt_ids)
 
     def _beside_chain(self, seq: Sequence) -> bool:
         """Whether the prompt's forwards may run beside the chain: a chained cycle is in flight,
@@ -232,9 +237,8 @@ class Generator:
             side.wait_stream(torch.cuda.current_stream(side.device))
         try:
             with contextlib.nullcontext() if inline else torch.cuda.stream(side):
-                edge, end = self.cache_edge(seq), len(seq.prompt_ids)
-                if seq.trunk_len < edge < end:
-                    self._feed_prompts([seq], [edge])
+                end = len(seq.prompt_ids)
+                self._feed_to_edge(seq, end)
                 rows, hidden = self._forward_prompts([seq], [end])  # (the backlog is its own copy: ``_cat``)
                 saved = self._sampler  # (the steps' sampler stays theirs)
                 try:
@@ -287,7 +291,9 @@ class Generator:
         rows, hidden = self._forward_prompts(seqs, ends)
         done = [r for r, seq in enumerate(seqs) if seq.trunk_len == len(seq.prompt_ids)]
         if done:
-            self._first_tokens([seqs[r] for r in done], torch.stack([hidden[r, len(rows[r]) - 1] for r in done]))
+            last = torch.stack([hidden[r, len(rows[r]) - 1] for r in done])
+            self._take_first_tokens([seqs[r] for r in done], self._sample_rows([seqs[r] for r in done],
+                                                                               self.runner.logits(last)))
 
     def _forward_prompts(self, seqs: list[Sequence], ends: list[int]) -> tuple[list[list[int]], torch.Tensor]:
         """``_feed_prompts``' forward: (each row's tokens fed, the hidden states [rows, q, H])."""
@@ -304,11 +310,8 @@ class Generator:
                 seq.hidden_backlog = _cat(seq.hidden_backlog, own)
         return rows, hidden
 
-    def _first_tokens(self, seqs: list[Sequence], last: torch.Tensor) -> None:
-        """Each row's first token, from its prompt's last hidden state (``last`` [rows, H])."""
-        self._take_first_tokens(seqs, self._sample_rows(seqs, self.runner.logits(last)))
-
     def _take_first_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Each row's first token (drawn from its prompt's last hidden state), its time to first token."""
         now = time.perf_counter()
         for seq, token in zip(seqs, tokens):
             seq.stats.ttft_s = now - seq.t_start
@@ -782,7 +785,7 @@ class Generator:
         (no faults): the tokens as a tensor where they were drawn, unread (no sync)."""
         if self.fault_hook is None and all(s.params.greedy and s.counts is None and not s.host_path for s in seqs):
             tokens = torch_argmax(logits)
-            return tokens.tolist() if to_host else tokens  # the step's one host sync
+            return tokens.tolist() if to_host else tokens  # (the read: the step's one host sync)
         sampler = self._sampler_for(seqs)
         logits = self._penalised_rows(seqs, logits, [[] for _ in seqs])
         logits = self._host_work(seqs, logits[:, None], lambda seq, rows, r: constraints.mask_next(seq, rows),
