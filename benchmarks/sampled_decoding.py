@@ -263,6 +263,9 @@ def main() -> None:
                     help="--scheduler-depths: request i runs to half to 1.5x --max-tokens (varied_length), so "
                          "that rows end apart and new ones join a running batch, as under real traffic; else "
                          "every request runs to --max-tokens")
+    ap.add_argument("--beside", default=None, choices=("auto", "off"),
+                    help="where the scheduler runs' new prompts go while a chain runs (Generator.beside; "
+                         "default: the engine's)")
     ap.add_argument("--regimes", default=DEFAULT_REGIMES, help=f"of: {', '.join(REGIMES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -287,6 +290,9 @@ def main() -> None:
               "scheduler_requests": args.scheduler_requests}
     if engine.device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
+    if args.beside:
+        engine.generator.beside = args.beside
+    report["beside"] = engine.generator.beside
     if not args.scheduler_only:
         with torch.inference_mode():
             report["decoding"] = decoding(engine, report["prompts"], args.max_tokens, parse_depths(args.depths),

@@ -519,8 +519,9 @@ def test_mtp_decodes_to_the_context_end_as_ar_does(depth, chain):
 def test_rows_whose_prompts_run_beside_the_chain_join_once_their_first_token_is_drawn(depth, draft_policy):
     """A scheduler that does not wait for a new row's prompt (``prefill(wait=False)``): the
     prompt's forwards run beside the chain (on the CPU, ``Generator.beside`` "inline": in order), the
-    call answers False and the chain steps on without the row; a later call draws its first
-    token and the row joins the running chain. Every row decodes what it decodes alone,
+    call answers False and the chain steps on without the row (beside an MTP chain, the head
+    is pre-fed the prompt's pairs there too); a later call draws its first token and the row
+    joins the running chain. Every row decodes what it decodes alone,
     greedy and seeded sampled, with the same drafts; no join restarts the chain."""
     engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
     engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
@@ -553,6 +554,8 @@ def test_rows_whose_prompts_run_beside_the_chain_join_once_their_first_token_is_
                     seq = engine.new_sequence(engine.make_request(waiting[0][0], **waiting[0][1]))
                     gen.admit(seq)
                     assert not gen.prefill(seq, wait=False) and seq.pending_prefill is not None
+                    if depth:  # the head was pre-fed beside it too: the join leaves it the chain's catch-up alone
+                        assert seq.trunk_len + 1 - seq.head_len <= gen.chain.flight.depth + 1
                     deferred += 1
                     seqs.append(seq)
                     pending.append(seq)

@@ -90,9 +90,9 @@ class GraphCache:
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
         if self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side:
-            if kind != "trunk":  # beside the chain: the trunk's side graphs alone
+            if kind not in ("trunk", "head"):  # beside the chain: the one-row side graphs alone
                 return None
-            kind = "side_trunk"
+            kind = "side_" + kind
         g = self._captured(kind, len(seqs), q)
         if g is not None:
             return self._replay(g, seqs, token_rows, starts, hidden)
@@ -102,18 +102,19 @@ class GraphCache:
 
     def enable_side(self) -> torch.cuda.Stream | None:
         """The stream a new row's prompt runs on beside the chain's cycles (``Generator.beside``),
-        captured on first use: its own copies ("side_trunk") of the trunk's one-row graphs (the
-        decode graphs' query lengths and the prefill chunks), so that it runs the same kernels at
-        the same shapes as the current stream would, in a graph pool of their own (graphs of one
-        pool share their intermediate buffers, so two of them must never run at once) and
-        captured on a stream of their own (cuBLAS keys its workspace by stream: graphs captured
-        on one stream share it, whatever their pools). None where graphs are off."""
-        queries = sorted(q for kind, rows, q in self.graphs if kind == "trunk" and rows == 1)
-        if self.side is None and self.enabled and queries:
+        captured on first use: its own copies ("side_trunk", "side_head") of the trunk's and the
+        head's one-row graphs (the decode graphs' query lengths and the prefill chunks: the
+        prompt's forwards and the head's pre-feed), so that it runs the same kernels at the same
+        shapes as the current stream would, in a graph pool of their own (graphs of one pool
+        share their intermediate buffers, so two of them must never run at once) and captured on
+        a stream of their own (cuBLAS keys its workspace by stream: graphs captured on one stream
+        share it, whatever their pools). None where graphs are off."""
+        one_row = sorted((kind, q) for kind, rows, q in self.graphs if kind in ("trunk", "head") and rows == 1)
+        if self.side is None and self.enabled and one_row:
             self._side_pool = torch.cuda.graph_pool_handle()
             self._side_capture = _distinct_stream(self.runner.device)
-            for q in queries:  # every one-row trunk graph the current stream replays
-                self._graph("side_trunk", 1, q, side=True)
+            for kind, q in one_row:  # every one-row trunk and head graph the current stream replays
+                self._graph("side_" + kind, 1, q, side=True)
             self.side = _distinct_stream(self.runner.device, self._side_capture)
         return self.side
 
@@ -282,8 +283,9 @@ class GraphCache:
     def _capture(self, kind: str, R: int, q: int, side: bool = False) -> _Graph:
         r_ = self.runner
         dev = r_.device
-        H = r_.trunk_width if kind == "head" else r_.model.config.hidden_size  # "head_own": its own output
-        trunk = kind in ("trunk", "side_trunk")  # side_trunk: a trunk graph in the side stream's pool
+        base = kind.removeprefix("side_")  # side_*: a copy in the side stream's pool (``enable_side``)
+        H = r_.trunk_width if base == "head" else r_.model.config.hidden_size  # "head_own": its own output
+        trunk = base == "trunk"
         long = dict(dtype=torch.long, device=dev)
         rows_in = torch.zeros(3, R, q, **long)
         ids, positions, slots = rows_in.unbind(0)

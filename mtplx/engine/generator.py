@@ -226,11 +226,13 @@ class Generator:
     def _prefill_beside(self, seq: Sequence) -> None:
         """The rest of the prompt's forwards, then its first token's draw, queued on the side
         stream after the work queued on the current one (the cycle in flight, whose rows that
-        left may still write blocks now this row's); the token is copied to pinned memory and an
-        event marks the end (``pending_prefill``). The last hidden state and the head's backlog
-        are taken out of the graphs' output buffers there, which the next prompt's replay
-        overwrites. Inline (the CPU), the same in order. If queuing fails, the side stream is
-        waited for before the error goes on, so the row's blocks can be freed."""
+        left may still write blocks now this row's); beside an MTP chain, the head's pre-feed of
+        the prompt's pairs too (all but the chain's catch-up, as ``_join_chain`` would feed
+        them: the same forwards, so the same drafts). The token is copied to pinned memory and
+        an event marks the end (``pending_prefill``). The last hidden state and the head's
+        backlog are taken out of the graphs' output buffers there, which the next prompt's
+        replay overwrites. Inline (the CPU), the same in order. If queuing fails, the side
+        stream is waited for before the error goes on, so the row's blocks can be freed."""
         side = self.side_prefill
         inline = isinstance(side, str)
         if not inline:
@@ -246,6 +248,9 @@ class Generator:
                                               to_host=False)
                 finally:
                     self._sampler = saved
+                flight = self.chain.flight
+                if flight.depth and seq.hidden_backlog is not None:  # an MTP chain: the head's pre-feed
+                    self._head_pre_feed([seq], flight.depth + 1)  # here, not in the join's step
                 if inline:
                     seq.pending_prefill = (None, token)
                     return
