@@ -193,6 +193,8 @@ class Engine:
         if self.runner.graphs is not None:  # capture now: the first request runs as fast as the rest
             deepest = max(3, max_depth, *(d for d in (self.default_depth, sampled_depth) if isinstance(d, int)))
             self.runner.graphs.capture_all(depths=tuple(range(1, deepest + 1)))
+            if self.generator.beside == "auto":  # prompts that arrive at a running chain run beside it
+                self.runner.graphs.enable_side()
 
     @property
     def has_mtp(self) -> bool:
