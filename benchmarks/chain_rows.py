@@ -10,6 +10,7 @@ launches) and the rows that joined a running chain, and times the batch.
 
     PYTHONPATH=. python benchmarks/chain_rows.py --model GGUF --head DIR --out FILE.json
         [--device cuda] [--dtype float32] [--depths 0,1,3] [--regimes greedy,t0.7] [--arrivals 4] [--beside]
+        [--first 5]
 
 float32 by default: bf16 batches of 8 rows and lone rows round differently and may flip a
 near-tie. Depth 0 is AR (chained AR steps). Runs on the CPU too, where chains run eagerly.
@@ -47,13 +48,15 @@ def alone_tokens(engine, req) -> list[int]:
     return seq.generated
 
 
-def batch(engine, reqs: list, cancel_at: int = 5,
-          beside: bool = False) -> tuple[list[list[int]], int, int, float, bool]:
-    """The requests decoded side by side, the first eight at once, each later one admitted
-    when a row ends; -> (tokens per row, chains started, rows that joined a chain, seconds,
-    whether the cancelled row (the eighth) was still live when cancelled). beside: a later
-    one's prompt runs beside the chain (``Generator.prefill(wait=False)``, as the batching
-    schedulers feed it), and it steps with the others once its first token is drawn."""
+def batch(engine, reqs: list, cancel_at: int = 5, beside: bool = False,
+          first: int = ROWS) -> tuple[list[list[int]], int, int, float, bool]:
+    """The requests decoded side by side, the first ``first`` at once and the rest of the
+    first eight one a step (the batch grows inside the 8-row graph: each takes a padding row
+    of the running chain), each later one admitted when a row ends; -> (tokens per row, chains
+    started, rows that joined a chain, seconds, whether the cancelled row (the eighth) was
+    still live when cancelled). beside: a later one's prompt runs beside the chain
+    (``Generator.prefill(wait=False)``, as the batching schedulers feed it), and it steps with
+    the others once its first token is drawn."""
     import torch
 
     starts, joins = set(), set()
@@ -74,9 +77,9 @@ def batch(engine, reqs: list, cancel_at: int = 5,
         seqs.append(seq)
         return gen.prefill(seq, wait=wait)
 
-    for req in reqs[:ROWS]:
+    for req in reqs[:first]:
         arrive(req)
-    waiting = list(reqs[ROWS:])
+    growing, waiting = list(reqs[first:ROWS]), list(reqs[ROWS:])
     live, pending = list(seqs), []
     steps, cancelled = 0, False
     if engine.device.type == "cuda":
@@ -93,8 +96,11 @@ def batch(engine, reqs: list, cancel_at: int = 5,
                     continue
                 engine.step(live)
                 steps += 1
-                if steps == cancel_at and not seqs[ROWS - 1].finished:
-                    seqs[ROWS - 1].finish_reason = "cancelled"
+                if growing:  # one more of the first eight, with the chain's cycle in flight
+                    (live if arrive(growing.pop(0), wait=not beside) else pending).append(seqs[-1])
+                target = seqs[ROWS - 1] if len(seqs) >= ROWS else None
+                if steps == cancel_at and any(s is target for s in live) and not target.finished:
+                    target.finish_reason = "cancelled"
                     cancelled = True
                 for s in [s for s in live if s.finished]:
                     gen.release(s)
@@ -121,11 +127,16 @@ def main() -> None:
     ap.add_argument("--depths", default="0,1,3")
     ap.add_argument("--regimes", default="greedy,t0.7")
     ap.add_argument("--arrivals", type=int, default=0, help="requests that arrive as rows end")
+    ap.add_argument("--first", type=int, default=ROWS,
+                    help="rows at the start (5-8); the rest of the first eight arrive one a step, each joining "
+                         "the running chain in its 8-row graph's padding rows")
     ap.add_argument("--beside", action="store_true",
                     help="arrivals' prompts run beside the chain, as the batching schedulers run them (on the "
                          "CPU in order: Generator.beside = 'inline')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if not 5 <= args.first <= ROWS:
+        raise SystemExit(f"--first {args.first}: 5 to {ROWS} (rows that share the {ROWS}-row graph)")
 
     import torch
 
@@ -138,15 +149,15 @@ def main() -> None:
     if args.beside:  # on CUDA the second stream, on the CPU in order
         engine.generator.beside = "inline" if cpu else "auto"
     report = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-              "dtype": args.dtype, "beside": engine.generator.beside,
+              "dtype": args.dtype, "first": args.first, "beside": engine.generator.beside,
               "side_stream": getattr(engine.generator.side_prefill, "cuda_stream", None) is not None, "runs": {}}
     failures = 0
     for regime in args.regimes.split(","):
         for depth in (int(d) for d in args.depths.split(",")):
             reqs = lambda: requests(engine, depth, REGIMES[regime], args.arrivals)  # noqa: E731
             alone = [alone_tokens(engine, r) for r in reqs()]
-            batch(engine, reqs(), beside=args.beside)  # warm-up
-            tokens, chains, joins, seconds, cancelled = batch(engine, reqs(), beside=args.beside)
+            batch(engine, reqs(), beside=args.beside, first=args.first)  # warm-up
+            tokens, chains, joins, seconds, cancelled = batch(engine, reqs(), beside=args.beside, first=args.first)
             c = ROWS - 1  # the cancelled row
             same = [t == a for i, (t, a) in enumerate(zip(tokens, alone)) if i != c]
             prefix = tokens[c] == alone[c][: len(tokens[c])]

@@ -70,18 +70,21 @@ def test_the_device_written_ar_inputs_are_what_the_host_would_build():
     engine = chained_engine()
     runner, gen = engine.runner, engine.generator
     seqs = [start(engine, p, mode="ar", max_tokens=400) for p in PROMPTS]
-    b = runner.cycle_buffers(len(seqs), 0)
+    b = runner.cycle_buffers(len(seqs), 0)  # a bucket's rows: 4, the last a padding row
+    n = len(seqs)
     for step in range(6):
         assert gen.chain.reserve(seqs, 0)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values), width)
-        packed = torch.tensor([[0, 11 + step + r] for r in range(len(seqs))])
+        padding = {name: view[n:].tolist() for name, view in b.fields.items()}
+        packed = torch.tensor([[0, 11 + step + r] for r in range(b.tables.shape[0])])
         advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
-        gen._commit_launch(CycleLaunch(seqs, 0, torch.zeros(len(seqs), 1, 64), packed, None), seqs,
-                           CycleOutcome.unpack(packed.tolist(), [0] * len(seqs)), None, True, StepResult())
+        gen._commit_launch(CycleLaunch(seqs, 0, torch.zeros(n, 1, 64), packed[:n], None), seqs,
+                           CycleOutcome.unpack(packed[:n].tolist(), [0] * n), None, True, StepResult())
         fields, tables = runner.cycle_layout(seqs, 1, 0)
         for name in CYCLE_FIELDS:
-            assert b.fields[name].tolist() == fields[name], name
+            assert b.fields[name][:n].tolist() == fields[name], name
+            assert b.fields[name][n:].tolist() == padding[name], name  # a padding row keeps its inputs
     for s in seqs:
         gen.release(s)
 
@@ -95,7 +98,8 @@ def test_the_device_written_inputs_are_what_the_host_would_build():
     runner, gen = engine.runner, engine.generator
     seqs = [start(engine, p, mode="mtp", depth=d, max_tokens=400) for p, d in zip(PROMPTS, (3, 1, 2))]
     depth = 3
-    b = runner.cycle_buffers(len(seqs), depth)
+    b = runner.cycle_buffers(len(seqs), depth)  # a bucket's rows: 4, the last a padding row
+    n, R = len(seqs), b.tables.shape[0]
     g = torch.Generator().manual_seed(0)
     for accepted in [(0, 0, 0), (3, 1, 2), (1, 0, 1), (2, 1, 0), (3, 0, 2), (0, 1, 1)]:
         for s in seqs:  # the host's state as a cycle starts: the head caught up to the primary
@@ -103,16 +107,18 @@ def test_the_device_written_inputs_are_what_the_host_would_build():
         assert gen.chain.reserve(seqs, depth)
         values, width = b.values(seqs)
         b.fill(torch.tensor(values), width)
-        drafts = torch.randint(1, 90, (len(seqs), depth), generator=g)
-        packed = torch.cat([drafts, torch.tensor(accepted)[:, None], torch.randint(1, 90, (len(seqs), 1),
-                                                                                  generator=g)], dim=1)
+        padding = {name: view[n:].tolist() for name, view in b.fields.items()}
+        drafts = torch.randint(1, 90, (R, depth), generator=g)
+        packed = torch.cat([drafts, torch.tensor(accepted + (2,) * (R - n))[:, None],
+                            torch.randint(1, 90, (R, 1), generator=g)], dim=1)
         advance_cycle(b.fields, b.tables, packed, runner.block_size, runner.cache.scratch_slot)
-        launch = CycleLaunch(seqs, depth, torch.zeros(len(seqs), depth + 1, 64), packed, None)
-        gen._commit_launch(launch, seqs, CycleOutcome.unpack(packed.tolist(), [s.depth for s in seqs]), None, True,
-                           StepResult())
+        launch = CycleLaunch(seqs, depth, torch.zeros(n, depth + 1, 64), packed[:n], None)
+        gen._commit_launch(launch, seqs, CycleOutcome.unpack(packed[:n].tolist(), [s.depth for s in seqs]), None,
+                           True, StepResult())
         fields, tables = runner.cycle_layout(seqs, depth + 1, depth)
         for name in CYCLE_FIELDS:
-            assert b.fields[name].tolist() == fields[name], (name, accepted)
+            assert b.fields[name][:n].tolist() == fields[name], (name, accepted)
+            assert b.fields[name][n:].tolist() == padding[name], name  # a padding row keeps its inputs
         for r, table in enumerate(tables):
             assert b.tables[r, : len(table)].tolist() == table
     for s in seqs:
@@ -264,6 +270,45 @@ def test_rows_that_join_a_chain_take_the_places_of_rows_that_left(depth, draft_p
     assert len(joins) == len(JOIN_PROMPTS) - 4, events  # every new row joined a running chain
     # chains of 4 rows, then (no request left) 2 and 1: a join never restarted one
     assert len({step for e, _, step in events if e == "chain_start"}) == 3, events
+    assert engine.runner.blocks.num_used_blocks == 0
+    engine.runner.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("depth, draft_policy", [(0, "greedy"), (2, "greedy"), (3, "mirror")])
+def test_a_row_joins_a_chain_in_its_graphs_padding_row(depth, draft_policy):
+    """Three rows run in the 4-row graph, its fourth row padding: a request that arrives with
+    the chain's cycle in flight takes that row and the chain goes on without a restart; a
+    fifth needs the 8-row graph, and the chain restarts. Every row (greedy and seeded sampled)
+    decodes exactly what it decodes alone, with the same drafts."""
+    engine, _ = tiny_engine("qwen3", kv_cache_tokens=400)
+    engine.runner.head.load_state_dict(repeat_head(engine.loaded.model).state_dict())
+    mode = dict(mode="mtp", depth=depth, draft_policy=draft_policy) if depth else dict(mode="ar")
+    kwargs = [dict(max_tokens=60 - 2 * i, **mode, **SAMPLED[i % len(SAMPLED)]) for i in range(5)]  # none ends early
+    drafts = record_drafts(engine)
+    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(JOIN_PROMPTS, kwargs)]
+    alone_drafts = [drafts[i] for i in sorted(drafts)]
+    drafts.clear()
+    engine.generator.chain.enabled = True
+    events = []
+    engine.generator.observers.append(lambda event, s: events.append((event, s.seq_id)))
+    seqs = [start(engine, p, **kw) for p, kw in zip(JOIN_PROMPTS[:3], kwargs)]
+    with torch.inference_mode():
+        for arriving in (3, 4, None):
+            for _ in range(3):
+                engine.step([s for s in seqs if not s.finished])
+            if arriving is not None:  # it arrives with the chain's cycle in flight
+                events.clear()
+                seqs.append(start(engine, JOIN_PROMPTS[arriving], **kwargs[arriving]))
+                engine.step([s for s in seqs if not s.finished])
+                kinds = {e for e, _ in events}
+                assert ("chain_join" in kinds) == (arriving == 3) and ("chain_start" in kinds) == (arriving == 4)
+        while live := [s for s in seqs if not s.finished]:
+            engine.step(live)
+    for s in seqs:
+        engine.generator.release(s)
+    assert [s.generated for s in seqs] == alone
+    assert [drafts[s.seq_id] for s in seqs] == alone_drafts
+    assert depth == 0 or sum(s.stats.accepted_tokens for s in seqs) > 0
     assert engine.runner.blocks.num_used_blocks == 0
     engine.runner.blocks.check_invariants()
 

@@ -23,8 +23,10 @@ stays in the chain's rows as a ghost, a padding row from the next launch on
 (``CycleBuffers.freeze``: it writes no KV and reads only the scratch block), and its outcomes
 go unread. Restarting the chain from the host's state would leave the device idle while the
 host commits, plans and launches. A row that joins (a new request, prefilled while the cycle
-was in flight) takes a ghost's place, so a scheduler that keeps its batch full (a request ends,
-the next one arrives) does not restart the chain either.
+was in flight) takes a ghost's place, or a padding row's while the rows need the same graph (a
+fourth row joins three in the 4-row graph), so a scheduler that keeps its batch full (a request
+ends, the next one arrives) or whose batch grows within a graph's rows does not restart the
+chain either.
 
 Rows' block tables must cover three cycles ahead (``runner.lookahead``): the cycle in flight,
 the one starting, and the slots its tail computes for the one after. ``reserve`` takes those
@@ -64,10 +66,11 @@ class CycleChain:
 
     def joined(self, seqs: list[Sequence], depths: list[int]) -> tuple[list[Sequence], list[int]] | None:
         """Where rows new to the chain can join it without a restart: (the chain's rows with
-        them in the places of rows that left, those places), or None. They can where ``seqs``
-        are the chain's live rows at their depths and new rows at its depth (``depths``, each
-        row's next: the new rows' own, which the caller sets), no more new rows than rows that
-        left, the rows then need the chain's graph (``row_bucket``) and make the same kind of
+        them in the places of rows that left, then in its graph's padding rows, those places),
+        or None. They can where ``seqs`` are the chain's live rows at their depths and new rows
+        at its depth (``depths``, each row's next: the new rows' own, which the caller sets),
+        no more new rows than such places, the rows then need the chain's graph
+        (``row_bucket``: 3 rows and a fourth share the 4-row graph) and make the same kind of
         cycle (``cycle_variant``).
         The caller checks that the new rows can chain at all (the device path)."""
         flight = self.flight
@@ -80,12 +83,16 @@ class CycleChain:
         live_ids, in_chain = {s.seq_id for s in live}, {s.seq_id for s in flight.seqs}
         new = [s for s in seqs if s.seq_id not in in_chain]
         places = [r for r, s in enumerate(flight.seqs) if s.seq_id not in live_ids]
+        places += range(len(flight.seqs), row_bucket(len(flight.seqs)))  # the graph's padding rows, in order
         if (not new or len(new) > len(places) or len(live) + len(new) != len(seqs)
                 or row_bucket(len(seqs)) != row_bucket(len(flight.seqs))):
             return None
         rows = list(flight.seqs)
         for r, s in zip(places, new):
-            rows[r] = s
+            if r < len(rows):
+                rows[r] = s
+            else:  # a padding row becomes the new one's (its inputs and table written as a leaver's place's)
+                rows.append(s)
         if self._variant(rows, flight.depth) != self._variant(flight.seqs, flight.depth):
             return None
         return rows, places[: len(new)]
@@ -133,7 +140,8 @@ class CycleChain:
                 self.runner.join_cycle(rows, last.depth, variant, joining, backlog)
             following = self.runner.next_cycle(rows, last.depth, variant, ghosts=ghosts,
                                                freeze=sorted(ghosts - last.ghosts))
-            self._released -= {last.seqs[r].seq_id for r in joining}  # (once launched: a fault keeps the old rows)
+            # (once launched: a fault keeps the old rows)
+            self._released -= {last.seqs[r].seq_id for r in joining if r < len(last.seqs)}
         self.flight = following
         return last, following is not None
 

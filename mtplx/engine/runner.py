@@ -337,11 +337,11 @@ class ModelRunner:
         that sample have their settings and noise as inputs too)."""
         if self.graphs is not None and (g := self.graphs.chained(rows, depth, variant)) is not None:
             return g.buffers
-        key = (rows, depth, variant)
+        key = (row_bucket(rows), depth, variant)  # a bucket's rows, as a graph's: padding rows run too
         if key not in self._chain_buffers:
             with torch.inference_mode(False):  # written in place outside inference mode too
                 width = -(-self.max_row_slots // self.block_size)  # the most blocks a row's table holds
-                self._chain_buffers[key] = CycleBuffers(self, rows, depth, width, variant)
+                self._chain_buffers[key] = CycleBuffers(self, key[0], depth, width, variant)
         return self._chain_buffers[key]
 
     def lookahead(self, seq: Sequence, depth: int) -> int:
