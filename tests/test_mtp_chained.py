@@ -614,6 +614,35 @@ def test_rows_whose_prompts_run_beside_the_chain_join_once_their_first_token_is_
     engine.runner.blocks.check_invariants()
 
 
+def test_an_ar_row_beside_an_mtp_chain_feeds_no_head():
+    """An AR request (ar_batch demotes rows that join a lone MTP request) whose prompt hits the
+    prefix cache and runs beside an MTP chain: the head's pre-feed is for MTP rows alone (a hit
+    gives every row one cached state, which is not a backlog of pairs); it decodes what it
+    decodes alone."""
+    engine = chained_engine()
+    gen = engine.generator
+    shared = list(range(3, 43))  # ten full blocks of 4, cached by an AR request first
+    engine.generate(shared + [50, 51], mode="ar", max_tokens=3)
+    prompt = shared + list(range(60, 85))
+    gen.chain.enabled, gen.beside = True, "inline"
+    with torch.inference_mode():
+        a = start(engine, PROMPTS[0], max_tokens=30, mode="mtp", depth=2)
+        engine.step([a])  # an MTP chain's cycle in flight
+        b = engine.new_sequence(engine.make_request(prompt, max_tokens=6, mode="ar"))
+        gen.admit(b)
+        assert b.cached_prompt_tokens > 0 and b.hidden_backlog is not None
+        head_len = b.head_len
+        assert not gen.prefill(b, wait=False) and b.head_len == head_len  # the head was not fed
+        gen.release(a)
+        assert gen.prefill(b, wait=True)
+        while not b.finished:
+            engine.step([b])
+        gen.release(b)
+    gen.chain.enabled = False
+    assert b.generated == engine.generate(prompt, mode="ar", max_tokens=6).token_ids
+    assert engine.runner.blocks.num_used_blocks == 0
+
+
 def test_a_row_released_before_its_first_token_frees_its_blocks():
     """A request cancelled while its prompt runs beside the chain: release drops the pending
     prompt (after its forwards, on a GPU) and returns its blocks; the other rows go on."""

@@ -228,9 +228,11 @@ class Generator:
     def _prefill_beside(self, seq: Sequence) -> None:
         """The rest of the prompt's forwards, then its first token's draw, queued on the side
         stream after the work queued on the current one (the cycle in flight, whose rows that
-        left may still write blocks now this row's); beside an MTP chain, the head's pre-feed of
-        the prompt's pairs too (all but the chain's catch-up, as ``_join_chain`` would feed
-        them: the same forwards, so the same drafts). The token is copied to pinned memory and
+        left may still write blocks now this row's); for an MTP row beside an MTP chain, the
+        head's pre-feed of the prompt's pairs too (all but the chain's catch-up, as
+        ``_join_chain`` feeds them at the chain's depth: the same forwards where the row joins at
+        that depth; otherwise what is left is fed at the join or start, and the head, being
+        causal, drafts the same up to rounding). The token is copied to pinned memory and
         an event marks the end (``pending_prefill``). The last hidden state and the head's
         backlog are taken out of the graphs' output buffers there, which the next prompt's
         replay overwrites. Inline (the CPU), the same in order. If queuing fails, the side
@@ -251,8 +253,9 @@ class Generator:
                 finally:
                     self._sampler = saved
                 flight = self.chain.flight
-                if flight.depth and seq.hidden_backlog is not None:  # an MTP chain: the head's pre-feed
-                    self._head_pre_feed([seq], flight.depth + 1)  # here, not in the join's step
+                if flight.depth and seq.mode == "mtp":  # an MTP row beside an MTP chain: the head's
+                    self._head_pre_feed([seq], flight.depth + 1)  # pre-feed here, not in the join's step
+                # (an AR row keeps no backlog of its own: a prefix hit's one state is not its pairs)
                 if inline:
                     seq.pending_prefill = (None, token)
                     return
