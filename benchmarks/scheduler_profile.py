@@ -118,15 +118,20 @@ class StepCounter:
 def split_functions() -> list[tuple]:
     """What ``--split`` times on the host (nested ones count in both): a new row's prefill (its
     trunk forward and first token, which waits for the device), the head's catch-up of its
-    prompt, the chain's launch of the next cycle, the wait for the cycle in flight and its
+    prompt, the chain's launch of the next cycle (and within it the blocks' reservation, a
+    joining row's inputs and the next cycle's launch), the wait for the cycle in flight and its
     commit, an unchained cycle's start, and the rows' next depths with depth="auto" rows'
     running estimates (their bookkeeping)."""
     from mtplx.engine.adaptive_depth import DepthPlan
     from mtplx.engine.chain import CycleChain
     from mtplx.engine.generator import Generator
+    from mtplx.engine.runner import ModelRunner
 
     return [(Generator, "prefill", "prefill"), (Generator, "_sample_rows", "sample (prefill's first token, AR)"),
             (Generator, "_head_pre_feed", "head pre-feed"), (CycleChain, "advance", "chain advance (launch)"),
+            (CycleChain, "reserve", "launch: reserve (blocks, tables)"),
+            (ModelRunner, "join_cycle", "launch: new rows' inputs (join_cycle)"),
+            (ModelRunner, "next_cycle", "launch: the next cycle (noise, replay)"),
             (Generator, "_read_launch", "read launch (wait)"), (Generator, "_commit_launch", "commit"),
             (Generator, "drain", "drain"), (Generator, "_start_chain", "start chain"),
             (Generator, "next_depths", "next depths"), (DepthPlan, "observe", "auto rows' estimates (observe)")]
