@@ -108,11 +108,16 @@ class RowPolicy(Policy):
         except Exception as exc:
             self.drop(row, exc)
 
+    def prompts_wait(self) -> bool:
+        """Whether a prompt fed now is waited for: where no row is prefilled, nothing else would
+        step; where some are, their step need not wait (``Generator.prefill``, wait=False)."""
+        return not any(r.prefilled for r in self.rows)
+
     def prefill_waiting(self, chunk: int | None = None) -> None:
         """Feed each row not yet prefilled (``chunk`` tokens at most). Where other rows are
         prefilled, their step need not wait: a prompt then runs beside the chain's cycles and
         its row joins a later step, once its first token is drawn."""
-        wait = not any(r.prefilled for r in self.rows)
+        wait = self.prompts_wait()
         for row in [r for r in self.rows if not r.prefilled]:
             self.prefill(row, chunk, wait)
 

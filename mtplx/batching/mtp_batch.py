@@ -57,7 +57,7 @@ class MTPBatchPolicy(RowPolicy):
                 self.cohorts_sealed += 1
             mid_cohort = bool(self.rows) and time.perf_counter() >= gathering_until
             self.prefill_waiting()  # rows whose prompts ran beside the chain: in once their first token is drawn
-            wait = not any(r.prefilled for r in self.rows)
+            wait = self.prompts_wait()
             for job in take_jobs(queue, width - len(self.rows), self.engine, self.rows):
                 if self._join_and_prefill(job, wait) and mid_cohort:
                     self.joined_mid_cohort += 1

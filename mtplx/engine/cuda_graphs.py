@@ -89,7 +89,7 @@ class GraphCache:
         graph captured for its shape, else row by row through the prefill graphs where those
         take it, else None (run it eagerly)."""
         q = max(len(r) for r in token_rows)
-        if self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side:
+        if self._on_side():
             if kind not in ("trunk", "head"):  # beside the chain: the one-row side graphs alone
                 return None
             kind = "side_" + kind
@@ -99,6 +99,10 @@ class GraphCache:
         if self._prefills(len(seqs), q, kind):
             return self._prefill(kind, seqs, token_rows, starts, hidden)
         return None
+
+    def _on_side(self) -> bool:
+        """Whether work is being queued on the side stream (a prompt beside the chain)."""
+        return self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side
 
     def enable_side(self) -> torch.cuda.Stream | None:
         """The stream a new row's prompt runs on beside the chain's cycles (``Generator.beside``),
@@ -228,7 +232,7 @@ class GraphCache:
         pad = (R - len(seqs)) * q
         flat, width = flat_tables(tables, R, cache.scratch_block)
         values = ids + [0] * pad + pos + [0] * pad + slots + [cache.scratch_slot] * pad + flat
-        if self.side is not None and torch.cuda.current_stream(self.runner.device) == self.side:
+        if self._on_side():
             # beside the chain: pinned memory of its own (PyTorch's host allocator keeps it until
             # the copy is done), where the graph's one staging buffer would wait for the copies
             # of its last replay, queued behind the cycle in flight, and stall the host
